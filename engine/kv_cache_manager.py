@@ -1,0 +1,136 @@
+"""KV cache manager: prefix-cache lookup and slot allocation for requests (pure Python).
+
+Follows vLLM v1's ``KVCacheManager``: the scheduler asks for the longest cached prefix of a waiting
+request (``get_computed_blocks``), then for slots for the tokens it schedules (``allocate_slots``);
+full blocks are hashed and cached as soon as their slots are allocated, and a finished or preempted
+request's blocks are freed tail first.
+"""
+
+from __future__ import annotations
+
+from engine.block_hash import HashFn, hash_prompt_blocks
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request block tables over a shared ``BlockPool``.
+
+    Args:
+        block_pool: the shared pool.
+        block_size: tokens per block.
+        hash_fn: from ``engine.block_hash.get_hash_fn``.
+        enable_caching: global prefix-caching switch (``--enable-prefix-caching``).
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int, hash_fn: HashFn,
+                 enable_caching: bool = True) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of a request's leading blocks already hashed + cached.
+        self.num_cached_block: dict[str, int] = {}
+
+    def _caching(self, request: Request) -> bool:
+        return self.enable_caching and request.enable_prefix_caching
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extends ``request.block_hashes`` to cover every full block of ``all_token_ids``."""
+        if not self._caching(request):
+            return
+        start = len(request.block_hashes)
+        parent = request.block_hashes[-1] if start else None
+        request.block_hashes.extend(hash_prompt_blocks(
+            self.hash_fn, request.all_token_ids, self.block_size, request.cache_salt,
+            start=start, parent=parent))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request``, walking from block 0 and stopping at the first miss.
+
+        Last-token rule: at most ``floor((num_tokens - 1) / block_size)`` blocks are reused, so at
+        least one token is computed and produces logits (vLLM v1).
+
+        Returns:
+            (hit blocks, number of hit tokens). Never modifies ref counts.
+        """
+        if not self._caching(request):
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       ) -> list[KVCacheBlock] | None:
+        """Reserves slots for ``num_new_tokens`` tokens after the computed ones.
+
+        ``new_computed_blocks`` are the prefix hits from ``get_computed_blocks`` (waiting requests
+        only); ``request.num_computed_tokens`` must already include them.
+
+        Returns:
+            The newly allocated blocks, or None when the pool cannot fit the request; in that case
+            nothing changes (no ref counts, no free queue order, no request state) and the caller
+            retries later or preempts.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_total = request.num_computed_tokens + num_new_tokens
+        num_required = cdiv(num_total, self.block_size)
+        num_new = num_required - len(blocks) - len(new_computed_blocks)
+        # Hit blocks with ref_cnt 0 sit in the free queue; touching them removes them from it.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new, 0) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id) if num_new > 0 else []
+        blocks.extend(new_blocks)
+
+        if self._caching(request):
+            # Cache every block that is full once this step's tokens are written. The KV of those
+            # tokens is written before any attention reads it in the same forward pass, so a
+            # request admitted later in the same step may already hit them.
+            self.update_block_hashes(request)
+            num_full = min(num_total // self.block_size, len(request.block_hashes))
+            start = self.num_cached_block.get(request.request_id, 0)
+            for i in range(start, num_full):
+                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
+                                                 request.tenant_id)
+            self.num_cached_block[request.request_id] = max(start, num_full)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail block first (evicted before the shared head)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: ref counts equal the number of block tables holding each block."""
+        self.block_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), \
+                f"{block}: ref_cnt != number of block tables holding it ({refs.get(block.block_id, 0)})"

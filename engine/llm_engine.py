@@ -1,0 +1,182 @@
+"""The synchronous engine: scheduler + KV cache manager + model runner + detokenizers.
+
+Request lifecycle: ``add_request`` -> waiting -> admitted by ``Scheduler.schedule`` (prefix-cache
+lookup, slot allocation) -> ``ModelRunner.execute`` (prefill chunks and decodes in one batch) ->
+``Scheduler.update_from_output`` (token stop rules) -> detokenize (stop strings) -> ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.block_hash import get_hash_fn
+from engine.block_pool import BlockPool
+from engine.config import CacheInfo, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner
+from engine.models.llama import load_model
+from engine.request import EngineRequest, Request, RequestOutput, RequestStatus
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"--dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
+class LLMEngine:
+    """Synchronous engine; not thread-safe (``engine.async_engine.AsyncLLM`` wraps it).
+
+    Raises:
+        ValueError: misconfiguration (unknown dtype, pool smaller than one max-length request, ...).
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        model_dir = Path(config.model)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        from engine.models.llama import ModelConfig
+
+        model_cfg = ModelConfig.from_pretrained(model_dir)
+        max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        if max_model_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_cfg.max_position_embeddings}")
+        self.model = load_model(model_dir, max_model_len, self.dtype, self.device)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton":
+            from kernels.backend import use_triton_backend  # optional until kernels land
+
+            use_triton_backend(self.model)
+
+        bs = config.block_size
+        per_block = ModelRunner.bytes_per_block(self.model, bs, self.dtype)
+        num_blocks = config.num_gpu_blocks_override or self._num_blocks_from_budget(per_block)
+        if cdiv(max_model_len, bs) > num_blocks:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), "
+                             f"fewer than one request of --max-model-len {max_model_len}; raise "
+                             "the KV cache budget or lower --max-model-len")
+        eos = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.cache_info = CacheInfo(num_blocks, bs, max_model_len, per_block, tuple(sorted(eos)),
+                                    str(self.dtype).removeprefix("torch."), str(self.device),
+                                    backend)
+        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, bs,
+                                               get_hash_fn(config.prefix_caching_hash_algo),
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, max_model_len, eos)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.served_model_name = config.served_model_name or model_dir.name
+        torch.manual_seed(config.seed)
+        logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
+                    "prefix caching %s (%s), attention %s, %s %s", num_blocks, bs,
+                    num_blocks * per_block / 2**20, max_model_len,
+                    "on" if config.enable_prefix_caching else "off",
+                    config.prefix_caching_hash_algo, backend, self.device, self.dtype)
+
+    def _num_blocks_from_budget(self, bytes_per_block: int) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        return max(1, budget // bytes_per_block)
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate_request(self, req: EngineRequest) -> None:
+        """Checks a request before queueing. Raises ValueError(message, param)."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty", "prompt")
+        limit = self.cache_info.max_model_len
+        if n >= limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens; the prompt "
+                             f"has {n} tokens and at least 1 output token is needed", "messages")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})", "prompt")
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queues a request. Raises ValueError (see ``validate_request``) or for duplicate ids."""
+        self.validate_request(req)
+        request = Request(req)
+        self.scheduler.add_request(request)
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, req.sampling_params.stop,
+            req.sampling_params.skip_special_tokens)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Aborts requests wherever they are; their blocks are freed at once."""
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._output(r, [], "") for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block; running requests are unharmed. Returns blocks dropped."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one batch. Returns outputs for requests that got new tokens."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, sampled):
+            new_ids = [req.output_token_ids[-1]]
+            detok = self.detokenizers[req.request_id]
+            delta = detok.add_tokens(new_ids, req.status.finished)
+            if detok.stopped_by is not None and not req.status.finished:
+                req.stop_reason = detok.stopped_by
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                delta += detok.add_tokens([], True)
+            elif detok.stopped_by is not None:
+                req.stop_reason = detok.stopped_by
+                req.status = RequestStatus.FINISHED_STOPPED
+            outputs.append(self._output(req, new_ids, delta))
+        return outputs
+
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+        finished = req.status.finished
+        if finished:
+            self.detokenizers.pop(req.request_id, None)
+            self.runner.release(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=tuple(new_ids), new_text=delta,
+            finished=finished, finish_reason=req.status.value if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason)

