@@ -1,0 +1,64 @@
+"""First-start and every-start set-up: data dir, model conversion, database, demo tenant."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.settings import Settings
+from tenants.crypto import SaltCipher, load_or_create_master_key
+from tenants.db import make_engine, make_session_factory, run_migrations
+from tenants.repository import TenantRepository
+
+logger = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo"
+DEMO_KEY_FILE = "demo-api-key"
+
+
+@dataclass(frozen=True)
+class Bootstrapped:
+    repo: TenantRepository
+    model_dir: Path
+    demo_key: str | None        # plaintext, only on the start that created it
+    demo_key_file: Path | None
+
+
+def prepare_data_dir(data_dir: Path) -> Path:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(data_dir, 0o700)
+    return data_dir
+
+
+def open_repository(settings: Settings) -> TenantRepository:
+    """Migrates the database (idempotent) and returns the repository."""
+    prepare_data_dir(settings.data_dir)
+    db = make_engine(settings.resolved_database_url())
+    run_migrations(db)
+    key = load_or_create_master_key(settings.data_dir, settings.master_key)
+    return TenantRepository(make_session_factory(db), SaltCipher(key))
+
+
+def write_secret_file(path: Path, text: str) -> None:
+    """Writes ``text`` to a new file created with mode 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
+def bootstrap(settings: Settings) -> Bootstrapped:
+    """Prepares everything ``serve`` needs; cheap on every start after the first."""
+    from engine.weights import ensure_default_model
+
+    repo = open_repository(settings)
+    model_dir = Path(settings.model) if settings.model else ensure_default_model(settings.data_dir)
+    demo_key = None
+    key_file = settings.data_dir / DEMO_KEY_FILE
+    if settings.create_demo_tenant and not repo.list_tenants():
+        tenant = repo.create_tenant(DEMO_TENANT, actor="bootstrap")
+        demo_key, _info = repo.create_api_key(tenant.id, name="demo", actor="bootstrap")
+        write_secret_file(key_file, demo_key)
+    return Bootstrapped(repo, model_dir, demo_key, key_file if key_file.exists() else None)

@@ -1,0 +1,97 @@
+"""The one place where errors become HTTP responses in the OpenAI error shape.
+
+``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``; never a
+stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import EngineDeadError
+from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised by handlers and dependencies."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def _validation_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or ("body" if loc and loc[0] == "body" else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON", "body", "invalid_json")
+        loc = tuple(first.get("loc", ()))
+        msg = first.get("msg", "invalid request")
+        param = _validation_param(loc)
+        return error_response(400, f"{param}: {msg}" if param else msg, param,
+                              "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, None,
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(InvalidToken)
+    async def _invalid_token(_: Request, exc: InvalidToken) -> JSONResponse:
+        return error_response(401, "invalid or missing API key", None, "invalid_api_key",
+                              {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(TenantDisabled)
+    async def _disabled(_: Request, exc: TenantDisabled) -> JSONResponse:
+        return error_response(403, "this tenant is disabled", None, "tenant_disabled")
+
+    @app.exception_handler(TenantNotFound)
+    async def _not_found(_: Request, exc: TenantNotFound) -> JSONResponse:
+        return error_response(404, "tenant not found", None, "tenant_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, "the inference engine is not available", None,
+                              "engine_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled %s in request", type(exc).__name__, exc_info=exc)
+        return error_response(500, "internal server error", None, "internal_error")

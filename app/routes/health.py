@@ -1,0 +1,15 @@
+"""``GET /health``: the only public route (no auth, no tenant data)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine loop runs, 503 once it has died."""
+    ok = request.app.state.engine.is_running
+    return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)

@@ -1,0 +1,86 @@
+"""FastAPI application factory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.errors import error_response, install_error_handlers
+from app.routes import health, openai
+from engine.async_engine import AsyncLLM
+from tenants.repository import TenantRepository
+
+
+class BodySizeLimit:
+    """Rejects request bodies over ``max_bytes`` with 413 before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(413, f"request body exceeds {self.max_bytes} bytes", None,
+                              "request_too_large")
+        await resp(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(engine: AsyncLLM, repo: TenantRepository,
+               max_request_body_bytes: int = 4 << 20) -> FastAPI:
+    """Builds the app around a constructed engine and tenant repository.
+
+    The engine loop starts with the app's lifespan and stops with it; buffered API-key
+    ``last_used_at`` times are flushed on shutdown.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+            repo.flush_last_used()
+
+    app = FastAPI(title="saltserve", version="0.1.0", lifespan=lifespan)
+    core = engine.engine
+    app.state.engine = engine
+    app.state.repo = repo
+    app.state.tokenizer = core.tokenizer
+    app.state.model_name = core.served_model_name
+    app.state.max_model_len = core.cache_info.max_model_len
+    app.state.vocab_size = core.model.config.vocab_size
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(openai.router)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    return app

@@ -1,0 +1,60 @@
+"""Server settings: environment (``SALTSERVE_*``) and CLI flags -> ``Settings`` -> ``EngineConfig``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+
+
+class Settings(BaseSettings):
+    """Everything the server reads at start-up. Env vars are ``SALTSERVE_<FIELD>`` (upper case).
+
+    All state lives in ``data_dir``: the converted model, the SQLite database, the master key and
+    the demo API key file.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SALTSERVE_", extra="ignore")
+
+    data_dir: Path = Path(".saltserve")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = Field(None, description="HF folder; default: the bundled SmolLM2")
+    served_model_name: str | None = None
+    database_url: str | None = Field(None, description="default: sqlite in data_dir")
+    master_key: str | None = Field(None, repr=False, description="salt encryption key")
+    create_demo_tenant: bool = True
+    max_request_body_bytes: int = 4 << 20
+
+    block_size: int = 16
+    max_model_len: int | None = 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'saltserve.db').resolve()}"
+
+    def engine_config(self, model_dir: Path) -> EngineConfig:
+        """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
+        return EngineConfig(
+            model=str(model_dir), served_model_name=self.served_model_name,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization, dtype=self.dtype,
+            device=self.device, attention_backend=self.attention_backend, seed=self.seed)

@@ -1,0 +1,158 @@
+"""Background engine loop for the server: one thread steps the engine, asyncio consumers stream.
+
+The engine thread owns the ``LLMEngine`` exclusively. Callers talk to it through a thread-safe
+command queue (add / abort / call) and receive ``RequestOutput`` objects on per-request asyncio
+queues, so tokens stream to HTTP clients as they are produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+class AsyncLLM:
+    """Async facade over ``LLMEngine``.
+
+    Args:
+        engine: a constructed engine; from now on only the loop thread touches it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wakeup = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.errored: BaseException | None = None
+        self.last_step_time = time.monotonic()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="saltserve-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.errored is None
+
+    # -- API -----------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submits ``request`` and yields its outputs until the finished one.
+
+        Raises:
+            ValueError: invalid request (checked before anything is queued).
+            EngineDeadError: the engine loop has died.
+
+        Cancelling the consumer (client disconnect) aborts the request and frees its blocks.
+        """
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        self.engine.validate_request(request)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (loop, q)
+        self._send("add", request)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._send("abort", [request.request_id])
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the engine thread between steps and returns its result."""
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        fut: Future = Future()
+        self._send("call", (fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wakeup.set()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(payload)
+                except ValueError as e:
+                    self._deliver(payload.request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request(payload)
+            elif kind == "call":
+                fn, fut = payload
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # handed to the awaiting caller
+                    fut.set_exception(e)
+
+    def _loop(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a model/kernel failure: fail everyone, stop serving
+                logger.exception("engine step failed; stopping the engine loop")
+                self.errored = e
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError("engine step failed"))
+                return
+            self.last_step_time = time.monotonic()
+            for out in outputs:
+                self._deliver(out.request_id, out)

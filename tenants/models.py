@@ -1,0 +1,201 @@
+"""SQLAlchemy ORM models: tenants, API keys, encrypted tenant salts, usage records, audit log.
+
+The schema changes only through Alembic (``migrations/versions``); keep this file and the
+migrations in step. ORM objects never leave ``tenants/``: the repository returns frozen
+dataclasses.
+
+All timestamps are timezone-aware UTC ``datetime`` objects in Python (``UTCDateTime``), stored as
+``TIMESTAMP WITH TIME ZONE`` on PostgreSQL and as naive UTC ISO strings on SQLite.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    false,
+    true,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+#: Deterministic constraint names, so migrations can refer to them on every backend.
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: Allowed values of ``usage_records.status``.
+USAGE_STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
+
+# 64-bit ids on PostgreSQL; SQLite only auto-increments a column declared exactly INTEGER.
+_BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    """Returns the current time as a timezone-aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+def require_aware(value: datetime | None, what: str) -> None:
+    """Checks that an optional datetime is timezone-aware.
+
+    Raises:
+        ValueError: if ``value`` is naive (its time zone would be a guess).
+    """
+    if value is not None and (value.tzinfo is None or value.utcoffset() is None):
+        raise ValueError(f"{what} must be a timezone-aware datetime (e.g. datetime.now(UTC))")
+
+
+def new_tenant_id() -> str:
+    """Returns a fresh tenant id: 32 lowercase hex chars (``uuid4().hex``)."""
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A datetime column that only accepts and only returns timezone-aware UTC datetimes.
+
+    SQLite has no time-zone type, so values are stored there as naive UTC; PostgreSQL stores
+    ``timestamptz``. Either way Python code sees ``tzinfo=UTC``.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Converts an aware datetime to UTC for storage.
+
+        Raises:
+            ValueError: if ``value`` is naive (its time zone would be a guess).
+        """
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError("naive datetime given; pass a timezone-aware (UTC) datetime")
+        value = value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Returns the stored value as an aware UTC datetime."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every saltserve table."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    """A tenant: the trust boundary for prefix-cache sharing."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_tenant_id)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    disabled: Mapped[bool] = mapped_column(Boolean(), default=False, server_default=false())
+    current_salt_version: Mapped[int] = mapped_column(Integer())
+    enable_prefix_caching: Mapped[bool] = mapped_column(
+        Boolean(), default=True, server_default=true()
+    )
+    # Quotas, enforced later by app/; None = unlimited.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer())
+    tpm_limit: Mapped[int | None] = mapped_column(Integer())
+    max_concurrent: Mapped[int | None] = mapped_column(Integer())
+
+
+class ApiKey(Base):
+    """A tenant API key. Only the SHA-256 of the secret part is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)  # key id: 12 lowercase hex
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    key_hash: Mapped[str] = mapped_column(String(64))  # hex sha256 of the secret part
+    display_prefix: Mapped[str] = mapped_column(String(32))  # "ss-<keyid>"
+    last4: Mapped[str] = mapped_column(String(4))
+    name: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class TenantSalt(Base):
+    """One version of a tenant's secret salt, encrypted with the master key (see ``crypto``)."""
+
+    __tablename__ = "tenant_salts"
+
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    version: Mapped[int] = mapped_column(Integer(), primary_key=True)
+    encrypted_salt: Mapped[bytes] = mapped_column(LargeBinary())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    def __repr__(self) -> str:  # never show the ciphertext either
+        return f"TenantSalt(tenant_id={self.tenant_id!r}, version={self.version!r})"
+
+
+class UsageRecordRow(Base):
+    """One finished (or failed, or aborted) request's usage."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        CheckConstraint("status IN ('ok', 'error', 'aborted')", name="status"),
+        Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigIntId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[str | None] = mapped_column(String(12))  # None for JWT-authenticated requests
+    model: Mapped[str] = mapped_column(String(255))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer(), default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer(), default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer(), default=0)
+    ttft_s: Mapped[float | None] = mapped_column(Float())
+    latency_s: Mapped[float | None] = mapped_column(Float())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+
+class AuditLogRow(Base):
+    """An operator-visible audit record. ``detail`` never holds a salt or key material."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(_BigIntId, primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(255))
+    action: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)  # no FK: outlives tenants
+    detail: Mapped[str | None] = mapped_column(Text())
+    request_id: Mapped[str | None] = mapped_column(String(128))

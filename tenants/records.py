@@ -1,0 +1,99 @@
+"""Plain frozen dataclasses that cross the ``tenants`` boundary (never ORM objects).
+
+``AuthContext`` carries a tenant's secret salt: its ``repr`` redacts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from tenants.salts import effective_salt
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """A tenant as seen outside ``tenants/``."""
+
+    id: str
+    name: str
+    disabled: bool
+    current_salt_version: int
+    enable_prefix_caching: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ApiKeyInfo:
+    """An API key's public metadata (no secret, no hash)."""
+
+    id: str
+    tenant_id: str
+    display_prefix: str
+    last4: str
+    name: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True)
+class AuthContext:
+    """Who a request is from, and the secret it needs to key the prefix cache.
+
+    ``key_id`` is None for JWT-authenticated requests. ``tenant_salt`` is secret: the ``repr``
+    redacts it; pass it only to ``effective_salt``.
+    """
+
+    tenant_id: str
+    tenant_name: str
+    key_id: str | None
+    salt_version: int
+    tenant_salt: bytes = field(repr=False)
+    enable_prefix_caching: bool
+
+    def __repr__(self) -> str:
+        return (
+            f"AuthContext(tenant_id={self.tenant_id!r}, key_id={self.key_id!r}, "
+            f"salt_version={self.salt_version}, tenant_salt=<redacted>, "
+            f"enable_prefix_caching={self.enable_prefix_caching})"
+        )
+
+    def effective_salt(self, client_cache_salt: str | None = None) -> bytes:
+        """Returns this request's effective salt (see ``tenants.salts.effective_salt``).
+
+        Raises:
+            ValueError: if ``client_cache_salt`` is empty or longer than 128 chars.
+        """
+        return effective_salt(self.tenant_salt, self.salt_version, client_cache_salt)
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One request's usage. Times in seconds; ``created_at`` None means "now" when recorded."""
+
+    request_id: str
+    tenant_id: str
+    key_id: str | None
+    model: str
+    endpoint: str
+    status: str  # "ok" | "error" | "aborted"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    created_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One audit-log row."""
+
+    id: int
+    time: datetime
+    actor: str
+    action: str
+    tenant_id: str | None
+    detail: str | None
+    request_id: str | None

@@ -1,0 +1,153 @@
+"""Persistence of usage records and audit entries, inside a caller's session.
+
+``TenantRepository`` exposes these as ``record_usage`` / ``list_usage`` / ``audit`` /
+``list_audit``; other writers (tenant, key and salt changes) call ``add_audit`` inside their own
+transaction so the audit row commits or rolls back with the change. Audit ``detail`` never holds a
+salt, key secret or key hash: salt changes record the version only.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tenants.models import USAGE_STATUSES, AuditLogRow, UsageRecordRow, require_aware, utcnow
+from tenants.records import AuditEntry, UsageRecord
+
+
+def add_usage_record(session: Session, record: UsageRecord) -> None:
+    """Adds one request's usage to the session (written at the session's commit).
+
+    Args:
+        session: an open session, usually inside ``sessionmaker.begin()``.
+        record: the usage; ``created_at`` None means now.
+
+    Raises:
+        ValueError: if ``status`` is not "ok", "error" or "aborted", a token count is negative,
+            or ``created_at`` is naive.
+    """
+    if record.status not in USAGE_STATUSES:
+        raise ValueError(f"usage status must be one of {USAGE_STATUSES}")
+    if min(record.prompt_tokens, record.cached_tokens, record.completion_tokens) < 0:
+        raise ValueError("token counts must be >= 0")
+    require_aware(record.created_at, "created_at")
+    session.add(
+        UsageRecordRow(
+            request_id=record.request_id,
+            tenant_id=record.tenant_id,
+            key_id=record.key_id,
+            model=record.model,
+            endpoint=record.endpoint,
+            status=record.status,
+            prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens,
+            completion_tokens=record.completion_tokens,
+            ttft_s=record.ttft_s,
+            latency_s=record.latency_s,
+            created_at=record.created_at or utcnow(),
+        )
+    )
+
+
+def select_usage(
+    session: Session,
+    tenant_id: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int | None = None,
+) -> list[UsageRecord]:
+    """Returns usage records, oldest first.
+
+    Args:
+        session: an open session.
+        tenant_id: only this tenant's records, or None for all.
+        since: inclusive lower bound on ``created_at`` (timezone-aware), or None.
+        until: exclusive upper bound on ``created_at`` (timezone-aware), or None.
+        limit: at most this many records, or None for all.
+
+    Raises:
+        ValueError: if ``since`` or ``until`` is naive.
+    """
+    require_aware(since, "since")
+    require_aware(until, "until")
+    stmt = select(UsageRecordRow)
+    if tenant_id is not None:
+        stmt = stmt.where(UsageRecordRow.tenant_id == tenant_id)
+    if since is not None:
+        stmt = stmt.where(UsageRecordRow.created_at >= since)
+    if until is not None:
+        stmt = stmt.where(UsageRecordRow.created_at < until)
+    stmt = stmt.order_by(UsageRecordRow.created_at, UsageRecordRow.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return [
+        UsageRecord(
+            request_id=r.request_id,
+            tenant_id=r.tenant_id,
+            key_id=r.key_id,
+            model=r.model,
+            endpoint=r.endpoint,
+            status=r.status,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            completion_tokens=r.completion_tokens,
+            ttft_s=r.ttft_s,
+            latency_s=r.latency_s,
+            created_at=r.created_at,
+        )
+        for r in session.scalars(stmt)
+    ]
+
+
+def add_audit(
+    session: Session,
+    actor: str,
+    action: str,
+    tenant_id: str | None = None,
+    detail: str | None = None,
+    request_id: str | None = None,
+) -> None:
+    """Adds an audit entry to the session, timestamped now.
+
+    Args:
+        session: an open session; the entry commits with the change it describes.
+        actor: who acted, e.g. "admin:alice" or "system".
+        action: dotted verb, e.g. "tenant.rotate_salt".
+        tenant_id: the tenant concerned, if any.
+        detail: short free text. Never a salt, key secret or key hash.
+        request_id: the HTTP request that caused it, if any.
+    """
+    session.add(
+        AuditLogRow(
+            time=utcnow(),
+            actor=actor,
+            action=action,
+            tenant_id=tenant_id,
+            detail=detail,
+            request_id=request_id,
+        )
+    )
+
+
+def select_audit(
+    session: Session, tenant_id: str | None = None, limit: int = 100
+) -> list[AuditEntry]:
+    """Returns the newest audit entries first (at most ``limit``), optionally one tenant's."""
+    stmt = select(AuditLogRow)
+    if tenant_id is not None:
+        stmt = stmt.where(AuditLogRow.tenant_id == tenant_id)
+    stmt = stmt.order_by(AuditLogRow.time.desc(), AuditLogRow.id.desc()).limit(limit)
+    return [
+        AuditEntry(
+            id=r.id,
+            time=r.time,
+            actor=r.actor,
+            action=r.action,
+            tenant_id=r.tenant_id,
+            detail=r.detail,
+            request_id=r.request_id,
+        )
+        for r in session.scalars(stmt)
+    ]

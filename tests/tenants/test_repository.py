@@ -1,0 +1,397 @@
+"""tenants/repository.py on SQLite and PostgreSQL: tenants, keys, auth, salts, usage, audit."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, select, text
+
+from tenants.crypto import SaltCipher
+from tenants.db import make_session_factory
+from tenants.errors import (
+    ApiKeyNotFound,
+    DuplicateTenant,
+    InvalidToken,
+    SaltDecryptionError,
+    TenantDisabled,
+    TenantNotFound,
+)
+from tenants.models import ApiKey, TenantSalt
+from tenants.repository import AuthContext, TenantRepository, UsageRecord
+from tenants.salts import effective_salt
+
+
+def _secret(token: str) -> str:
+    return token.split("-", 2)[2]
+
+
+def _row_text(engine: Engine, table: str) -> str:
+    """Every value of every row of ``table``, as text, for "does X appear anywhere" checks."""
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT * FROM {table}")).all()
+    return " ".join(
+        (bytes(v).hex() if isinstance(v, (bytes, memoryview)) else str(v))
+        for row in rows
+        for v in row
+    )
+
+
+def test_create_tenant_and_lookup(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    assert len(t.id) == 32 and int(t.id, 16) >= 0
+    assert t.name == "acme" and not t.disabled and t.enable_prefix_caching
+    assert t.current_salt_version == 1
+    assert t.created_at.tzinfo == UTC
+    assert repo.get_tenant(t.id) == t
+    assert repo.get_tenant_by_name("acme") == t
+    assert repo.list_tenants() == [t]
+    with pytest.raises(TenantNotFound):
+        repo.get_tenant("0" * 32)
+    with pytest.raises(TenantNotFound):
+        repo.get_tenant_by_name("nobody")
+
+
+def test_duplicate_and_invalid_tenant_names(repo: TenantRepository) -> None:
+    repo.create_tenant("acme")
+    with pytest.raises(DuplicateTenant):
+        repo.create_tenant("acme")
+    with pytest.raises(ValueError):
+        repo.create_tenant("   ")
+    with pytest.raises(ValueError):
+        repo.create_tenant("n" * 256)
+    assert len(repo.list_tenants()) == 1
+
+
+def test_create_key_and_authenticate(repo: TenantRepository) -> None:
+    acme = repo.create_tenant("acme")
+    other = repo.create_tenant("other")
+    token, info = repo.create_api_key(acme.id, name="ci")
+    repo.create_api_key(other.id)
+    assert token.startswith(f"ss-{info.id}-")
+    assert info.tenant_id == acme.id and info.name == "ci"
+    assert info.display_prefix == f"ss-{info.id}" and info.last4 == token[-4:]
+    assert info.revoked_at is None and info.expires_at is None
+
+    ctx = repo.authenticate_api_key(token)
+    assert isinstance(ctx, AuthContext)
+    assert ctx.tenant_id == acme.id and ctx.tenant_name == "acme"
+    assert ctx.key_id == info.id and ctx.salt_version == 1
+    assert len(ctx.tenant_salt) == 32 and ctx.enable_prefix_caching
+    assert repo.list_api_keys(acme.id) == [info]
+    with pytest.raises(TenantNotFound):
+        repo.create_api_key("0" * 32)
+    with pytest.raises(TenantNotFound):
+        repo.list_api_keys("0" * 32)
+
+
+def test_auth_context_repr_hides_salt(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    token, _ = repo.create_api_key(t.id)
+    ctx = repo.authenticate_api_key(token)
+    text_repr = repr(ctx) + str(ctx)
+    assert "<redacted>" in text_repr
+    assert ctx.tenant_salt.hex() not in text_repr and repr(ctx.tenant_salt) not in text_repr
+
+
+def test_bad_tokens_raise_invalid_token(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    token, info = repo.create_api_key(t.id)
+    secret = _secret(token)
+    wrong_secret = f"ss-{info.id}-" + ("A" if secret[0] != "A" else "B") + secret[1:]
+    unknown_id = f"ss-{'0' * 12 if info.id != '0' * 12 else '1' * 12}-{secret}"
+    cases = {
+        wrong_secret: "bad_secret",
+        unknown_id: "unknown_key",
+        "ss-nothex-abc": "malformed",
+        "": "malformed",
+        "Bearer " + token: "malformed",
+        token + "x" * 300: "malformed",
+    }
+    for bad, reason in cases.items():
+        with pytest.raises(InvalidToken) as exc_info:
+            repo.authenticate_api_key(bad)
+        assert exc_info.value.reason == reason
+        assert secret not in str(exc_info.value)
+
+
+def test_revoked_key_is_refused(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    token, info = repo.create_api_key(t.id)
+    repo.authenticate_api_key(token)
+    revoked = repo.revoke_api_key(info.id)
+    assert revoked.revoked_at is not None
+    assert repo.revoke_api_key(info.id).revoked_at == revoked.revoked_at  # idempotent
+    with pytest.raises(InvalidToken) as exc_info:
+        repo.authenticate_api_key(token)
+    assert exc_info.value.reason == "revoked"
+    with pytest.raises(ApiKeyNotFound):
+        repo.revoke_api_key("f" * 12)
+
+
+def test_expired_key_is_refused(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    expires = datetime.now(UTC) + timedelta(hours=1)
+    token, info = repo.create_api_key(t.id, expires_at=expires)
+    assert info.expires_at == expires
+    repo.authenticate_api_key(token)  # not yet expired
+    with pytest.raises(InvalidToken) as exc_info:
+        repo.authenticate_api_key(token, now=expires + timedelta(seconds=1))
+    assert exc_info.value.reason == "expired"
+    past_token, _ = repo.create_api_key(t.id, expires_at=datetime.now(UTC) - timedelta(seconds=1))
+    with pytest.raises(InvalidToken):
+        repo.authenticate_api_key(past_token)
+    with pytest.raises(ValueError):
+        repo.create_api_key(t.id, expires_at=datetime(2030, 1, 1))  # naive
+
+
+def test_disabled_tenant_is_refused(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    token, _ = repo.create_api_key(t.id)
+    assert repo.update_tenant(t.id, disabled=True).disabled
+    with pytest.raises(TenantDisabled):
+        repo.authenticate_api_key(token)
+    with pytest.raises(TenantDisabled):
+        repo.get_auth_context(t.id)
+    repo.update_tenant(t.id, disabled=False)
+    assert repo.authenticate_api_key(token).tenant_id == t.id
+    with pytest.raises(TenantNotFound):
+        repo.update_tenant("0" * 32, disabled=True)
+
+
+def test_prefix_caching_flag(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme", enable_prefix_caching=False)
+    token, _ = repo.create_api_key(t.id)
+    assert not repo.authenticate_api_key(token).enable_prefix_caching
+    repo.update_tenant(t.id, enable_prefix_caching=True)
+    assert repo.authenticate_api_key(token).enable_prefix_caching
+
+
+def test_db_holds_only_the_hash(repo: TenantRepository, engine: Engine) -> None:
+    t = repo.create_tenant("acme")
+    token, info = repo.create_api_key(t.id)
+    secret = _secret(token)
+    stored = _row_text(engine, "api_keys")
+    assert info.id in stored
+    assert secret not in stored and token not in stored
+    assert secret[:-4] not in stored  # only last4 of the secret is kept
+    with make_session_factory(engine)() as session:
+        row = session.get(ApiKey, info.id)
+        assert row is not None and len(row.key_hash) == 64
+
+
+def test_stored_salt_is_encrypted_and_bound(
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+) -> None:
+    a = repo.create_tenant("a")
+    b = repo.create_tenant("b")
+    token, _ = repo.create_api_key(a.id)
+    salt = repo.authenticate_api_key(token).tenant_salt
+    with make_session_factory(engine)() as session:
+        blob_a = session.scalars(
+            select(TenantSalt.encrypted_salt).where(TenantSalt.tenant_id == a.id)
+        ).one()
+    assert salt not in blob_a
+    assert cipher.decrypt(a.id, 1, blob_a) == salt
+    with pytest.raises(SaltDecryptionError):
+        cipher.decrypt(b.id, 1, blob_a)
+    with pytest.raises(SaltDecryptionError):
+        cipher.decrypt(a.id, 2, blob_a)
+
+
+def test_copied_salt_row_fails_to_decrypt(
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+) -> None:
+    """An attacker with DB write access copying tenant A's salt into tenant B gets an error."""
+    a = repo.create_tenant("a")
+    b = repo.create_tenant("b")
+    token_b, _ = repo.create_api_key(b.id)
+    factory = make_session_factory(engine)
+    with factory.begin() as session:
+        blob_a = session.get(TenantSalt, (a.id, 1)).encrypted_salt  # type: ignore[union-attr]
+        session.get(TenantSalt, (b.id, 1)).encrypted_salt = blob_a  # type: ignore[union-attr]
+    fresh = TenantRepository(factory, cipher)  # empty salt cache
+    with pytest.raises(SaltDecryptionError):
+        fresh.authenticate_api_key(token_b)
+
+
+def test_salt_is_stable_across_repository_instances(
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+) -> None:
+    t = repo.create_tenant("acme")
+    token, _ = repo.create_api_key(t.id)
+    ctx1 = repo.authenticate_api_key(token)
+    fresh = TenantRepository(make_session_factory(engine), cipher)
+    ctx2 = fresh.authenticate_api_key(token)
+    assert ctx2.tenant_salt == ctx1.tenant_salt
+    assert ctx2.effective_salt("u") == ctx1.effective_salt("u")
+    assert fresh.get_auth_context(t.id).tenant_salt == ctx1.tenant_salt
+    wrong_key = TenantRepository(make_session_factory(engine), SaltCipher(b"\x00" * 32))
+    with pytest.raises(SaltDecryptionError):
+        wrong_key.authenticate_api_key(token)
+
+
+def test_rotate_salt(repo: TenantRepository, engine: Engine, cipher: SaltCipher) -> None:
+    t = repo.create_tenant("acme")
+    token, _ = repo.create_api_key(t.id)
+    before = repo.authenticate_api_key(token)
+    assert repo.rotate_salt(t.id) == 2
+    after = repo.authenticate_api_key(token)  # the same key keeps working
+    assert after.salt_version == 2 and repo.get_tenant(t.id).current_salt_version == 2
+    assert after.tenant_salt != before.tenant_salt
+    assert after.effective_salt(None) != before.effective_salt(None)
+    assert after.effective_salt("u") != before.effective_salt("u")
+    # other processes (fresh cache) see the new version too
+    fresh = TenantRepository(make_session_factory(engine), cipher)
+    assert fresh.authenticate_api_key(token).tenant_salt == after.tenant_salt
+    assert repo.rotate_salt(t.id) == 3
+    with pytest.raises(TenantNotFound):
+        repo.rotate_salt("0" * 32)
+
+
+def test_effective_salt_differs_between_tenants(repo: TenantRepository) -> None:
+    a = repo.create_tenant("a")
+    b = repo.create_tenant("b")
+    ctx_a = repo.authenticate_api_key(repo.create_api_key(a.id)[0])
+    ctx_b = repo.authenticate_api_key(repo.create_api_key(b.id)[0])
+    assert ctx_a.salt_version == ctx_b.salt_version == 1
+    assert ctx_a.effective_salt("same") != ctx_b.effective_salt("same")
+    assert ctx_a.effective_salt(None) != ctx_b.effective_salt(None)
+    assert ctx_a.effective_salt("same") == effective_salt(ctx_a.tenant_salt, 1, "same")
+    with pytest.raises(ValueError):
+        ctx_a.effective_salt("")
+
+
+def test_last_used_is_buffered_and_flushed(repo: TenantRepository, engine: Engine) -> None:
+    t = repo.create_tenant("acme")
+    token, info = repo.create_api_key(t.id)
+    factory = make_session_factory(engine)
+
+    def stored() -> datetime | None:
+        with factory() as session:
+            return session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == info.id))
+
+    t1 = datetime.now(UTC)
+    repo.authenticate_api_key(token, now=t1)
+    assert stored() is None  # nothing written on the request path
+    assert repo.flush_last_used() == 1
+    assert stored() == t1
+    assert repo.flush_last_used() == 0
+    repo.authenticate_api_key(token, now=t1 - timedelta(minutes=5))  # never moves backwards
+    repo.flush_last_used()
+    assert stored() == t1
+    t2 = t1 + timedelta(minutes=1)
+    repo.authenticate_api_key(token, now=t2)
+    repo.authenticate_api_key(token, now=t1 + timedelta(seconds=1))
+    assert repo.flush_last_used() == 1
+    assert stored() == t2
+
+
+def test_usage_record_round_trip(repo: TenantRepository) -> None:
+    t = repo.create_tenant("acme")
+    _, key = repo.create_api_key(t.id)
+    when = datetime(2025, 6, 1, 12, 0, 0, 250000, tzinfo=UTC)
+    record = UsageRecord(
+        request_id="chatcmpl-1",
+        tenant_id=t.id,
+        key_id=key.id,
+        model="smollm2-135m",
+        endpoint="/v1/chat/completions",
+        status="ok",
+        prompt_tokens=100,
+        cached_tokens=64,
+        completion_tokens=20,
+        ttft_s=0.125,
+        latency_s=1.5,
+        created_at=when,
+    )
+    repo.record_usage(record)
+    repo.record_usage(
+        UsageRecord(
+            request_id="cmpl-2",
+            tenant_id=t.id,
+            key_id=None,
+            model="m",
+            endpoint="/v1/completions",
+            status="aborted",
+        )
+    )
+    records = repo.list_usage(tenant_id=t.id)
+    assert records[0] == record
+    assert records[1].status == "aborted" and records[1].ttft_s is None
+    assert records[1].created_at is not None and records[1].created_at.tzinfo == UTC
+    assert repo.list_usage(t.id, since=when, until=when + timedelta(seconds=1)) == [record]
+    assert repo.list_usage(tenant_id="0" * 32) == []
+    with pytest.raises(ValueError):
+        repo.record_usage(UsageRecord("r", t.id, None, "m", "/e", status="weird"))
+    with pytest.raises(ValueError):
+        repo.record_usage(UsageRecord("r", t.id, None, "m", "/e", "ok", prompt_tokens=-1))
+
+
+def test_audit_rows_contain_no_salt(
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+) -> None:
+    t = repo.create_tenant("acme")
+    token, info = repo.create_api_key(t.id, actor="admin:alice")
+    salts = [repo.authenticate_api_key(token).tenant_salt]
+    repo.rotate_salt(t.id, actor="admin:alice")
+    salts.append(repo.authenticate_api_key(token).tenant_salt)
+    repo.revoke_api_key(info.id)
+    repo.audit("admin:bob", "cache.reset", tenant_id=t.id, detail="blocks=3", request_id="r-1")
+
+    entries = repo.list_audit(tenant_id=t.id)
+    actions = [e.action for e in reversed(entries)]
+    assert actions == [
+        "tenant.create",
+        "api_key.create",
+        "tenant.rotate_salt",
+        "api_key.revoke",
+        "cache.reset",
+    ]
+    by_action = {e.action: e for e in entries}
+    assert by_action["tenant.create"].detail == "salt_version=1"
+    assert by_action["tenant.rotate_salt"].detail == "salt_version=2"
+    assert by_action["tenant.rotate_salt"].actor == "admin:alice"
+    assert by_action["cache.reset"].request_id == "r-1"
+
+    stored = _row_text(engine, "audit_log")
+    for salt in salts:
+        for encoding in (salt.hex(), base64.b64encode(salt).decode(), repr(salt)):
+            assert encoding not in stored
+    assert _secret(token) not in stored
+    with engine.connect() as conn:
+        raw = conn.execute(text("SELECT detail FROM audit_log")).scalars().all()
+    assert all(salt.decode("latin-1") not in (d or "") for salt in salts for d in raw)
+
+
+def test_reencrypt_salts_under_new_master_key(repo: TenantRepository, engine: Engine) -> None:
+    t = repo.create_tenant("acme")
+    repo.rotate_salt(t.id)
+    token, _ = repo.create_api_key(t.id)
+    salt = repo.authenticate_api_key(token).tenant_salt
+    new_cipher = SaltCipher(b"\x07" * 32)
+    assert repo.reencrypt_salts(new_cipher) == 2
+    fresh = TenantRepository(make_session_factory(engine), new_cipher)
+    assert fresh.authenticate_api_key(token).tenant_salt == salt
+
+
+def test_concurrent_authentication(repo: TenantRepository) -> None:
+    """Threads share one repository (one process serving many requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tenants = [repo.create_tenant(f"t{i}") for i in range(3)]
+    tokens = [repo.create_api_key(t.id)[0] for t in tenants]
+
+    def auth(i: int) -> tuple[str, bytes]:
+        ctx = repo.authenticate_api_key(tokens[i % 3])
+        return ctx.tenant_id, ctx.tenant_salt
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(auth, range(60)))
+    by_tenant: dict[str, set[bytes]] = {}
+    for tenant_id, salt in results:
+        by_tenant.setdefault(tenant_id, set()).add(salt)
+    assert set(by_tenant) == {t.id for t in tenants}
+    assert all(len(salts) == 1 for salts in by_tenant.values())
+    assert repo.flush_last_used() == 3

@@ -1,0 +1,87 @@
+"""tenants/salts.py: effective salt derivation and client cache_salt validation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import pytest
+
+from tenants.salts import effective_salt, new_salt, validate_client_cache_salt
+
+
+def test_new_salt_is_32_random_bytes() -> None:
+    a, b = new_salt(), new_salt()
+    assert len(a) == 32 and len(b) == 32
+    assert a != b
+
+
+def test_effective_salt_layout_vector() -> None:
+    """Pins the documented byte layout (module docstring of tenants.salts)."""
+    tenant_salt = bytes(range(32))
+    expected_none = hmac.new(
+        tenant_salt, b"saltserve/effective-salt/v1" + b"\x00\x00\x00\x07" + b"\x00", hashlib.sha256
+    ).digest()
+    expected_client = hmac.new(
+        tenant_salt,
+        b"saltserve/effective-salt/v1"
+        + b"\x00\x00\x00\x07"
+        + b"\x01"
+        + b"\x00\x00\x00\x04"
+        + "ü-1".encode(),
+        hashlib.sha256,
+    ).digest()
+    assert effective_salt(tenant_salt, 7, None) == expected_none
+    assert effective_salt(tenant_salt, 7, "ü-1") == expected_client
+    assert effective_salt(tenant_salt, 7, None).hex() == (
+        "37414221e5a067415eadc7eeb90e5967a3b59f13b1124841f627e2c989079ca4"
+    )
+
+
+def test_effective_salt_is_deterministic_and_32_bytes() -> None:
+    salt = new_salt()
+    assert effective_salt(salt, 1, "user-1") == effective_salt(salt, 1, "user-1")
+    assert len(effective_salt(salt, 1, "user-1")) == 32
+    assert len(effective_salt(salt, 1, None)) == 32
+
+
+def test_effective_salt_differs_per_tenant_with_same_client_salt() -> None:
+    tenant_a, tenant_b = new_salt(), new_salt()
+    assert effective_salt(tenant_a, 1, "shared") != effective_salt(tenant_b, 1, "shared")
+    assert effective_salt(tenant_a, 1, None) != effective_salt(tenant_b, 1, None)
+
+
+def test_effective_salt_differs_with_and_without_client_salt() -> None:
+    salt = new_salt()
+    values = {
+        effective_salt(salt, 1, None),
+        effective_salt(salt, 1, "a"),
+        effective_salt(salt, 1, "b"),
+        effective_salt(salt, 2, None),
+        effective_salt(salt, 2, "a"),
+    }
+    assert len(values) == 5
+
+
+def test_validate_client_cache_salt() -> None:
+    assert validate_client_cache_salt("x") == "x"
+    assert validate_client_cache_salt("y" * 128) == "y" * 128
+    for bad in ["", "z" * 129, "\ud800"]:
+        with pytest.raises(ValueError):
+            validate_client_cache_salt(bad)
+    with pytest.raises(TypeError):
+        validate_client_cache_salt(123)  # type: ignore[arg-type]
+
+
+def test_effective_salt_rejects_bad_inputs() -> None:
+    salt = new_salt()
+    with pytest.raises(ValueError):
+        effective_salt(salt, 1, "")
+    with pytest.raises(ValueError):
+        effective_salt(salt, 1, "q" * 129)
+    with pytest.raises(ValueError):
+        effective_salt(b"", 1, None)
+    with pytest.raises(ValueError):
+        effective_salt(salt, -1, None)
+    with pytest.raises(ValueError):
+        effective_salt(salt, 2**32, None)
