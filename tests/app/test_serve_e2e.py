@@ -1,0 +1,90 @@
+"""End to end: ``saltserve serve`` as a real process (uvicorn), driven by the official OpenAI SDK."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model",
+           str(model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "96"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server did not become healthy")
+        yield base, data_dir
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        assert "Traceback" not in out, out
+
+
+def test_openai_sdk_against_real_server(server):
+    base, data_dir = server
+    key_file = data_dir / "demo-api-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert (data_dir / "saltserve.db").exists()
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key_file.read_text().strip())
+    model = client.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct"
+
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers in "
+                 "one short sentence, without lists, about geography and capitals."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                           max_tokens=20)
+    assert "Paris" in first.choices[0].message.content
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n = first.usage.prompt_tokens
+
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0].choices == []
+    assert usage_chunks[0].usage.prompt_tokens_details.cached_tokens == 16 * ((n - 1) // 16)
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, temperature=5)
+    assert e.value.body["param"] == "temperature"
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="ss-000000000000-wrong")
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()

@@ -1,0 +1,107 @@
+"""Greedy output of our engine == Hugging Face ``generate`` (fp32, CPU) on the bundled model,
+token for token: cold, warm, caching off, chunked prefill, and under preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+MAX_NEW = 40
+SHARED = ("You are a careful assistant for a company that builds bridges. Answer with facts, "
+          "cite sources when you can, and keep answers short.\n\n")
+PROMPTS = [
+    SHARED + "The history of the Roman Empire begins",
+    SHARED + "def fibonacci(n):\n",
+    "Here is a long story about a dragon who lived in a cave near the sea. One day,",
+    "<|im_start|>user\nExplain photosynthesis in detail.<|im_end|>\n<|im_start|>assistant\n",
+    SHARED + "1, 2, 3, 4, 5,",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(model_dir, prompt_ids) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            o = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
+                            do_sample=False)
+            outs.append(o[0, len(ids):].tolist())
+    assert all(len(o) >= 32 for o in outs), "reference prompts must yield >= 32 new tokens"
+    return outs
+
+
+def run(engine, prompt_ids, tag: str) -> tuple[list[list[int]], list[int]]:
+    """Runs all prompts concurrently (continuous batching). Returns (tokens, cached tokens)."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(EngineRequest(f"{tag}-{i}", tuple(ids), params, tenant_id="t"))
+    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompt_ids))}
+    cached: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+        engine.kv_cache_manager.check_integrity()
+        steps += 1
+        assert steps < 10_000
+    pool = engine.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks, "idle engine must hold no blocks"
+    keys = [f"{tag}-{i}" for i in range(len(prompt_ids))]
+    return [tokens[k] for k in keys], [cached[k] for k in keys]
+
+
+def test_cold_and_warm_match_hf(make_llm_engine, prompt_ids, hf_outputs):
+    engine = make_llm_engine()
+    cold, cold_cached = run(engine, prompt_ids, "cold")
+    assert cold == hf_outputs
+    warm, warm_cached = run(engine, prompt_ids, "warm")
+    assert warm == hf_outputs
+    # Every warm prompt reuses all its full blocks but the one holding its last token.
+    assert warm_cached == [16 * ((len(ids) - 1) // 16) for ids in prompt_ids]
+    assert sum(warm_cached) > sum(cold_cached)
+
+
+def test_prefix_caching_off_matches_hf(make_llm_engine, prompt_ids, hf_outputs):
+    engine = make_llm_engine(enable_prefix_caching=False)
+    out, cached = run(engine, prompt_ids, "off")
+    assert out == hf_outputs and cached == [0] * len(prompt_ids)
+    again, cached = run(engine, prompt_ids, "off2")
+    assert again == hf_outputs and cached == [0] * len(prompt_ids)
+    assert engine.block_pool.get_num_cached_blocks() == 0
+
+
+def test_chunked_prefill_matches_hf(make_llm_engine, prompt_ids, hf_outputs):
+    engine = make_llm_engine(max_num_batched_tokens=16, enable_prefix_caching=False)
+    seen_chunks = []
+    orig = engine.runner.execute
+
+    def spy(sched):
+        seen_chunks.extend(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+        assert sched.total_num_scheduled_tokens <= 16
+        return orig(sched)
+
+    engine.runner.execute = spy
+    out, _ = run(engine, prompt_ids, "chunk")
+    assert out == hf_outputs
+    assert len(seen_chunks) >= 2 * len(prompt_ids)  # every prompt (>16 tokens) took >= 2 chunks
+
+
+def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_outputs):
+    engine = make_llm_engine(num_gpu_blocks_override=16, max_model_len=256)
+    out, _ = run(engine, prompt_ids, "tiny")
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.scheduler.stats.num_recomputed_tokens > 0
+    assert out == hf_outputs
