@@ -35,6 +35,9 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_num_blocks] int32, padded with 0 (never read past seq_len).
         query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (no device sync).
         block_size: tokens per block.
+        token_slots: [num_seqs, max_num_blocks * block_size] int64, the cache slot of every
+            context position (``block_tables`` expanded once per step for the torch backend).
+        has_padding: whether ``slot_mapping`` contains -1 entries.
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +47,14 @@ class AttentionMetadata:
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     block_size: int
+    token_slots: torch.Tensor | None = None
+    has_padding: bool = False
+
+    @staticmethod
+    def expand_token_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[num_seqs, max_blocks] int32 -> [num_seqs, max_blocks * block_size] int64 slots."""
+        offsets = torch.arange(block_size, device=block_tables.device)
+        return (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
 
     @property
     def num_seqs(self) -> int:
@@ -63,15 +74,30 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    _write(key, value, key_cache, value_cache, slot_mapping, num_kv_heads, head_dim)
+
+
+def write_kv_cache_no_padding(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv_cache`` for a step whose ``slot_mapping`` has no -1 (skips the check)."""
+    _write(key, value, key_cache, value_cache, slot_mapping, key.shape[1], key.shape[2])
+
+
+def _write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int,
+           head_dim: int) -> None:
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[num_blocks_used * block_size, num_kv_heads, head_dim] -> first seq_len rows."""
+def _gather(cache: torch.Tensor, meta: AttentionMetadata, seq: int, seq_len: int) -> torch.Tensor:
+    """Sequence ``seq``'s first ``seq_len`` cached rows: [seq_len, num_kv_heads, head_dim]."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    if meta.token_slots is not None:
+        return flat[meta.token_slots[seq, :seq_len]]
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return cache[meta.block_tables[seq, :num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
 def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -104,8 +130,8 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
             continue
         start = starts[i]
         q = query[start:start + q_len].transpose(0, 1).unsqueeze(0)       # [1, H, q, D]
-        k = _gather(key_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
-        v = _gather(value_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+        k = _gather(key_cache, meta, i, seq_len).transpose(0, 1).unsqueeze(0)
+        v = _gather(value_cache, meta, i, seq_len).transpose(0, 1).unsqueeze(0)
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -130,9 +156,14 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     max_blocks = -(-max_len // block_size)
     idx = torch.tensor(ids, device=query.device)
     rows = torch.tensor([starts[i] for i in ids], device=query.device)
-    tables = meta.block_tables[idx, :max_blocks].long()                  # [B, nb]
-    k = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)       # [B, KVH, L, D]
-    v = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    if meta.token_slots is not None:
+        slots = meta.token_slots[idx, :max_len]                              # [B, L]
+        k = key_cache.view(-1, *key_cache.shape[2:])[slots].transpose(1, 2)  # [B, KVH, L, D]
+        v = value_cache.view(-1, *value_cache.shape[2:])[slots].transpose(1, 2)
+    else:
+        tables = meta.block_tables[idx, :max_blocks].long()                  # [B, nb]
+        k = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        v = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)
     mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
     q = query[rows].unsqueeze(2)                                           # [B, H, 1, D]

@@ -83,7 +83,9 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=block_tables.to(dev),
-            query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs)
+            query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs,
+            token_slots=(AttentionMetadata.expand_token_slots(block_tables, bs).to(dev)
+                         if self.model.uses_token_slots else None))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+from engine.attention import (
+    AttentionMetadata,
+    paged_attention_torch,
+    write_kv_cache,
+    write_kv_cache_no_padding,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -74,6 +79,15 @@ class ModelConfig:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 like transformers' ``LlamaRMSNorm`` (bit-identical in fp32)."""
+    dtype = x.dtype
+    if dtype != torch.float32:
+        x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -81,10 +95,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,12 +110,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D], positions: [T] int64."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, 1, head_dim] (looked up once per step)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, D]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -134,24 +150,33 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.intermediate_size = cfg.intermediate_size
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def bind_weights(self) -> None:
+        """Caches plain references to the weights (call after loading and after ``.to()``), so
+        the hot path skips ``nn.Module.__call__``/``__getattr__`` overhead (~15% of a CPU decode
+        step of the 135M model)."""
+        self._w = (self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
+                   self.o_proj.weight, self.post_attention_layernorm.weight,
+                   self.gate_up_proj.weight, self.down_proj.weight)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 attn_fn: AttentionFn, kv_write_fn: KVWriteFn) -> torch.Tensor:
+        ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = self._w
+        eps = self.input_layernorm.eps
         T = hidden.shape[0]
-        residual = hidden
-        x = self.input_layernorm(hidden)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        x = rms_norm(hidden, ln1, eps)
+        q, k, v = F.linear(x, qkv_w, qkv_b).split([self.q_size, self.kv_size, self.kv_size],
+                                                   dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos, sin)
         kv_write_fn(k, v, key_cache, value_cache, meta.slot_mapping)
         attn = attn_fn(q, key_cache, value_cache, meta, self.scale)
-        hidden = residual + self.o_proj(attn.reshape(T, self.q_size))
-        residual = hidden
-        x = self.post_attention_layernorm(hidden)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        hidden = hidden + F.linear(attn.reshape(T, self.q_size), o_w)
+        x = rms_norm(hidden, ln2, eps)
+        gate, up = F.linear(x, gate_up_w).split(self.intermediate_size, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, down_w)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,14 +195,23 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
         self.attn_fn: AttentionFn = paged_attention_torch
         self.kv_write_fn: KVWriteFn = write_kv_cache
+        self.kv_write_no_padding_fn: KVWriteFn = write_kv_cache_no_padding
+        # The torch backend reads context through per-token slots expanded once per step.
+        self.uses_token_slots = True
+
+    def bind_weights(self) -> None:
+        for layer in self.layers:
+            layer.bind_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Args: input_ids, positions: [num_tokens] int64. Returns hidden [num_tokens, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        kv_write = self.kv_write_fn if meta.has_padding else self.kv_write_no_padding_fn
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary, kv_caches[i, 0], kv_caches[i, 1], meta,
-                           self.attn_fn, self.kv_write_fn)
+            hidden = layer.forward(hidden, cos, sin, kv_caches[i, 0], kv_caches[i, 1], meta,
+                                   self.attn_fn, kv_write)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -238,4 +272,6 @@ def load_model(model_dir: str | Path, max_position: int, dtype: torch.dtype,
     model = model.to_empty(device="cpu")
     model.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
     model.load_hf_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.bind_weights()
+    return model
