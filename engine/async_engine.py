@@ -132,7 +132,7 @@ class AsyncLLM:
                 fn, fut = payload
                 try:
                     fut.set_result(fn(self.engine))
-                except BaseException as e:  # handed to the awaiting caller
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
                     fut.set_exception(e)
 
     def _loop(self) -> None:

@@ -23,7 +23,7 @@ from engine.block_hash import BlockHash
 class KVCacheBlock:
     """One physical KV block: ``block_size`` token slots in every layer's KV cache tensor."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "owner", "prev_free", "next_free")
+    __slots__ = ("block_hash", "block_id", "next_free", "owner", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -9,10 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Callable
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_DATA_DIR = REPO_ROOT / ".cache" / "test-data"

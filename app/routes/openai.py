@@ -97,7 +97,7 @@ async def _merge(engine: AsyncLLM, reqs: list[EngineRequest]
         try:
             async for out in engine.generate(req):
                 await q.put((i, out))
-        except BaseException as e:  # forwarded to the consumer
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer, re-raised there
             await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
@@ -239,7 +239,7 @@ async def _stream(request: Request, job: _Job, chat: bool, include_usage: bool
         raise
     except ValueError as e:
         yield _sse(error_body(400, str(e.args[0]), None, "invalid_value"))
-    except Exception as e:  # engine died mid-stream: tell the client in-band, no trace
+    except Exception as e:  # noqa: BLE001 - engine died mid-stream: tell the client in-band
         logger.error("stream failed: %s", type(e).__name__)
         yield _sse(error_body(503, "the inference engine is not available", None,
                               "engine_unavailable"))
@@ -260,7 +260,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any template error is a bad request
         raise APIError(400, "messages could not be rendered with the model's chat template",
                        "messages", "invalid_value") from None
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)

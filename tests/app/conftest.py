@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.server import create_app
 from engine.async_engine import AsyncLLM
-from tenants.crypto import SaltCipher, generate_master_key, decode_master_key
+from tenants.crypto import SaltCipher, decode_master_key, generate_master_key
 from tenants.db import make_engine, make_session_factory, run_migrations
 from tenants.repository import TenantRepository
 

@@ -187,3 +187,28 @@ def test_models_health_and_usage_records(app_env):
     assert (row.status, row.prompt_tokens, row.cached_tokens, row.completion_tokens) == \
         ("ok", 41, 32, 1)
     assert row.ttft_s is not None and 0 < row.ttft_s <= row.latency_s
+
+
+def test_abandoned_stream_is_aborted_and_frees_its_blocks(app_env):
+    from engine.request import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    async def take_one_then_leave():
+        req = EngineRequest("abandon-1", tuple(range(100, 160)),
+                            SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+                            tenant_id=app_env.tenant_a)
+        stream = app_env.engine.generate(req)
+        first = await stream.__anext__()
+        await stream.aclose()  # what a client disconnect does to the route's iterator
+        return first
+
+    first = app_env.client.portal.call(take_one_then_leave)
+    assert not first.finished and len(first.new_token_ids) == 1
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        free, total = _engine_state(app_env)
+        if free == total:
+            break
+        time.sleep(0.05)
+    assert free == total
+    assert not app_env.engine.engine.has_unfinished_requests()
