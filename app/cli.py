@@ -86,7 +86,8 @@ def serve(**opts: Any) -> None:
         engine = LLMEngine(settings.engine_config(boot.model_dir))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    app = create_app(AsyncLLM(engine), boot.repo, settings.max_request_body_bytes)
+    app = create_app(AsyncLLM(engine), boot.repo, settings.max_request_body_bytes,
+                     settings.metrics_token)
     base = f"http://{settings.host}:{settings.port}"
     key_hint = boot.demo_key or (f"$(cat {boot.demo_key_file})" if boot.demo_key_file
                                  else "<your API key>")

@@ -10,7 +10,8 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import error_response, install_error_handlers
-from app.routes import health, openai
+from app.metrics import ServerMetrics
+from app.routes import health, metrics, openai
 from engine.async_engine import AsyncLLM
 from tenants.repository import TenantRepository
 
@@ -54,11 +55,16 @@ class _TooLarge(Exception):
 
 
 def create_app(engine: AsyncLLM, repo: TenantRepository,
-               max_request_body_bytes: int = 4 << 20) -> FastAPI:
+               max_request_body_bytes: int = 4 << 20,
+               metrics_token: str | None = None) -> FastAPI:
     """Builds the app around a constructed engine and tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it; buffered API-key
     ``last_used_at`` times are flushed on shutdown.
+
+    Args:
+        metrics_token: bearer token that Prometheus presents on ``GET /metrics``
+            (``SALTSERVE_METRICS_TOKEN``); None or empty disables scraping (403).
     """
 
     @asynccontextmanager
@@ -79,8 +85,12 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
     app.state.max_model_len = core.cache_info.max_model_len
     app.state.vocab_size = core.model.config.vocab_size
     app.state.started_at = int(time.time())
+    app.state.metrics = ServerMetrics(core.served_model_name)
+    app.state.metrics_token = metrics_token or None
+    engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(metrics.router)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     return app

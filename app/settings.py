@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     master_key: str | None = Field(None, repr=False, description="salt encryption key")
     create_demo_tenant: bool = True
     max_request_body_bytes: int = 4 << 20
+    metrics_token: str | None = Field(None, repr=False,
+                                      description="bearer token for GET /metrics; unset = 403")
 
     block_size: int = 16
     max_model_len: int | None = 8192

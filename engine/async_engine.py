@@ -22,6 +22,11 @@ from engine.request import EngineRequest, RequestOutput
 logger = logging.getLogger(__name__)
 
 
+# Called on the consumer's event loop for each output that carries new tokens, with the seconds
+# since the previous such output of the same request (None for the first one).
+OutputObserver = Callable[[EngineRequest, RequestOutput, "float | None"], None]
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
 
@@ -42,6 +47,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
         self.last_step_time = time.monotonic()
+        self.output_observers: list[OutputObserver] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -62,6 +68,15 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self.errored is None
 
     # -- API -----------------------------------------------------------------------------------
+    def add_output_observer(self, observer: OutputObserver) -> None:
+        """Registers ``observer(request, output, seconds_since_previous_token)``.
+
+        It runs on the consumer's event loop for every output with new tokens (inter-token
+        latency as the client sees it, vLLM ``inter_token_latency_seconds``); it must be cheap
+        and must not raise (an exception is logged and dropped, the stream goes on).
+        """
+        self.output_observers.append(observer)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submits ``request`` and yields its outputs until the finished one.
 
@@ -79,11 +94,17 @@ class AsyncLLM:
         self._streams[request.request_id] = (loop, q)
         self._send("add", request)
         finished = False
+        last_token_time: float | None = None
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.new_token_ids and self.output_observers:
+                    now = time.monotonic()
+                    gap = None if last_token_time is None else now - last_token_time
+                    last_token_time = now
+                    self._observe(request, item, gap)
                 yield item
                 if item.finished:
                     finished = True
@@ -92,6 +113,13 @@ class AsyncLLM:
             self._streams.pop(request.request_id, None)
             if not finished:
                 self._send("abort", [request.request_id])
+
+    def _observe(self, request: EngineRequest, output: RequestOutput, gap: float | None) -> None:
+        for observer in self.output_observers:
+            try:
+                observer(request, output, gap)
+            except Exception as e:  # noqa: BLE001 - observers never break a stream
+                logger.error("output observer failed: %s", type(e).__name__)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs ``fn(engine)`` on the engine thread between steps and returns its result."""

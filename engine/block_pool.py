@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.block_hash import BlockHash
+from engine.stats import EXPLICIT_EVICTION_REASONS, BlockPoolStats
 
 
 class KVCacheBlock:
@@ -102,7 +103,12 @@ class BlockPool:
         num_blocks: physical blocks (all usable; there is no reserved null block).
         enable_caching: when False, nothing is ever hashed or looked up.
         on_evict: optional ``(block, reason, evicted_by_tenant)`` callback fired when a cached block
-            loses its hash ("capacity" when popped for reuse, "reset" for prefix-cache resets).
+            loses its hash ("capacity" when popped for reuse, "salt_rotation" or "reset" when
+            dropped on purpose).
+
+    Accounting: ``stats`` (``engine.stats.BlockPoolStats``) counts every eviction by owner,
+    reason and evicting tenant and every owner's resident cached blocks; ``num_used_blocks`` counts
+    blocks with ``ref_cnt > 0``, kept independently of the free queue (``check_integrity``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
@@ -115,6 +121,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.on_evict = on_evict
+        self.stats = BlockPoolStats()
+        self.num_used_blocks = 0
 
     # -- queries -------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -155,6 +163,7 @@ class BlockPool:
                 self._drop_hash(block, "capacity", tenant)
             assert block.ref_cnt == 0, f"{block} in free queue with refs"
             block.ref_cnt = 1
+            self.num_used_blocks += 1
             out.append(block)
         return out
 
@@ -163,6 +172,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                self.num_used_blocks += 1
             block.ref_cnt += 1
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
@@ -179,6 +189,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.owner = owner
         self.cached_block_hash_to_block[block_hash] = block
+        self.stats.record_cached(owner)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Unpins blocks in the given order (callers pass a request's blocks tail first).
@@ -190,6 +201,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_used_blocks -= 1
                 if block.block_hash is not None:
                     self.free_block_queue.append(block)
                 else:
@@ -202,11 +214,22 @@ class BlockPool:
 
         Dropped blocks become unreachable at once. Free ones move to the head of the free queue
         (reused first); blocks pinned by running requests keep their data and refs, so in-flight
-        requests finish unharmed, and return to the head when freed.
+        requests finish unharmed, and return to the head when freed. Each dropped block counts as
+        one eviction of its owner for ``reason``.
+
+        Args:
+            predicate: selects blocks (e.g. ``lambda b: b.owner == tenant_id``); None = all.
+            reason: ``"reset"`` or ``"salt_rotation"``.
 
         Returns:
             Number of cached blocks dropped.
+
+        Raises:
+            ValueError: unknown ``reason``.
         """
+        if reason not in EXPLICIT_EVICTION_REASONS:
+            raise ValueError(f"eviction reason must be one of {EXPLICIT_EVICTION_REASONS}, "
+                             f"got {reason!r}")
         victims = [b for b in self.cached_block_hash_to_block.values()
                    if predicate is None or predicate(b)]
         for block in victims:
@@ -223,6 +246,7 @@ class BlockPool:
     def _drop_hash(self, block: KVCacheBlock, reason: str, evicted_by: str | None) -> None:
         assert block.block_hash is not None
         del self.cached_block_hash_to_block[block.block_hash]
+        self.stats.record_eviction(block.owner, reason, evicted_by)
         if self.on_evict is not None:
             self.on_evict(block, reason, evicted_by)
         block.block_hash = None
@@ -235,6 +259,14 @@ class BlockPool:
         assert len(free_ids) == len(set(free_ids)), "block queued twice"
         assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count drift"
         free_set = set(free_ids)
+        assert self.num_used_blocks == sum(1 for b in self.blocks if b.ref_cnt > 0), \
+            "used-block count drift"
+        assert self.num_used_blocks + len(free_ids) == self.num_blocks, "free + used != total"
+        resident: dict[str | None, int] = {}
+        for block in self.cached_block_hash_to_block.values():
+            resident[block.owner] = resident.get(block.owner, 0) + 1
+        assert {o: n for o, n in self.stats.resident_blocks.items() if n} == resident, \
+            "resident-block accounting disagrees with the cache map"
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"{block} negative ref_cnt"
             assert (block.ref_cnt == 0) == (block.block_id in free_set), \

@@ -37,12 +37,13 @@ class KVCacheManager:
         # Number of a request's leading blocks already hashed + cached.
         self.num_cached_block: dict[str, int] = {}
 
-    def _caching(self, request: Request) -> bool:
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """True when ``request`` is looked up in and adds to the prefix cache."""
         return self.enable_caching and request.enable_prefix_caching
 
     def update_block_hashes(self, request: Request) -> None:
         """Extends ``request.block_hashes`` to cover every full block of ``all_token_ids``."""
-        if not self._caching(request):
+        if not self.uses_prefix_cache(request):
             return
         start = len(request.block_hashes)
         parent = request.block_hashes[-1] if start else None
@@ -59,7 +60,7 @@ class KVCacheManager:
         Returns:
             (hit blocks, number of hit tokens). Never modifies ref counts.
         """
-        if not self._caching(request):
+        if not self.uses_prefix_cache(request):
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -102,7 +103,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id) if num_new > 0 else []
         blocks.extend(new_blocks)
 
-        if self._caching(request):
+        if self.uses_prefix_cache(request):
             # Cache every block that is full once this step's tokens are written. The KV of those
             # tokens is written before any attention reads it in the same forward pass, so a
             # request admitted later in the same step may already hit them.

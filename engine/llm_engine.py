@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import load_model
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus
 from engine.scheduler import Scheduler
+from engine.stats import EXPLICIT_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +145,37 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> int:
-        """Drops every cached block; running requests are unharmed. Returns blocks dropped."""
+        """Drops every cached block; running requests are unharmed.
+
+        Each dropped block counts as an eviction of its owner with reason ``reset``.
+
+        Returns:
+            Blocks dropped.
+        """
         return self.block_pool.reset_prefix_cache()
+
+    def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
+        """Drops every cached block owned by ``tenant_id``; running requests are unharmed.
+
+        Used by salt rotation (``reason="salt_rotation"``) and per-tenant cache resets
+        (``reason="reset"``). Never touches another tenant's blocks or any ref count.
+
+        Returns:
+            Blocks dropped (each counted as an eviction of ``tenant_id`` for ``reason``).
+
+        Raises:
+            ValueError: ``reason`` is not "salt_rotation" or "reset".
+        """
+        if reason not in EXPLICIT_EVICTION_REASONS:
+            raise ValueError(f"reason must be one of {EXPLICIT_EVICTION_REASONS}, got {reason!r}")
+        return self.block_pool.evict_cached_blocks(lambda b: b.owner == tenant_id, reason)
+
+    def stats_snapshot(self) -> EngineStatsSnapshot:
+        """Frozen copy of the engine's counters and gauges (see ``engine.stats``).
+
+        Call on the engine thread (``await AsyncLLM.call(lambda e: e.stats_snapshot())``).
+        """
+        return take_snapshot(self.scheduler)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.stats import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -40,18 +41,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters (tokens unless named otherwise)."""
-
-    prefix_cache_queries: int = 0      # prompt tokens looked up at first admission
-    prefix_cache_hits: int = 0         # of those, tokens served from the cache
-    num_preemptions: int = 0           # requests preempted (count)
-    num_recomputed_tokens: int = 0     # tokens recomputed after preemption
-    per_tenant_queries: dict[str | None, int] = field(default_factory=dict)
-    per_tenant_hits: dict[str | None, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -145,15 +134,11 @@ class Scheduler:
             self.running.append(req)
             if req.num_cached_tokens < 0:  # first admission: the only time hits count
                 req.num_cached_tokens = num_hit_tokens
-                s = self.stats
-                s.prefix_cache_queries += req.num_tokens
-                s.prefix_cache_hits += num_hit_tokens
-                s.per_tenant_queries[req.tenant_id] = (
-                    s.per_tenant_queries.get(req.tenant_id, 0) + req.num_tokens)
-                s.per_tenant_hits[req.tenant_id] = (
-                    s.per_tenant_hits.get(req.tenant_id, 0) + num_hit_tokens)
-            else:
-                self.stats.num_recomputed_tokens += req.num_tokens - num_hit_tokens
+                if self.kv.uses_prefix_cache(req):
+                    self.stats.record_first_admission(req.tenant_id, req.num_tokens,
+                                                      num_hit_tokens)
+            else:  # re-admission after preemption: recompute, never a hit
+                self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
             req.status = RequestStatus.RUNNING
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new

@@ -118,6 +118,7 @@ async def _merge(engine: AsyncLLM, reqs: list[EngineRequest]
 def _record_usage(request: Request, job: _Job) -> None:
     """Stores usage without awaiting, so it also happens when the client has gone away."""
     repo = request.app.state.repo
+    request.app.state.metrics.observe_request(job)  # Prometheus request metrics (app/metrics.py)
     loop = asyncio.get_running_loop()
     fut = loop.run_in_executor(None, repo.record_usage, job.usage_record())
     fut.add_done_callback(lambda f: f.exception() and logger.error(
@@ -137,6 +138,23 @@ def _apply(job: _Job, i: int, out: RequestOutput) -> None:
 
 def _prepare(request: Request, auth: AuthContext, body, prompt_ids: list[int], endpoint: str,
              prefix: str, prompt_param: str) -> _Job:
+    """Validates the call and builds its job; a rejected call is still recorded as usage.
+
+    Raises:
+        APIError: 400 with ``param`` set (unknown model, bad sampling values, bad cache_salt,
+            prompt or prompt + max_tokens over max_model_len, token ids outside the vocabulary).
+    """
+    try:
+        return _build_job(request, auth, body, prompt_ids, endpoint, prefix, prompt_param)
+    except APIError:
+        rejected = _Job(f"{prefix}-{uuid.uuid4().hex}", endpoint, request.app.state.model_name,
+                        auth, prompt_ids, SamplingParams(), None)
+        _record_usage(request, rejected)
+        raise
+
+
+def _build_job(request: Request, auth: AuthContext, body, prompt_ids: list[int], endpoint: str,
+               prefix: str, prompt_param: str) -> _Job:
     state = request.app.state
     if body.model != state.model_name:
         raise APIError(400, f"model {body.model!r} does not exist; this server serves "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -38,15 +40,36 @@ def make_repo(tmp: Path) -> TenantRepository:
                             SaltCipher(decode_master_key(generate_master_key())))
 
 
-@pytest.fixture(scope="module")
-def app_env(make_llm_engine, tmp_path_factory) -> Iterator[AppEnv]:
-    repo = make_repo(tmp_path_factory.mktemp("app"))
+@contextmanager
+def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
+                  **engine_overrides) -> Iterator[AppEnv]:
+    """A running app over a fresh engine and database with tenants A and B (one key each).
+
+    Args:
+        metrics_token: passed to ``create_app`` (None: ``/metrics`` answers 403).
+        engine_overrides: ``EngineConfig`` fields; default max_model_len 512 and 128 KV blocks.
+    """
+    repo = make_repo(tmp)
     a = repo.create_tenant("tenant-a")
     b = repo.create_tenant("tenant-b")
     key_a, _ = repo.create_api_key(a.id)
     key_b, _ = repo.create_api_key(b.id)
-    core = make_llm_engine(max_model_len=512, num_gpu_blocks_override=128)
+    core = make_llm_engine(**{"max_model_len": 512, "num_gpu_blocks_override": 128,
+                              **engine_overrides})
     engine = AsyncLLM(core)
-    app = create_app(engine, repo)
+    app = create_app(engine, repo, metrics_token=metrics_token)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield AppEnv(client, repo, engine, core.served_model_name, key_a, key_b, a.id, b.id)
+
+
+@pytest.fixture(scope="module")
+def app_env(make_llm_engine, tmp_path_factory) -> Iterator[AppEnv]:
+    with build_app_env(make_llm_engine, tmp_path_factory.mktemp("app")) as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def app_env_builder(make_llm_engine) -> Callable[..., AbstractContextManager[AppEnv]]:
+    """``build_app_env`` bound to the bundled model, for test modules that need their own app:
+    ``with app_env_builder(tmp, metrics_token="t", num_gpu_blocks_override=20) as env: ...``."""
+    return partial(build_app_env, make_llm_engine)

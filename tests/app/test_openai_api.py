@@ -143,6 +143,22 @@ def test_bad_completion_requests_get_400_with_param_and_change_nothing(app_env, 
     assert free == total
 
 
+def test_rejected_request_is_recorded_as_error_usage(app_env):
+    before = len([u for u in app_env.repo.list_usage(app_env.tenant_b) if u.status == "error"])
+    r = app_env.client.post("/v1/completions", headers=app_env.headers(app_env.key_b),
+                            json={"model": "not-a-model", "prompt": [1, 2, 3]})
+    assert r.status_code == 400
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        errors = [u for u in app_env.repo.list_usage(app_env.tenant_b) if u.status == "error"]
+        if len(errors) > before:
+            break
+        time.sleep(0.05)
+    assert len(errors) == before + 1
+    assert (errors[-1].prompt_tokens, errors[-1].completion_tokens, errors[-1].cached_tokens) \
+        == (3, 0, 0)
+
+
 def test_bad_chat_requests_and_auth(app_env):
     c, h = app_env.client, app_env.headers(app_env.key_a)
     r = c.post("/v1/chat/completions", content=b'{"model": "x", "messages": [',

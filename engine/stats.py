@@ -1,0 +1,260 @@
+"""Per-tenant prefix-cache accounting and the frozen engine stats snapshot (pure Python, stdlib).
+
+Two mutable accumulators live on the engine thread:
+
+- ``BlockPoolStats`` (owned by ``BlockPool``): evictions of cached blocks by owner, reason and
+  evicting tenant, and the resident cached blocks of each owner (gauge).
+- ``SchedulerStats`` (owned by ``Scheduler``): prefix-cache queries and hits (tokens, counted once
+  per request at its first admission), recomputed tokens after preemption, preemptions.
+
+``take_snapshot`` copies both, plus the pool and queue gauges, into an ``EngineStatsSnapshot``:
+plain frozen data that can cross threads (``AsyncLLM.call``) and be exported by the app
+(``app/metrics.py``). Every global counter is kept independently of the per-tenant ones, so
+``EngineStatsSnapshot.check_integrity`` (per-tenant sums equal the globals) is a real check.
+
+Tenant ids are opaque; ``None`` is the tenant of requests submitted without one (offline use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+TenantId = str | None
+
+# Why a cached block lost its hash:
+#   capacity       popped from the free queue for reuse by an allocation (lazy LRU eviction)
+#   salt_rotation  the owner's salt was rotated: its old blocks became unreachable
+#   reset          a global or per-tenant prefix-cache reset
+EVICTION_REASONS: tuple[str, ...] = ("capacity", "salt_rotation", "reset")
+# Reasons an operator may pass to ``BlockPool.evict_cached_blocks`` (capacity is never explicit).
+EXPLICIT_EVICTION_REASONS: tuple[str, ...] = ("salt_rotation", "reset")
+
+
+def _add(d: dict, key: object, n: int) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+@dataclass
+class BlockPoolStats:
+    """Cumulative block-level counters, updated by ``BlockPool`` (engine thread only).
+
+    Attributes:
+        evictions: ``(owner, reason, evicted_by) -> blocks``; ``evicted_by`` is the tenant whose
+            allocation popped the block (reason ``capacity``), else None.
+        num_evictions: ``reason -> blocks`` (global, kept independently of ``evictions``).
+        resident_blocks: ``owner -> blocks that carry a hash now`` (free or in use; a gauge).
+            Owners whose count fell to 0 stay, with 0.
+    """
+
+    evictions: dict[tuple[TenantId, str, TenantId], int] = field(default_factory=dict)
+    num_evictions: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+    resident_blocks: dict[TenantId, int] = field(default_factory=dict)
+
+    def record_cached(self, owner: TenantId) -> None:
+        """A block of ``owner`` became hittable."""
+        _add(self.resident_blocks, owner, 1)
+
+    def record_eviction(self, owner: TenantId, reason: str, evicted_by: TenantId) -> None:
+        """A block of ``owner`` lost its hash for ``reason`` (one of ``EVICTION_REASONS``)."""
+        assert reason in EVICTION_REASONS, f"unknown eviction reason {reason!r}"
+        assert self.resident_blocks.get(owner, 0) > 0, "eviction of a block that is not resident"
+        self.resident_blocks[owner] -= 1
+        _add(self.evictions, (owner, reason, evicted_by if reason == "capacity" else None), 1)
+        self.num_evictions[reason] += 1
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative scheduler counters (tokens unless named otherwise; engine thread only).
+
+    Queries and hits are counted once per request, at its first admission, and only for requests
+    that look the cache up (prefix caching on globally and for the request), as in vLLM v1. A
+    waiting request that is retried because the pool was full counts nothing until admitted; a
+    preempted request's re-admission counts only ``num_recomputed_tokens`` (never a hit).
+    """
+
+    prefix_cache_queries: int = 0      # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0         # of those, tokens served from the cache
+    num_preemptions: int = 0           # requests preempted (count)
+    num_recomputed_tokens: int = 0     # tokens recomputed after preemption
+    per_tenant_queries: dict[TenantId, int] = field(default_factory=dict)
+    per_tenant_hits: dict[TenantId, int] = field(default_factory=dict)
+    per_tenant_recomputed_tokens: dict[TenantId, int] = field(default_factory=dict)
+
+    def record_first_admission(self, tenant: TenantId, num_query_tokens: int,
+                               num_hit_tokens: int) -> None:
+        """Counts one request's prefix-cache lookup (tokens)."""
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        _add(self.per_tenant_queries, tenant, num_query_tokens)
+        _add(self.per_tenant_hits, tenant, num_hit_tokens)
+
+    def record_recompute(self, tenant: TenantId, num_tokens: int) -> None:
+        """Counts tokens a re-admitted preempted request computes again."""
+        self.num_recomputed_tokens += num_tokens
+        _add(self.per_tenant_recomputed_tokens, tenant, num_tokens)
+
+
+@dataclass(frozen=True)
+class EvictionCount:
+    """Blocks of ``tenant`` evicted for ``reason``; ``evicted_by`` set for ``capacity`` only."""
+
+    tenant: TenantId
+    reason: str
+    evicted_by: TenantId
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's prefix-cache accounting at snapshot time.
+
+    Attributes:
+        prefix_cache_queries: prompt tokens looked up (cumulative).
+        prefix_cache_hits: of those, tokens served from the cache (cumulative).
+        prefix_cache_recomputed_tokens: tokens recomputed after preemption (cumulative).
+        resident_blocks: the tenant's blocks that carry a hash now, free or in use (gauge).
+        evictions: ``reason -> blocks`` of this tenant evicted (cumulative; every reason present).
+        evictions_caused: ``victim tenant -> blocks`` that this tenant's allocations evicted for
+            capacity (cumulative; may include the tenant itself).
+    """
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_recomputed_tokens: int = 0
+    resident_blocks: int = 0
+    evictions: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType(dict.fromkeys(EVICTION_REASONS, 0)))
+    evictions_caused: Mapping[TenantId, int] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / queries, or None before the first query."""
+        if self.prefix_cache_queries == 0:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class EngineStatsSnapshot:
+    """Engine counters and gauges at one instant (plain frozen data, safe across threads).
+
+    Blocks: ``num_blocks_free`` counts every block with ``ref_cnt == 0`` (cached ones included,
+    they are evictable, vLLM semantics); ``num_blocks_used`` those pinned by requests;
+    ``num_blocks_cached`` those carrying a hash, free or in use. ``kv_cache_usage`` is
+    ``used / total`` in [0, 1] (vLLM ``kv_cache_usage_perc`` is a fraction too).
+    Counters are cumulative since engine start (tokens, blocks or requests as named).
+    """
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    kv_cache_usage: float
+    num_requests_running: int
+    num_requests_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_recomputed_tokens: int
+    evictions: Mapping[str, int]
+    eviction_counts: tuple[EvictionCount, ...]
+    tenants: Mapping[TenantId, TenantStats]
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Global hits / queries, or None before the first query."""
+        if self.prefix_cache_queries == 0:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def check_integrity(self) -> None:
+        """Asserts that per-tenant sums equal the globals and the block gauges add up.
+
+        Raises:
+            AssertionError: with a message naming the broken invariant.
+        """
+        tenants = self.tenants.values()
+        assert self.num_blocks_free + self.num_blocks_used == self.num_blocks_total, \
+            "free + used != total blocks"
+        assert 0 <= self.num_blocks_cached <= self.num_blocks_total, "cached blocks out of range"
+        assert abs(self.kv_cache_usage - self.num_blocks_used / self.num_blocks_total) < 1e-12, \
+            "kv_cache_usage != used / total"
+        assert sum(t.prefix_cache_queries for t in tenants) == self.prefix_cache_queries, \
+            "per-tenant queries do not sum to the global counter"
+        assert sum(t.prefix_cache_hits for t in tenants) == self.prefix_cache_hits, \
+            "per-tenant hits do not sum to the global counter"
+        assert sum(t.prefix_cache_recomputed_tokens for t in tenants) \
+            == self.prefix_cache_recomputed_tokens, \
+            "per-tenant recomputed tokens do not sum to the global counter"
+        assert sum(t.resident_blocks for t in tenants) == self.num_blocks_cached, \
+            "per-tenant resident blocks do not sum to the cached blocks"
+        for t in tenants:
+            assert 0 <= t.prefix_cache_hits <= t.prefix_cache_queries, "hits exceed queries"
+            assert t.resident_blocks >= 0, "negative resident blocks"
+        for reason in EVICTION_REASONS:
+            total = self.evictions[reason]
+            assert sum(t.evictions[reason] for t in tenants) == total, \
+                f"per-tenant {reason} evictions do not sum to the global counter"
+            assert sum(c.num_blocks for c in self.eviction_counts if c.reason == reason) \
+                == total, f"{reason} eviction rows do not sum to the global counter"
+        assert sum(sum(t.evictions_caused.values()) for t in tenants) \
+            == self.evictions["capacity"], "caused evictions != capacity evictions"
+
+
+def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
+    """Copies the scheduler's and its block pool's accounting into a frozen snapshot.
+
+    Call on the thread that owns the scheduler (the engine thread); O(tenants^2 + reasons), never
+    O(num_blocks). Never modifies any state.
+    """
+    pool = scheduler.kv.block_pool
+    pstats, sstats = pool.stats, scheduler.stats
+    ids: set[TenantId] = (set(sstats.per_tenant_queries) | set(sstats.per_tenant_recomputed_tokens)
+                          | set(pstats.resident_blocks))
+    evictions: dict[TenantId, dict[str, int]] = {}
+    caused: dict[TenantId, dict[TenantId, int]] = {}
+    rows = []
+    for (owner, reason, by), n in sorted(pstats.evictions.items(), key=_row_key):
+        rows.append(EvictionCount(owner, reason, by, n))
+        _add(evictions.setdefault(owner, dict.fromkeys(EVICTION_REASONS, 0)), reason, n)
+        ids.add(owner)
+        if reason == "capacity":
+            _add(caused.setdefault(by, {}), owner, n)
+            ids.add(by)
+    tenants = {
+        t: TenantStats(
+            prefix_cache_queries=sstats.per_tenant_queries.get(t, 0),
+            prefix_cache_hits=sstats.per_tenant_hits.get(t, 0),
+            prefix_cache_recomputed_tokens=sstats.per_tenant_recomputed_tokens.get(t, 0),
+            resident_blocks=pstats.resident_blocks.get(t, 0),
+            evictions=MappingProxyType(evictions.get(t, dict.fromkeys(EVICTION_REASONS, 0))),
+            evictions_caused=MappingProxyType(caused.get(t, {})))
+        for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
+    num_free = pool.get_num_free_blocks()
+    return EngineStatsSnapshot(
+        num_blocks_total=pool.num_blocks, num_blocks_free=num_free,
+        num_blocks_used=pool.num_used_blocks, num_blocks_cached=pool.get_num_cached_blocks(),
+        kv_cache_usage=pool.get_usage(),
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=len(scheduler.waiting),
+        num_preemptions=sstats.num_preemptions,
+        prefix_cache_queries=sstats.prefix_cache_queries,
+        prefix_cache_hits=sstats.prefix_cache_hits,
+        prefix_cache_recomputed_tokens=sstats.num_recomputed_tokens,
+        evictions=MappingProxyType(dict(pstats.num_evictions)),
+        eviction_counts=tuple(rows),
+        tenants=MappingProxyType(tenants))
+
+
+def _row_key(item: tuple[tuple[TenantId, str, TenantId], int]) -> tuple:
+    (owner, reason, by), _ = item
+    return (owner or "", reason, by or "")
