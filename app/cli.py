@@ -89,21 +89,22 @@ def serve(**opts: Any) -> None:
     app = create_app(AsyncLLM(engine), boot.repo, settings.max_request_body_bytes,
                      settings.metrics_token)
     base = f"http://{settings.host}:{settings.port}"
-    key_hint = boot.demo_key or (f"$(cat {boot.demo_key_file})" if boot.demo_key_file
-                                 else "<your API key>")
     if boot.demo_key:
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
                    f"0600 in {boot.demo_key_file}):\n\n    {boot.demo_key}\n")
+    key_file = boot.demo_key_file or "<file with your API key>"
     name = engine.served_model_name
     click.echo(f"""Try it:
 
   curl {base}/v1/chat/completions \\
-    -H "Authorization: Bearer {key_hint}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -H "Authorization: Bearer $(cat {key_file})" -H "Content-Type: application/json" \\
+    -d '{{"model": "{name}", "max_tokens": 64,
+         "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
+  from pathlib import Path
   from openai import OpenAI
-  client = OpenAI(base_url="{base}/v1", api_key="{key_hint if boot.demo_key else '<key>'}")
-  r = client.chat.completions.create(model="{name}",
+  client = OpenAI(base_url="{base}/v1", api_key=Path("{key_file}").read_text().strip())
+  r = client.chat.completions.create(model="{name}", max_tokens=64,
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
