@@ -9,12 +9,82 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collections.abc import Callable
+import functools
+import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+POSTGRES_URL = os.environ.get(
+    "SALTSERVE_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+)
+
+
+@functools.cache
+def _postgres_unreachable_reason() -> str | None:
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tenants.db import make_engine
+
+    engine = make_engine(POSTGRES_URL)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except (SQLAlchemyError, ImportError, OSError) as exc:  # driver or network: not available
+        return f"PostgreSQL not reachable at {make_url(POSTGRES_URL).render_as_string()}: " + (
+            type(exc).__name__
+        )
+    finally:
+        engine.dispose()
+    return None
+
+
+def _drop_all(engine) -> None:
+    from sqlalchemy import text
+
+    from tenants.models import Base
+
+    Base.metadata.drop_all(engine)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database URL with an empty database (nothing migrated yet): SQLite in tmp_path, or a
+    throw-away schema on PostgreSQL (skipped cleanly when PostgreSQL is unreachable)."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    from tenants.db import make_engine
+
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tenants.db'}"
+        return
+    reason = _postgres_unreachable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    schema = f"t_{secrets.token_hex(6)}"
+    admin = make_engine(POSTGRES_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    scoped = make_engine(url)
+    try:
+        _drop_all(scoped)
+        yield url.render_as_string(hide_password=False)
+    finally:
+        _drop_all(scoped)
+        scoped.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
 TEST_DATA_DIR = REPO_ROOT / ".cache" / "test-data"
 
 

@@ -33,8 +33,8 @@ class AppEnv:
         return {"Authorization": f"Bearer {key}"}
 
 
-def make_repo(tmp: Path) -> TenantRepository:
-    db = make_engine(f"sqlite:///{tmp / 'app.db'}")
+def make_repo(tmp: Path, database_url: str | None = None) -> TenantRepository:
+    db = make_engine(database_url or f"sqlite:///{tmp / 'app.db'}")
     run_migrations(db)
     return TenantRepository(make_session_factory(db),
                             SaltCipher(decode_master_key(generate_master_key())))
@@ -42,14 +42,15 @@ def make_repo(tmp: Path) -> TenantRepository:
 
 @contextmanager
 def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
-                  **engine_overrides) -> Iterator[AppEnv]:
+                  database_url: str | None = None, **engine_overrides) -> Iterator[AppEnv]:
     """A running app over a fresh engine and database with tenants A and B (one key each).
 
     Args:
         metrics_token: passed to ``create_app`` (None: ``/metrics`` answers 403).
+        database_url: tenants database (default: SQLite in ``tmp``).
         engine_overrides: ``EngineConfig`` fields; default max_model_len 512 and 128 KV blocks.
     """
-    repo = make_repo(tmp)
+    repo = make_repo(tmp, database_url)
     a = repo.create_tenant("tenant-a")
     b = repo.create_tenant("tenant-b")
     key_a, _ = repo.create_api_key(a.id)
