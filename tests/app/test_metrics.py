@@ -286,6 +286,34 @@ def test_hit_rate_estimate_from_usage_log_matches_counters(env):
     assert_idle_and_consistent(env, after)
 
 
+def test_preemption_with_unique_prompts_counts_recompute_not_hits(env):
+    from concurrent.futures import ThreadPoolExecutor
+
+    reset(env)
+    m, a = env.model, env.tenant_a
+    # Three concurrent requests of 80 unique tokens (5 blocks each: all three are admitted)
+    # growing to 160 tokens need 3 x 10 = 30 blocks of the pool's 20.
+    prompts = [prompt_of(100 + i, 80) for i in range(3)]
+    before = scrape(env)
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda p: complete(env, env.key_a, p, max_tokens=80,
+                                                ignore_eos=True), prompts))
+    after = scrape(env)
+
+    def d(name: str, **labels: str) -> float:
+        return after.get(name, **labels) - before.get(name, **labels)
+
+    lab = {"model_name": m, "tenant": a}
+    assert [o["usage"]["completion_tokens"] for o in outs] == [80, 80, 80]
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == [0, 0, 0]
+    assert d("num_preemptions_total", model_name=m) >= 1
+    assert d("prefix_cache_queries_total", **lab) == 240   # once per request, not per admission
+    assert d("prefix_cache_hits_total", **lab) == 0         # hit rate stays 0
+    assert d("prefix_cache_recomputed_tokens_total", **lab) > 0
+    assert d("requests_total", **lab, status="ok") == 3
+    assert_idle_and_consistent(env, after)
+
+
 def wait_for_usage(env, tenant: str, ids: set[str]) -> list:
     deadline = time.time() + 10
     while True:  # usage is written off the request path
