@@ -1,0 +1,116 @@
+"""``paged_attention`` (Triton, interpreted on CPU) == ``paged_attention_ref`` (fp32 torch loops).
+
+Batches are ``[(context_len, query_len), ...]``; block tables are random permutations of the pool,
+so blocks are never contiguous, and ``seq_len % block_size != 0`` gives partial last blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, assert_close, make_batch
+
+from engine.attention import AttentionMetadata, paged_attention_torch
+from kernels.paged_attention import paged_attention
+from kernels.reference import paged_attention_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _dtype_id(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+# Every case of the unified kernel in one batch: prefill with empty context, prefill on a cached
+# prefix (partial last block), decode, "fully cached but the last token" (a prefix-cache hit of
+# 48 = 3 full blocks of 16), chunked prefill across the 64-token key tile boundary.
+MIXED = [(0, 23), (37, 1), (20, 14), (48, 1), (70, 9)]
+
+SCENARIOS = {
+    "prefill-empty-context": [(0, 37), (0, 5), (0, 1)],
+    "prefill-cached-prefix": [(32, 20), (16, 3), (45, 30)],
+    "last-token-only": [(64, 1), (32, 1), (96, 1)],
+    "decode": [(40, 1), (17, 1), (0, 1), (130, 1)],
+    "chunked-prefill": [(16, 16), (64, 64), (3, 5)],
+    "empty-query-seq": [(10, 4), (30, 0), (0, 6)],
+}
+
+
+def _check(batch, **kwargs) -> None:
+    out = paged_attention(*batch.args, **kwargs)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    assert_close(out, paged_attention_ref(*batch.args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (80, 16)],
+                         ids=["d64-bs16", "d128-bs32", "d80-bs16"])
+@pytest.mark.parametrize("group", [1, 3, 4], ids=lambda g: f"gqa{g}")
+def test_mixed_batch_matches_reference(dtype, head_dim, block_size, group):
+    batch = make_batch(MIXED, num_kv_heads=2, group=group, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, seed=head_dim + group)
+    _check(batch)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_scenarios_match_reference(scenario, block_size):
+    batch = make_batch(SCENARIOS[scenario], num_kv_heads=2, group=4, head_dim=96,
+                       block_size=block_size, dtype=torch.bfloat16, seed=block_size)
+    _check(batch, max_query_len=max(batch.query_lens))
+
+
+@pytest.mark.parametrize("seqs", [[(130, 1), (5, 1), (64, 1)], MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_k_matches_reference(seqs, num_splits):
+    """Split-K is only chosen automatically on CUDA; forced here, including more segments than
+    key tiles (empty segments) and a mixed batch."""
+    batch = make_batch(seqs, num_kv_heads=1, group=3, head_dim=64, block_size=16,
+                       dtype=torch.float16, seed=num_splits)
+    _check(batch, num_splits=num_splits)
+
+
+def test_strided_query_and_out_buffer():
+    """Query sliced out of a fused qkv projection; output written into a strided ``out``."""
+    batch = make_batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16,
+                       dtype=torch.float32)
+    t, h, d = batch.query.shape
+    fused = torch.randn(t, h * d + 2 * d, device=DEVICE)
+    query = fused[:, :h * d].view(t, h, d)
+    query.copy_(batch.query)
+    assert not query.is_contiguous()
+    out_buf = torch.full((t, h, d + 5), float("nan"), device=DEVICE)
+    out = out_buf[..., :d]
+    ret = paged_attention(query, *batch.args[1:], out=out)
+    assert ret is out
+    assert_close(out, paged_attention_ref(*batch.args))
+    assert torch.isnan(out_buf[..., d:]).all()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_agrees_with_engine_torch_backend(group):
+    """The reference and the engine's SDPA backend are two independent torch implementations."""
+    batch = make_batch(MIXED, num_kv_heads=2, group=group, head_dim=64, block_size=16,
+                       dtype=torch.float32)
+    seq_lens = tuple(batch.seq_lens.tolist())
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64),
+                             query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                             block_tables=batch.block_tables, query_lens_cpu=batch.query_lens,
+                             seq_lens_cpu=seq_lens, block_size=16)
+    expected = paged_attention_torch(batch.query, batch.key_cache, batch.value_cache, meta,
+                                     batch.args[-1])
+    torch.testing.assert_close(paged_attention_ref(*batch.args), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_bad_inputs():
+    batch = make_batch([(3, 2)], num_kv_heads=2, group=2, head_dim=64, block_size=16,
+                       dtype=torch.float32)
+    q, kc, vc, qsl, sl, bt, scale = batch.args
+    with pytest.raises(AssertionError):           # heads not a multiple of kv heads
+        paged_attention(q[:, :3], kc, vc, qsl, sl, bt, scale)
+    with pytest.raises(AssertionError):           # int64 metadata
+        paged_attention(q, kc, vc, qsl.long(), sl, bt, scale)
+    with pytest.raises(AssertionError):           # dtype mismatch
+        paged_attention(q.half(), kc, vc, qsl, sl, bt, scale)
+    with pytest.raises(AssertionError):           # head_dim mismatch
+        paged_attention(q[..., :32], kc, vc, qsl, sl, bt, scale)
