@@ -92,6 +92,9 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (loop, q)
+        if not self.is_running:  # the loop died between the check above and registering
+            self._streams.pop(request.request_id, None)
+            raise EngineDeadError("engine is not running")
         self._send("add", request)
         finished = False
         last_token_time: float | None = None
@@ -158,6 +161,8 @@ class AsyncLLM:
                 self.engine.abort_request(payload)
             elif kind == "call":
                 fn, fut = payload
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the caller gave up (cancelled) before we got to it
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
@@ -167,20 +172,33 @@ class AsyncLLM:
         import torch
 
         torch.set_grad_enabled(False)
-        while not self._stop:
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            try:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
                 outputs = self.engine.step()
-            except Exception as e:  # a model/kernel failure: fail everyone, stop serving
-                logger.exception("engine step failed; stopping the engine loop")
-                self.errored = e
-                for rid in list(self._streams):
-                    self._deliver(rid, EngineDeadError("engine step failed"))
-                return
-            self.last_step_time = time.monotonic()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+                self.last_step_time = time.monotonic()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except Exception as e:  # a model/kernel/engine failure: fail everyone, stop serving
+            logger.exception("engine loop failed; stopping it")
+            self.errored = e
+        finally:
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """On loop exit: answers every queued command and open stream with EngineDeadError."""
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                fut = payload[1]
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineDeadError("engine is not running"))
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError("engine is not running"))

@@ -7,6 +7,7 @@ lookup, slot allocation) -> ``ModelRunner.execute`` (prefill chunks and decodes 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"--dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
     return dtypes[name]
+
+
+def _generation_config_eos(model_dir: Path) -> set[int]:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 class LLMEngine:
@@ -81,7 +92,9 @@ class LLMEngine:
             raise ValueError(f"the KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), "
                              f"fewer than one request of --max-model-len {max_model_len}; raise "
                              "the KV cache budget or lower --max-model-len")
-        eos = set(model_cfg.eos_token_ids)
+        # Stop ids: config.json's, generation_config.json's (e.g. Llama 3's <|eot_id|>) and the
+        # tokenizer's eos (vLLM reads the same three sources).
+        eos = set(model_cfg.eos_token_ids) | _generation_config_eos(model_dir)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.cache_info = CacheInfo(num_blocks, bs, max_model_len, per_block, tuple(sorted(eos)),
@@ -122,7 +135,7 @@ class LLMEngine:
         limit = self.cache_info.max_model_len
         if n >= limit:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the prompt "
-                             f"has {n} tokens and at least 1 output token is needed", "messages")
+                             f"has {n} tokens and at least 1 output token is needed", "prompt")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"token ids must be in [0, {vocab})", "prompt")
