@@ -202,13 +202,13 @@ class LLMEngine:
             new_ids = [req.output_token_ids[-1]]
             detok = self.detokenizers[req.request_id]
             delta = detok.add_tokens(new_ids, req.status.finished)
-            if detok.stopped_by is not None and not req.status.finished:
+            if detok.stopped_by is not None:  # a stop string matched; delta holds the rest
                 req.stop_reason = detok.stopped_by
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                delta += detok.add_tokens([], True)
-            elif detok.stopped_by is not None:
-                req.stop_reason = detok.stopped_by
-                req.status = RequestStatus.FINISHED_STOPPED
+                if req.status.finished:  # finished by a token rule in the same step
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(req, new_ids, delta))
         return outputs
 
