@@ -2,7 +2,8 @@
 
 Each ``schedule()`` call builds one step under a token budget (``max_num_batched_tokens``), like
 vLLM v1: running requests first (decodes and unfinished prefill chunks, FCFS), then waiting
-requests as budget, ``max_num_seqs`` and free blocks allow. When a running request cannot get a
+requests as budget, ``max_num_seqs`` and free blocks allow, in per-tenant fair order (the tenant
+with the fewest running requests first; FCFS within a tenant). When a running request cannot get a
 block, the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the head of the waiting queue to be recomputed later (recompute is never a cache hit).
 """
@@ -123,14 +124,14 @@ class Scheduler:
 
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
+            req = self._next_waiting()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             req.num_computed_tokens = num_hit_tokens
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 req.num_computed_tokens = 0
                 break  # FCFS: later requests wait behind this one
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             if req.num_cached_tokens < 0:  # first admission: the only time hits count
                 req.num_cached_tokens = num_hit_tokens
@@ -144,6 +145,22 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted))
+
+    def _next_waiting(self) -> Request:
+        """Per-tenant fair admission order.
+
+        A preempted request at the head goes first (it already waited). Otherwise the oldest
+        waiting request of the tenant with the fewest running requests is next, so one tenant's
+        backlog cannot starve the others; within a tenant the order stays FCFS. If that request
+        does not fit, admission stops for this step (no smaller request jumps ahead of it).
+        """
+        head = self.waiting[0]
+        if head.status == RequestStatus.PREEMPTED or len(self.waiting) == 1:
+            return head
+        running: dict[str | None, int] = {}
+        for r in self.running:
+            running[r.tenant_id] = running.get(r.tenant_id, 0) + 1
+        return min(self.waiting, key=lambda r: running.get(r.tenant_id, 0))  # min is stable
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, num_new,

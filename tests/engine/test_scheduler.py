@@ -172,13 +172,31 @@ def test_same_prompt_admitted_in_one_step_hits_blocks_cached_that_step() -> None
     for r in (a, b, c):
         sched.add_request(r)
     out, rows = step(sched)
-    assert rows == [("a", 0, 40, True), ("b", 32, 8, True), ("c", 0, 40, True)]
-    assert [s.block_ids for s in out.scheduled] == [(0, 1, 2), (0, 1, 3), (4, 5, 6)]
+    # Fair admission: after a (t1) runs, t2's c goes before t1's second request b.
+    assert rows == [("a", 0, 40, True), ("c", 0, 40, True), ("b", 32, 8, True)]
+    assert [s.block_ids for s in out.scheduled] == [(0, 1, 2), (3, 4, 5), (0, 1, 6)]
     assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 32, 0)
     assert sched.stats.per_tenant_hits == {"t1": 32, "t2": 0}
     assert sched.stats.per_tenant_queries == {"t1": 80, "t2": 40}
     assert sched.stats.prefix_cache_hits == sum(sched.stats.per_tenant_hits.values())
     assert sched.stats.prefix_cache_queries == sum(sched.stats.per_tenant_queries.values())
+    assert_idle(sched)
+
+
+def test_admission_is_fair_across_tenants_and_fcfs_within_one() -> None:
+    sched = make_scheduler()
+    sched.max_num_seqs = 2
+    flood = [make_request(f"a{i}", list(range(100 * i, 100 * i + 20)), max_tokens=1,
+                          tenant="t1") for i in range(1, 5)]
+    late = make_request("b1", list(range(900, 920)), max_tokens=1, tenant="t2")
+    for r in (*flood, late):
+        sched.add_request(r)
+    _, rows = step(sched)
+    assert [r[0] for r in rows] == ["a1", "b1"]      # t2 is not stuck behind t1's backlog
+    _, rows = step(sched)
+    assert [r[0] for r in rows] == ["a2", "a3"]      # t1's own requests stay in order
+    _, rows = step(sched)
+    assert [r[0] for r in rows] == ["a4"]
     assert_idle(sched)
 
 
