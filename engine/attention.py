@@ -38,6 +38,9 @@ class AttentionMetadata:
         token_slots: [num_seqs, max_num_blocks * block_size] int64, the cache slot of every
             context position (``block_tables`` expanded once per step for the torch backend).
         has_padding: whether ``slot_mapping`` contains -1 entries.
+        cascade_prefix_len: tokens of context (whole blocks) shared by the block tables of every
+            decode sequence (query_len 1) in the batch, or 0; the torch backend then attends
+            over that shared prefix once for all of them (cascade attention, as vLLM does).
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +52,7 @@ class AttentionMetadata:
     block_size: int
     token_slots: torch.Tensor | None = None
     has_padding: bool = False
+    cascade_prefix_len: int = 0
 
     @staticmethod
     def expand_token_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -147,6 +151,83 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     return out
 
 
+# Below this many shared tokens (or decode sequences) the one-pass batched decode is cheaper.
+CASCADE_MIN_PREFIX_TOKENS = 256
+CASCADE_MIN_SEQS = 4
+
+
+def shared_prefix_blocks(tables: list[tuple[int, ...]], seq_lens: list[int],
+                         block_size: int) -> int:
+    """Leading block ids common to every table, capped so each sequence keeps >= 1 own token.
+
+    Args:
+        tables: block tables of the decode sequences.
+        seq_lens: their context + query lengths (tokens).
+
+    Returns:
+        Number of shared whole blocks.
+    """
+    limit = (min(seq_lens) - 1) // block_size
+    first = tables[0]
+    n = 0
+    while n < limit and all(len(t) > n and t[n] == first[n] for t in tables):
+        n += 1
+    return n
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning (output, log-sum-exp), fp32 math.
+
+    q: [..., M, D], k/v: [..., N, D], mask: broadcastable to [..., M, N] (True = keep).
+    Returns out [..., M, D] and lse [..., M].
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out, lse
+
+
+def _decode_cascade(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, idx: torch.Tensor,
+                    rows: torch.Tensor, seq_lens: list[int], out: torch.Tensor) -> None:
+    """Decode attention split at the shared prefix (cascade attention), merged by log-sum-exp.
+
+    The prefix's K/V are gathered once and attended by all B queries in one matmul instead of
+    being gathered B times; each sequence then attends over its own suffix.
+    """
+    assert meta.token_slots is not None
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    B, H = rows.shape[0], query.shape[1]
+    G = H // num_kv_heads
+    P, L = meta.cascade_prefix_len, max(seq_lens)
+    q = query[rows].view(B, num_kv_heads, G, head_dim)                       # [B, KVH, G, D]
+
+    prefix_slots = meta.token_slots[idx[0], :P]
+    kp = flat_k[prefix_slots].permute(1, 0, 2)                               # [KVH, P, D]
+    vp = flat_v[prefix_slots].permute(1, 0, 2)
+    qp = q.permute(1, 0, 2, 3).reshape(num_kv_heads, B * G, head_dim)        # [KVH, B*G, D]
+    o1, lse1 = _attend(qp, kp, vp, None, scale)
+    o1 = o1.view(num_kv_heads, B, G, head_dim).permute(1, 0, 2, 3)           # [B, KVH, G, D]
+    lse1 = lse1.view(num_kv_heads, B, G).permute(1, 0, 2)                    # [B, KVH, G]
+
+    suffix_slots = meta.token_slots[idx, P:L]                                # [B, S]
+    ks = flat_k[suffix_slots].permute(0, 2, 1, 3)                            # [B, KVH, S, D]
+    vs = flat_v[suffix_slots].permute(0, 2, 1, 3)
+    lens = torch.tensor(seq_lens, device=query.device)
+    keep = (P + torch.arange(L - P, device=query.device))[None, :] < lens[:, None]  # [B, S]
+    o2, lse2 = _attend(q, ks, vs, keep[:, None, None, :], scale)             # [B, KVH, G, *]
+
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
+    merged = (w1 * o1 + w2 * o2) / (w1 + w2)
+    out[rows] = merged.reshape(B, H, head_dim).to(out.dtype)
+
+
 def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, ids: list[int], starts: list[int],
                   out: torch.Tensor) -> None:
@@ -156,6 +237,9 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     max_blocks = -(-max_len // block_size)
     idx = torch.tensor(ids, device=query.device)
     rows = torch.tensor([starts[i] for i in ids], device=query.device)
+    if meta.cascade_prefix_len and meta.token_slots is not None:
+        _decode_cascade(query, key_cache, value_cache, meta, scale, idx, rows, seq_lens, out)
+        return
     if meta.token_slots is not None:
         slots = meta.token_slots[idx, :max_len]                              # [B, L]
         k = key_cache.view(-1, *key_cache.shape[2:])[slots].transpose(1, 2)  # [B, KVH, L, D]

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import (
+    CASCADE_MIN_PREFIX_TOKENS,
+    CASCADE_MIN_SEQS,
+    AttentionMetadata,
+    shared_prefix_blocks,
+)
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
@@ -85,7 +90,9 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs,
             token_slots=(AttentionMetadata.expand_token_slots(block_tables, bs).to(dev)
-                         if self.model.uses_token_slots else None))
+                         if self.model.uses_token_slots else None),
+            cascade_prefix_len=(self._cascade_prefix_len(tables, query_lens, seq_lens)
+                                if self.model.uses_token_slots else 0))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)
@@ -96,6 +103,16 @@ class ModelRunner:
         gens = [self._generator(r.request_id, r.sampling_params.seed) for r in sampled_reqs]
         tokens = sample(logits, params, gens)
         return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+
+    def _cascade_prefix_len(self, tables: list[tuple[int, ...]], query_lens: list[int],
+                            seq_lens: list[int]) -> int:
+        """Tokens shared by every decode sequence's block table when worth a cascade, else 0."""
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        if len(decode) < CASCADE_MIN_SEQS:
+            return 0
+        n = shared_prefix_blocks([tables[i] for i in decode], [seq_lens[i] for i in decode],
+                                 self.block_size)
+        return n * self.block_size if n * self.block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

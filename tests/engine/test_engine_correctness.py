@@ -105,3 +105,37 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
     assert engine.scheduler.stats.num_preemptions > 0
     assert engine.scheduler.stats.num_recomputed_tokens > 0
     assert out == hf_outputs
+
+
+def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
+                                                             model_dir, monkeypatch):
+    import engine.attention as attention
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    real = attention._decode_cascade
+    monkeypatch.setattr(attention, "_decode_cascade",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    system = " ".join(f"Rule {i}: keep bridge {i} inspected and painted." for i in range(24))
+    prompts = [tokenizer.encode(system + q) for q in
+               (" Summary:", " Question: which rule is first?", " The most important rule is",
+                " In short,")]
+    assert min(map(len, prompts)) > 280
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            o = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
+                            min_new_tokens=8, do_sample=False)
+            expected.append(o[0, len(ids):].tolist())
+    engine = make_llm_engine()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"cascade-{i}", tuple(ids), params, tenant_id="t"))
+    got: dict[str, list[int]] = {f"cascade-{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[f"cascade-{i}"] for i in range(len(prompts))] == expected
+    assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step used the cascade
