@@ -109,8 +109,9 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
 
 def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
                                                              model_dir, monkeypatch):
-    import engine.attention as attention
     from transformers import AutoModelForCausalLM
+
+    from engine import attention
 
     calls = []
     real = attention._decode_cascade
