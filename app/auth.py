@@ -1,63 +1,226 @@
-"""Authentication as injected dependencies: ``Authorization: Bearer <api key>`` -> tenant, and
-``Authorization: Bearer <scrape token>`` for ``/metrics``."""
+"""Authentication and roles as injected dependencies (deny by default).
+
+One path, ``authenticate``: ``Authorization: Bearer <token>`` where the token is either
+
+- a tenant API key (``ss-<key id>-<secret>``, recognised by its prefix) -> role ``tenant``, or
+- a JWT (``tenants.tokens.JWTVerifier``: platform-issued or external IdP) -> role from its role
+  claim (``tenant`` | ``admin``), tenant from its tenant claim (required for ``tenant``, optional
+  for ``admin``). A JWT naming an unknown tenant is refused (401); one naming a disabled tenant
+  gets 403 on tenant routes (an admin JWT stays an admin on ``/admin``).
+
+Dependencies:
+
+- ``CurrentTenant`` (OpenAI routes): API key or tenant JWT. An admin JWT is accepted here only
+  when it names a tenant (it then acts as that tenant, e.g. for support); an admin JWT without a
+  tenant gets 403.
+- ``AdminPrincipal`` (``/admin``): admin JWT only; tenant credentials get 403. Every refusal
+  writes an ``auth.admin_denied`` audit row (reason and path, never the token).
+- ``MetricsScraper`` (``/metrics``): the scrape token or an admin JWT; tenants get 403.
+
+``CurrentTenant`` also notices a salt rotation done by another process (``saltserve tenants
+rotate-salt``): the first request that authenticates with a newer salt version than the server
+last saw for that tenant evicts the tenant's cached blocks (reason ``salt_rotation``) once,
+before it is served. Tokens, keys and salts are never logged.
+"""
 
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from app.errors import APIError
-from tenants.repository import AuthContext
+from tenants.api_keys import looks_like_api_key
+from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
+from tenants.repository import AuthContext, TenantRepository
+from tenants.tokens import JWTVerifier
+
+logger = logging.getLogger(__name__)
 
 
-async def current_tenant(request: Request) -> AuthContext:
-    """Resolves the bearer API key to its tenant and current salt.
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling.
 
-    Raises:
-        APIError 401: missing or malformed Authorization header.
-        tenants.errors.InvalidToken / TenantDisabled: mapped to 401 / 403 in ``app.errors``.
+    ``subject`` is the audit actor: the JWT ``sub``, or ``key:<key id>`` for an API key.
+    ``tenant`` is the resolved tenant context (None for an admin JWT that names no tenant).
     """
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-    repo = request.app.state.repo
-    return await run_in_threadpool(repo.authenticate_api_key, token.strip())
+
+    subject: str
+    role: Literal["tenant", "admin"]
+    via: Literal["api_key", "jwt"]
+    tenant: AuthContext | None
+    tenant_disabled: bool = False  # an admin JWT naming a disabled tenant (still an admin)
+
+    def __repr__(self) -> str:
+        return (f"Principal(subject={self.subject!r}, role={self.role!r}, via={self.via!r}, "
+                f"tenant={self.tenant.tenant_id if self.tenant else None!r})")
 
 
-CurrentTenant = Annotated[AuthContext, Depends(current_tenant)]
+def _missing() -> APIError:
+    return APIError(401, "missing credentials: send 'Authorization: Bearer <API key or JWT>'",
+                    None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
-def _bearer(request: Request) -> str | None:
+def bearer_token(request: Request) -> str | None:
+    """The bearer token of ``request``, or None when the header is absent or not Bearer."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
 
 
-async def metrics_scraper(request: Request) -> None:
-    """Admits a Prometheus scrape that presents the configured scrape token.
+def _authenticate_sync(repo: TenantRepository, verifier: JWTVerifier | None,
+                       token: str) -> Principal:
+    if looks_like_api_key(token):
+        ctx = repo.authenticate_api_key(token)
+        return Principal(f"key:{ctx.key_id}", "tenant", "api_key", ctx)
+    if verifier is None:
+        raise InvalidToken("bad_jwt")
+    claims = verifier.verify(token)
+    ctx, disabled = None, False
+    if claims.tenant_id is not None:
+        try:
+            ctx = repo.get_auth_context(claims.tenant_id)
+        except TenantNotFound:
+            raise InvalidToken("unknown_tenant") from None
+        except TenantDisabled:
+            if claims.role != "admin":
+                raise
+            disabled = True  # the admin may still manage it (e.g. enable it again)
+    return Principal(claims.subject, claims.role, "jwt", ctx, disabled)
 
-    The token comes from ``SALTSERVE_METRICS_TOKEN`` (``create_app(metrics_token=...)``); the
-    admin role (a later issue) will be accepted here too. Deny by default: with no token
-    configured nobody may scrape.
+
+async def authenticate(request: Request) -> Principal:
+    """Resolves the bearer token (API key or JWT) to a ``Principal``; cached per request.
 
     Raises:
-        APIError 403: no scrape token is configured.
-        APIError 401: missing or wrong token (constant-time comparison).
+        APIError 401: no bearer token.
+        InvalidToken (-> 401): bad key or JWT, or a JWT for an unknown tenant.
+        TenantDisabled (-> 403): the tenant is disabled.
+    """
+    cached = getattr(request.state, "principal", None)
+    if cached is not None:
+        return cached
+    token = bearer_token(request)
+    if token is None:
+        raise _missing()
+    state = request.app.state
+    principal = await run_in_threadpool(_authenticate_sync, state.repo,
+                                        getattr(state, "jwt_verifier", None), token)
+    request.state.principal = principal
+    return principal
+
+
+async def _note_salt_version(request: Request, ctx: AuthContext) -> None:
+    """Evicts a tenant's cached blocks once when its salt version moved on behind our back."""
+    seen: dict[str, int] = request.app.state.salt_versions
+    last = seen.get(ctx.tenant_id)
+    if last is not None and ctx.salt_version <= last:
+        return
+    seen[ctx.tenant_id] = ctx.salt_version  # before the await: exactly one request evicts
+    if last is None:
+        return  # first sight since start: nothing of this tenant can be cached yet
+    tenant_id = ctx.tenant_id
+    dropped = await request.app.state.engine.call(
+        lambda e: e.evict_tenant_cache(tenant_id, "salt_rotation"))
+    logger.info("tenant %s salt version %d -> %d: dropped %d cached blocks", tenant_id, last,
+                ctx.salt_version, dropped)
+
+
+async def current_tenant(request: Request) -> AuthContext:
+    """The calling tenant: an API key, a tenant JWT, or an admin JWT that names a tenant.
+
+    Raises:
+        APIError 401 / InvalidToken: missing or invalid credentials.
+        APIError 403: an admin JWT that names no tenant.
+        TenantDisabled (-> 403): the tenant is disabled.
+    """
+    principal = await authenticate(request)
+    if principal.tenant_disabled:
+        raise TenantDisabled("the tenant named by this admin token is disabled")
+    if principal.tenant is None:
+        raise APIError(403, "this route needs a tenant: use an API key or a JWT with a tenant "
+                       "claim", None, "tenant_required")
+    await _note_salt_version(request, principal.tenant)
+    return principal.tenant
+
+
+CurrentTenant = Annotated[AuthContext, Depends(current_tenant)]
+
+
+def _deny_admin(request: Request, actor: str, reason: str) -> None:
+    try:
+        request.app.state.repo.audit(actor, "auth.admin_denied", None,
+                                     f"reason={reason} {request.method} {request.url.path}")
+    except Exception as e:  # noqa: BLE001 - a failing audit write must not turn 401 into 500
+        logger.error("could not write auth.admin_denied audit row: %s", type(e).__name__)
+
+
+async def admin_principal(request: Request) -> Principal:
+    """An admin JWT (one naming a disabled tenant included). Failures are audited
+    (``auth.admin_denied``) and re-raised.
+
+    Raises:
+        APIError 401 / InvalidToken: missing or invalid credentials.
+        APIError 403: valid tenant credentials (``admin_required``).
+        TenantDisabled (-> 403): tenant credentials of a disabled tenant.
+    """
+    try:
+        principal = await authenticate(request)
+    except InvalidToken as e:
+        await run_in_threadpool(_deny_admin, request, "anonymous", e.reason)
+        raise
+    except APIError as e:
+        await run_in_threadpool(_deny_admin, request, "anonymous", e.code or "missing")
+        raise
+    except Exception as e:
+        await run_in_threadpool(_deny_admin, request, "anonymous", type(e).__name__)
+        raise
+    if principal.role != "admin":
+        await run_in_threadpool(_deny_admin, request, principal.subject, "not_admin")
+        raise APIError(403, "this route needs an admin token", None, "admin_required")
+    return principal
+
+
+AdminPrincipal = Annotated[Principal, Depends(admin_principal)]
+
+
+async def metrics_scraper(request: Request) -> None:
+    """Admits a Prometheus scrape: the configured scrape token or an admin JWT.
+
+    The scrape token comes from ``SALTSERVE_METRICS_TOKEN`` (``create_app(metrics_token=...)``)
+    and is compared in constant time. Deny by default.
+
+    Raises:
+        APIError 403: tenant credentials (``admin_required``), or no scrape token is configured
+            and the caller is not an admin (``metrics_disabled``).
+        APIError 401: missing or wrong token (``invalid_metrics_token``).
     """
     expected: str | None = request.app.state.metrics_token
+    token = bearer_token(request)
+    if token is not None and expected and hmac.compare_digest(token.encode(), expected.encode()):
+        return
+    principal = None
+    if token is not None:
+        try:
+            principal = await authenticate(request)
+        except Exception:  # noqa: BLE001 - invalid, disabled tenant, ...: not an admin
+            principal = None
+    if principal is not None and principal.role == "admin":
+        return
+    if principal is not None:
+        raise APIError(403, "metrics need the scrape token or an admin token", None,
+                       "admin_required")
     if not expected:
         raise APIError(403, "metrics are disabled: set SALTSERVE_METRICS_TOKEN to enable "
-                       "scraping", None, "metrics_disabled")
-    token = _bearer(request)
-    if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
-        raise APIError(401, "invalid or missing metrics token: send 'Authorization: Bearer "
-                       "<scrape token>'", None, "invalid_metrics_token",
-                       {"WWW-Authenticate": "Bearer"})
+                       "scraping, or use an admin token", None, "metrics_disabled")
+    raise APIError(401, "invalid or missing metrics token: send 'Authorization: Bearer "
+                   "<scrape token>'", None, "invalid_metrics_token",
+                   {"WWW-Authenticate": "Bearer"})
 
 
 MetricsScraper = Annotated[None, Depends(metrics_scraper)]

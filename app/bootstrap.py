@@ -11,6 +11,7 @@ from app.settings import Settings
 from tenants.crypto import SaltCipher, load_or_create_master_key
 from tenants.db import make_engine, make_session_factory, run_migrations
 from tenants.repository import TenantRepository
+from tenants.tokens import JWTVerifier, load_or_create_platform_key
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,18 @@ def open_repository(settings: Settings) -> TenantRepository:
     run_migrations(db)
     key = load_or_create_master_key(settings.data_dir, settings.master_key)
     return TenantRepository(make_session_factory(db), SaltCipher(key))
+
+
+def make_jwt_verifier(settings: Settings) -> JWTVerifier:
+    """The server's JWT verifier: the platform key (generated once into the data dir, 0600)
+    plus the optional external IdP key source from ``SALTSERVE_JWT_*``.
+
+    Raises:
+        ValueError: a bad ``SALTSERVE_JWT_*`` setting or key file.
+    """
+    prepare_data_dir(settings.data_dir)
+    platform = load_or_create_platform_key(settings.data_dir)
+    return JWTVerifier(settings.jwt_config(), platform.public_key())
 
 
 def write_secret_file(path: Path, text: str) -> None:

@@ -74,7 +74,7 @@ def serve(**opts: Any) -> None:
     """Start the OpenAI-compatible server (first start converts the model and creates a key)."""
     import uvicorn
 
-    from app.bootstrap import bootstrap
+    from app.bootstrap import bootstrap, make_jwt_verifier
     from app.server import create_app
     from engine.async_engine import AsyncLLM
     from engine.llm_engine import LLMEngine
@@ -83,11 +83,12 @@ def serve(**opts: Any) -> None:
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
     boot = bootstrap(settings)
     try:
+        verifier = make_jwt_verifier(settings)
         engine = LLMEngine(settings.engine_config(boot.model_dir))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     app = create_app(AsyncLLM(engine), boot.repo, settings.max_request_body_bytes,
-                     settings.metrics_token)
+                     settings.metrics_token, jwt_verifier=verifier)
     base = f"http://{settings.host}:{settings.port}"
     if boot.demo_key:
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
@@ -142,6 +143,47 @@ def tenants_list(**opts: Any) -> None:
     for t in open_repository(_settings(**opts)).list_tenants():
         state = "disabled" if t.disabled else "active"
         click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}")
+
+
+def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
+    from app.bootstrap import open_repository
+
+    repo = open_repository(_settings(**opts))
+    t = repo.update_tenant(_tenant_id(repo, tenant), disabled=disabled, actor="cli")
+    click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
+
+
+@tenants.command("disable")
+@click.argument("tenant")
+@_common
+def tenants_disable(tenant: str, **opts: Any) -> None:
+    """Disable TENANT (name or id): its keys and tokens are refused from the next request."""
+    _set_disabled(tenant, True, opts)
+
+
+@tenants.command("enable")
+@click.argument("tenant")
+@_common
+def tenants_enable(tenant: str, **opts: Any) -> None:
+    """Enable TENANT (name or id) again."""
+    _set_disabled(tenant, False, opts)
+
+
+@tenants.command("rotate-salt")
+@click.argument("tenant")
+@_common
+def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
+    """Rotate TENANT's salt (name or id): the new version is current at once.
+
+    A running server sees the new version on the tenant's next request and drops the tenant's
+    old cached blocks then (reason salt_rotation); they are unreachable from that moment.
+    """
+    from app.bootstrap import open_repository
+
+    repo = open_repository(_settings(**opts))
+    tenant_id = _tenant_id(repo, tenant)
+    version = repo.rotate_salt(tenant_id, actor="cli")
+    click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}")
 
 
 @main.group()
@@ -203,6 +245,88 @@ def keys_revoke(key_id: str, **opts: Any) -> None:
     except TenantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"revoked {key_id}")
+
+
+@keys.command("rotate-master")
+@_common
+def keys_rotate_master(**opts: Any) -> None:
+    """Re-encrypt every tenant salt under a new master key (one transaction).
+
+    With the key file (default), the new key replaces ``master.key`` and the old one is kept as
+    ``master.key.bak`` (0600; delete it once backups no longer need it). With
+    ``SALTSERVE_MASTER_KEY`` set, the new key is printed once: put it in the environment.
+    Restart running servers afterwards.
+    """
+    from app.bootstrap import open_repository, write_secret_file
+    from tenants.crypto import (
+        MASTER_KEY_FILENAME,
+        SaltCipher,
+        decode_master_key,
+        generate_master_key,
+    )
+
+    settings = _settings(**opts)
+    repo = open_repository(settings)
+    new_text = generate_master_key()
+    new_cipher = SaltCipher(decode_master_key(new_text))
+    if settings.master_key:
+        n = repo.reencrypt_salts(new_cipher, actor="cli")
+        click.echo(f"re-encrypted {n} salts; set SALTSERVE_MASTER_KEY to the new key "
+                   "(shown once) and restart servers:", err=True)
+        click.echo(new_text)
+        return
+    path = settings.data_dir / MASTER_KEY_FILENAME
+    staged, backup = path.with_name(path.name + ".new"), path.with_name(path.name + ".bak")
+    write_secret_file(staged, new_text)
+    try:
+        n = repo.reencrypt_salts(new_cipher, actor="cli")
+    except BaseException:
+        staged.unlink()
+        raise
+    os.replace(path, backup)
+    os.chmod(backup, 0o600)
+    os.replace(staged, path)
+    click.echo(f"re-encrypted {n} salts under a new master key in {path} (old key kept in "
+               f"{backup}); restart running servers")
+
+
+@main.group()
+def token() -> None:
+    """Issue platform JWTs (signed with the data dir's Ed25519 key)."""
+
+
+@token.command("issue")
+@click.option("--tenant", default=None, help="Tenant name or id (required for --role tenant).")
+@click.option("--role", type=click.Choice(["tenant", "admin"]), default="tenant",
+              show_default=True)
+@click.option("--ttl", type=click.IntRange(min=1), default=3600, show_default=True,
+              help="Lifetime in seconds.")
+@click.option("--subject", default=None,
+              help="The sub claim, recorded as the audit actor. [admin | tenant:<id>]")
+@_common
+def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
+                **opts: Any) -> None:
+    """Print a signed JWT (shown once, never stored)."""
+    from app.bootstrap import open_repository, prepare_data_dir
+    from tenants.tokens import issue_token, load_or_create_platform_key
+
+    settings = _settings(**opts)
+    tenant_id = None
+    if tenant is not None:
+        tenant_id = _tenant_id(open_repository(settings), tenant)
+    elif role == "tenant":
+        raise click.UsageError("--role tenant needs --tenant")
+    try:
+        config = settings.jwt_config()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if "EdDSA" not in config.algorithms:
+        click.echo("warning: EdDSA is not in SALTSERVE_JWT_ALGORITHMS; servers will refuse "
+                   "this token", err=True)
+    key = load_or_create_platform_key(prepare_data_dir(settings.data_dir))
+    subject = subject or (role if tenant_id is None else f"{role}:{tenant_id}")
+    click.echo(issue_token(key, config, subject=subject, role=role,  # type: ignore[arg-type]
+                           tenant_id=tenant_id, ttl_s=ttl))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError
-from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
+from tenants.errors import (
+    ApiKeyNotFound,
+    DuplicateTenant,
+    InvalidToken,
+    TenantDisabled,
+    TenantNotFound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +76,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None, None,
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(exc.status_code, str(exc.detail), None, code,
                               getattr(exc, "headers", None))
 
     @app.exception_handler(InvalidToken)
     async def _invalid_token(_: Request, exc: InvalidToken) -> JSONResponse:
-        return error_response(401, "invalid or missing API key", None, "invalid_api_key",
+        return error_response(401, "invalid or missing credentials (API key or JWT)", None,
+                              "invalid_api_key",
                               {"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(TenantDisabled)
@@ -85,6 +93,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TenantNotFound)
     async def _not_found(_: Request, exc: TenantNotFound) -> JSONResponse:
         return error_response(404, "tenant not found", None, "tenant_not_found")
+
+    @app.exception_handler(ApiKeyNotFound)
+    async def _key_not_found(_: Request, exc: ApiKeyNotFound) -> JSONResponse:
+        return error_response(404, "API key not found", None, "api_key_not_found")
+
+    @app.exception_handler(DuplicateTenant)
+    async def _duplicate(_: Request, exc: DuplicateTenant) -> JSONResponse:
+        return error_response(409, "a tenant with this name already exists", "name",
+                              "tenant_exists")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:

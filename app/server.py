@@ -7,13 +7,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import error_response, install_error_handlers
+from app.limits import RateLimiter
 from app.metrics import ServerMetrics
-from app.routes import health, metrics, openai
+from app.routes import admin, health, metrics, openai
 from engine.async_engine import AsyncLLM
 from tenants.repository import TenantRepository
+from tenants.tokens import JWTVerifier
 
 
 class BodySizeLimit:
@@ -36,13 +39,13 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge()
+                    # FastAPI's body reader re-raises HTTPException as is (any other error
+                    # would become a 400), and app.errors renders it in the OpenAI shape.
+                    raise StarletteHTTPException(413, f"request body exceeds {self.max_bytes} "
+                                                      "bytes")
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         resp = error_response(413, f"request body exceeds {self.max_bytes} bytes", None,
@@ -50,13 +53,10 @@ class BodySizeLimit:
         await resp(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 def create_app(engine: AsyncLLM, repo: TenantRepository,
                max_request_body_bytes: int = 4 << 20,
-               metrics_token: str | None = None) -> FastAPI:
+               metrics_token: str | None = None,
+               jwt_verifier: JWTVerifier | None = None) -> FastAPI:
     """Builds the app around a constructed engine and tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it; buffered API-key
@@ -64,7 +64,10 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
 
     Args:
         metrics_token: bearer token that Prometheus presents on ``GET /metrics``
-            (``SALTSERVE_METRICS_TOKEN``); None or empty disables scraping (403).
+            (``SALTSERVE_METRICS_TOKEN``); None or empty disables scraping (403) except for
+            admin JWTs.
+        jwt_verifier: verifies bearer JWTs (platform and IdP keys); None refuses every JWT,
+            so only API keys work and the admin API is closed.
     """
 
     @asynccontextmanager
@@ -76,7 +79,10 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
             engine.shutdown()
             repo.flush_last_used()
 
-    app = FastAPI(title="saltserve", version="0.1.0", lifespan=lifespan)
+    # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
+    # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
+    app = FastAPI(title="saltserve", version="0.1.0", lifespan=lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)
     core = engine.engine
     app.state.engine = engine
     app.state.repo = repo
@@ -87,10 +93,15 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
     app.state.started_at = int(time.time())
     app.state.metrics = ServerMetrics(core.served_model_name)
     app.state.metrics_token = metrics_token or None
+    app.state.jwt_verifier = jwt_verifier
+    app.state.salt_versions = {}  # tenant id -> last salt version seen (app.auth)
+    app.state.limiter = RateLimiter()  # per-tenant rpm / tpm / concurrency (app/limits.py)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(metrics.router)
+    app.include_router(admin.router)
+    app.include_router(admin.schema_router)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     return app

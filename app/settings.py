@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from tenants.tokens import JWTConfig
 
 
 class Settings(BaseSettings):
@@ -31,6 +32,16 @@ class Settings(BaseSettings):
     metrics_token: str | None = Field(None, repr=False,
                                       description="bearer token for GET /metrics; unset = 403")
 
+    # JWT bearer tokens (tenants.tokens): platform-issued (key in data_dir) + optional external IdP.
+    jwt_algorithms: list[str] = ["EdDSA", "RS256"]
+    jwt_issuer: str = "saltserve"
+    jwt_audience: str = "saltserve"
+    jwt_leeway_s: float = 0.0
+    jwt_public_key_file: Path | None = None
+    jwt_jwks_url: str | None = None
+    jwt_tenant_claim: str = "tenant"
+    jwt_role_claim: str = "role"
+
     block_size: int = 16
     max_model_len: int | None = 8192
     max_num_seqs: int = 64
@@ -47,6 +58,14 @@ class Settings(BaseSettings):
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'saltserve.db').resolve()}"
+
+    def jwt_config(self) -> JWTConfig:
+        """Raises ValueError (from JWTConfig) naming the bad ``SALTSERVE_JWT_*`` setting."""
+        return JWTConfig(
+            algorithms=tuple(self.jwt_algorithms), issuer=self.jwt_issuer,
+            audience=self.jwt_audience, leeway_s=self.jwt_leeway_s,
+            tenant_claim=self.jwt_tenant_claim, role_claim=self.jwt_role_claim,
+            public_key_file=self.jwt_public_key_file, jwks_url=self.jwt_jwks_url)
 
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""

@@ -34,6 +34,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             probs = sorted_logits.softmax(-1)
             # Drop a token when the mass before it already reaches top_p (keeps at least one).
             drop = probs.cumsum(-1) - probs >= p.top_p
+            # Always keep the most likely token: a top_p below fp32's smallest subnormal
+            # (e.g. 5e-324) rounds to 0 in the comparison and would drop every token.
+            drop[0] = False
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())

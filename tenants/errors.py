@@ -9,7 +9,8 @@ from typing import Literal
 
 #: Why a token was rejected; for server-side logs and metrics only, never sent to the client
 #: (telling "unknown key" from "wrong secret" would help an attacker enumerate key ids).
-InvalidTokenReason = Literal["malformed", "unknown_key", "bad_secret", "revoked", "expired"]
+InvalidTokenReason = Literal["malformed", "unknown_key", "bad_secret", "revoked", "expired",
+                             "bad_jwt", "unknown_tenant"]
 
 
 class TenantError(Exception):

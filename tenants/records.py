@@ -21,6 +21,10 @@ class TenantInfo:
     current_salt_version: int
     enable_prefix_caching: bool
     created_at: datetime
+    # Per-tenant limits (enforced in app/limits.py); None = unlimited.
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    max_concurrent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class AuthContext:
     salt_version: int
     tenant_salt: bytes = field(repr=False)
     enable_prefix_caching: bool
+    # Per-tenant limits (enforced in app/limits.py); None = unlimited.
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    max_concurrent: int | None = None
 
     def __repr__(self) -> str:
         return (

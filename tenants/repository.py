@@ -32,6 +32,7 @@ from tenants.salts import new_salt
 from tenants.usage import add_audit, add_usage_record, select_audit, select_usage
 
 __all__ = [
+    "UNCHANGED",
     "ApiKeyInfo",
     "AuditEntry",
     "AuthContext",
@@ -41,6 +42,16 @@ __all__ = [
 ]
 
 MAX_TENANT_NAME_CHARS = 255
+
+
+class _Unchanged:
+    """Type of ``UNCHANGED``: "keep the current value" where None means "unlimited"."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED = _Unchanged()
 _KEY_ID_ATTEMPTS = 5  # 48-bit random key ids: a collision is already astronomically rare
 
 
@@ -52,6 +63,9 @@ def _tenant_info(row: Tenant) -> TenantInfo:
         current_salt_version=row.current_salt_version,
         enable_prefix_caching=row.enable_prefix_caching,
         created_at=row.created_at,
+        rpm_limit=row.rpm_limit,
+        tpm_limit=row.tpm_limit,
+        max_concurrent=row.max_concurrent,
     )
 
 
@@ -177,15 +191,28 @@ class TenantRepository:
         *,
         disabled: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        rpm_limit: int | None | _Unchanged = UNCHANGED,
+        tpm_limit: int | None | _Unchanged = UNCHANGED,
+        max_concurrent: int | None | _Unchanged = UNCHANGED,
         actor: str = "system",
     ) -> TenantInfo:
         """Changes a tenant's flags; None leaves a flag as it is.
 
         A disabled tenant's keys are refused (``TenantDisabled``) until it is enabled again.
+        Limits (requests / tokens per minute, concurrent requests; enforced by ``app.limits``)
+        take ``UNCHANGED`` (the default) to keep, None for unlimited, or an int >= 1; they apply
+        from the tenant's next authenticated request.
 
         Raises:
             TenantNotFound: if there is no such tenant.
+            ValueError: if a limit is not None, UNCHANGED or an int >= 1.
         """
+        limits = {"rpm_limit": rpm_limit, "tpm_limit": tpm_limit,
+                  "max_concurrent": max_concurrent}
+        for name, value in limits.items():
+            if value is not UNCHANGED and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None (unlimited) or an integer >= 1")
         with self._session_factory.begin() as session:
             row = session.get(Tenant, tenant_id, with_for_update=True)
             if row is None:
@@ -200,6 +227,10 @@ class TenantRepository:
             ):
                 row.enable_prefix_caching = enable_prefix_caching
                 changes.append(f"enable_prefix_caching={enable_prefix_caching}")
+            for name, value in limits.items():
+                if value is not UNCHANGED and value != getattr(row, name):
+                    setattr(row, name, value)
+                    changes.append(f"{name}={value}")
             if changes:
                 add_audit(session, actor, "tenant.update", tenant_id, " ".join(changes))
             return _tenant_info(row)
@@ -303,6 +334,9 @@ class TenantRepository:
                 salt_version=row.current_salt_version,
                 tenant_salt=self._load_salt(session, row.id, row.current_salt_version),
                 enable_prefix_caching=row.enable_prefix_caching,
+                rpm_limit=row.rpm_limit,
+                tpm_limit=row.tpm_limit,
+                max_concurrent=row.max_concurrent,
             )
 
     # ------------------------------------------------------------------ API keys
@@ -335,7 +369,8 @@ class TenantRepository:
             new = generate_api_key()
             try:
                 with self._session_factory.begin() as session:
-                    if session.get(Tenant, tenant_id) is None:
+                    owner = session.get(Tenant, tenant_id)
+                    if owner is None:
                         raise TenantNotFound(f"tenant {tenant_id!r} not found")
                     if session.get(ApiKey, new.key_id) is not None:
                         continue  # key id collision; draw again
@@ -350,7 +385,8 @@ class TenantRepository:
                         expires_at=expires_at,
                     )
                     session.add(row)
-                    add_audit(session, actor, "api_key.create", tenant_id, f"key_id={new.key_id}")
+                    add_audit(session, actor, "api_key.create", tenant_id,
+                              f"key_id={new.key_id} salt_version={owner.current_salt_version}")
                     session.flush()
                     return new.token, _key_info(row)
             except IntegrityError:
@@ -370,7 +406,10 @@ class TenantRepository:
                 raise ApiKeyNotFound(f"API key {key_id!r} not found")
             if row.revoked_at is None:
                 row.revoked_at = utcnow()
-                add_audit(session, actor, "api_key.revoke", row.tenant_id, f"key_id={key_id}")
+                owner = session.get(Tenant, row.tenant_id)
+                version = owner.current_salt_version if owner is not None else None
+                add_audit(session, actor, "api_key.revoke", row.tenant_id,
+                          f"key_id={key_id} salt_version={version}")
             return _key_info(row)
 
     def list_api_keys(self, tenant_id: str) -> list[ApiKeyInfo]:
@@ -441,6 +480,9 @@ class TenantRepository:
                 salt_version=version,
                 tenant_salt=self._load_salt(session, tenant.id, version),
                 enable_prefix_caching=tenant.enable_prefix_caching,
+                rpm_limit=tenant.rpm_limit,
+                tpm_limit=tenant.tpm_limit,
+                max_concurrent=tenant.max_concurrent,
             )
         with self._lock:
             previous = self._last_used.get(key.id)

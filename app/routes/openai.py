@@ -7,14 +7,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from app.auth import CurrentTenant
 from app.errors import APIError, error_body
+from app.limits import Lease, RateLimiter, RateLimitExceeded, TenantLimits
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from engine.async_engine import AsyncLLM
 from engine.request import EngineRequest, RequestOutput
@@ -42,14 +44,19 @@ class _Job:
     endpoint: str
     model: str
     auth: AuthContext
-    prompt_ids: list[int]
+    prompt_ids: list[int] = field(repr=False)
     params: SamplingParams
-    cache_salt: bytes | None
+    cache_salt: bytes | None = field(repr=False)
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     choices: list[_Choice] = field(default_factory=list)
     status: str = "error"
+    lease: Lease | None = None  # per-tenant limits (app/limits.py), released by _record_usage
+    finalized: bool = False  # usage recorded and lease released (exactly once)
+
+    def limit_headers(self) -> dict[str, str]:
+        return dict(self.lease.headers) if self.lease is not None else {}
 
     def engine_requests(self) -> list[EngineRequest]:
         reqs = []
@@ -116,7 +123,16 @@ async def _merge(engine: AsyncLLM, reqs: list[EngineRequest]
 
 
 def _record_usage(request: Request, job: _Job) -> None:
-    """Stores usage without awaiting, so it also happens when the client has gone away."""
+    """Stores usage without awaiting, so it also happens when the client has gone away.
+
+    Also releases the job's rate-limit lease, correcting its token reservation to the tokens
+    really used. Idempotent: only the first call per job does anything.
+    """
+    if job.finalized:
+        return
+    job.finalized = True
+    if job.lease is not None:
+        job.lease.release(job.usage()["total_tokens"])
     repo = request.app.state.repo
     request.app.state.metrics.observe_request(job)  # Prometheus request metrics (app/metrics.py)
     loop = asyncio.get_running_loop()
@@ -142,15 +158,42 @@ def _prepare(request: Request, auth: AuthContext, body, prompt_ids: list[int], e
 
     Raises:
         APIError: 400 with ``param`` set (unknown model, bad sampling values, bad cache_salt,
-            prompt or prompt + max_tokens over max_model_len, token ids outside the vocabulary).
+            prompt or prompt + max_tokens over max_model_len, token ids outside the vocabulary);
+            429 over one of the tenant's limits (nothing reaches the engine).
     """
     try:
-        return _build_job(request, auth, body, prompt_ids, endpoint, prefix, prompt_param)
+        job = _build_job(request, auth, body, prompt_ids, endpoint, prefix, prompt_param)
+        job.lease = _admit(request, job)
+        return job
     except APIError:
         rejected = _Job(f"{prefix}-{uuid.uuid4().hex}", endpoint, request.app.state.model_name,
                         auth, prompt_ids, SamplingParams(), None)
         _record_usage(request, rejected)
         raise
+
+
+def _admit(request: Request, job: _Job) -> Lease | None:
+    """Takes a lease on the tenant's limits, reserving prompt + n * max_tokens tokens.
+
+    Returns:
+        The lease, or None when the tenant has no limits.
+
+    Raises:
+        APIError: 429 ``rate_limit_exceeded`` with ``x-ratelimit-*`` and ``Retry-After``.
+    """
+    auth = job.auth
+    limits = TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
+    if not limits.any:
+        return None
+    n_prompt = len(job.prompt_ids)
+    max_tokens = job.params.max_tokens
+    if max_tokens is None:
+        max_tokens = request.app.state.max_model_len - n_prompt
+    limiter: RateLimiter = request.app.state.limiter
+    try:
+        return limiter.acquire(auth.tenant_id, limits, n_prompt + job.params.n * max_tokens)
+    except RateLimitExceeded as e:
+        raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 
 
 def _build_job(request: Request, auth: AuthContext, body, prompt_ids: list[int], endpoint: str,
@@ -223,7 +266,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _stream(request: Request, job: _Job, chat: bool, include_usage: bool
-                  ) -> AsyncIterator[str]:
+                  ) -> AsyncGenerator[str, None]:
     engine: AsyncLLM = request.app.state.engine
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -242,7 +285,8 @@ async def _stream(request: Request, job: _Job, chat: bool, include_usage: bool
             _apply(job, i, out)
             if not out.new_text and not out.finished:
                 continue
-            choice: dict = ({"index": i, "delta": {"content": out.new_text}} if chat
+            delta = {"content": out.new_text} if out.new_text else {}
+            choice: dict = ({"index": i, "delta": delta} if chat
                             else {"index": i, "text": out.new_text})
             choice["logprobs"] = None
             choice["finish_reason"] = out.finish_reason if out.finished else None
@@ -265,9 +309,39 @@ async def _stream(request: Request, job: _Job, chat: bool, include_usage: bool
         _record_usage(request, job)
 
 
-def _streaming_response(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+class _JobStreamingResponse(StreamingResponse):
+    """SSE response that finalizes its job (usage row, rate-limit lease) on every path, also
+    when the client went away before the body generator started or while a chunk was sent."""
+
+    def __init__(self, request: Request, job: _Job, gen: AsyncGenerator[str, None]) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **job.limit_headers()})
+        self._request, self._job, self._gen = request, job, gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._job.finalized:
+                if self._job.status != "ok":
+                    self._job.status = "aborted"
+                await self._gen.aclose()  # runs _stream's finally if it started
+                _record_usage(self._request, self._job)
+
+
+def _streaming_response(request: Request, job: _Job, chat: bool,
+                        include_usage: bool) -> StreamingResponse:
+    return _JobStreamingResponse(request, job, _stream(request, job, chat, include_usage))
+
+
+def _encode(tokenizer, text: str, param: str, **kwargs) -> list[int]:
+    """Tokenizes ``text``; text the tokenizer cannot take (e.g. a lone UTF-16 surrogate from
+    JSON ``"\\ud800"``) is a 400, not a 500."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except Exception:  # noqa: BLE001 - tokenizers raises TypeError/ValueError/Exception
+        raise APIError(400, "the text could not be tokenized (invalid Unicode?)", param,
+                       "invalid_value") from None
 
 
 @router.post("/chat/completions", response_model=None)
@@ -281,18 +355,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     except Exception:  # noqa: BLE001 - any template error is a bad request
         raise APIError(400, "messages could not be rendered with the model's chat template",
                        "messages", "invalid_value") from None
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = _encode(tokenizer, text, "messages", add_special_tokens=False)
     job = _prepare(request, auth, body, prompt_ids, "chat.completions", "chatcmpl", "messages")
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(_stream(request, job, True, include))
+        return _streaming_response(request, job, True, include)
     await _collect(request, job)
     return JSONResponse({
         "id": job.request_id, "object": "chat.completion", "created": job.created,
         "model": job.model,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                      "logprobs": None, "finish_reason": c.finish_reason} for c in job.choices],
-        "usage": job.usage()})
+        "usage": job.usage()}, headers=job.limit_headers())
 
 
 @router.post("/completions", response_model=None)
@@ -300,20 +374,20 @@ async def completions(body: CompletionRequest, request: Request,
                       auth: CurrentTenant) -> JSONResponse | StreamingResponse:
     """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids."""
     if isinstance(body.prompt, str):
-        prompt_ids = request.app.state.tokenizer.encode(body.prompt)
+        prompt_ids = _encode(request.app.state.tokenizer, body.prompt, "prompt")
     else:
         prompt_ids = list(body.prompt)
     job = _prepare(request, auth, body, prompt_ids, "completions", "cmpl", "prompt")
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(_stream(request, job, False, include))
+        return _streaming_response(request, job, False, include)
     await _collect(request, job)
     return JSONResponse({
         "id": job.request_id, "object": "text_completion", "created": job.created,
         "model": job.model,
         "choices": [{"index": c.index, "text": c.text, "logprobs": None,
                      "finish_reason": c.finish_reason} for c in job.choices],
-        "usage": job.usage()})
+        "usage": job.usage()}, headers=job.limit_headers())
 
 
 @router.get("/models")

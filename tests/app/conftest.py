@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from engine.async_engine import AsyncLLM
 from tenants.crypto import SaltCipher, decode_master_key, generate_master_key
 from tenants.db import make_engine, make_session_factory, run_migrations
 from tenants.repository import TenantRepository
+from tenants.tokens import JWTConfig, JWTVerifier, issue_token, load_or_create_platform_key
 
 
 @dataclass
@@ -28,9 +29,20 @@ class AppEnv:
     key_b: str
     tenant_a: str
     tenant_b: str
+    # platform JWT, role admin, sub "test-admin", no tenant (kept out of failure output)
+    admin_token: str = field(default="", repr=False)
+    data_dir: Path | None = None   # holds the platform JWT signing key
 
     def headers(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
+
+    def issue(self, role: str = "tenant", tenant_id: str | None = None, ttl_s: int = 3600,
+              subject: str = "test", **kw) -> str:
+        """A platform JWT signed with this app's key (``issue_token`` keyword args in ``kw``)."""
+        assert self.data_dir is not None
+        key = load_or_create_platform_key(self.data_dir)
+        return issue_token(key, JWTConfig(), subject=subject, role=role,  # type: ignore[arg-type]
+                           tenant_id=tenant_id, ttl_s=ttl_s, **kw)
 
 
 def make_repo(tmp: Path, database_url: str | None = None) -> TenantRepository:
@@ -58,9 +70,14 @@ def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
     core = make_llm_engine(**{"max_model_len": 512, "num_gpu_blocks_override": 128,
                               **engine_overrides})
     engine = AsyncLLM(core)
-    app = create_app(engine, repo, metrics_token=metrics_token)
+    platform_key = load_or_create_platform_key(tmp)
+    verifier = JWTVerifier(JWTConfig(), platform_key.public_key())
+    app = create_app(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier)
+    admin = issue_token(platform_key, JWTConfig(), subject="test-admin", role="admin",
+                        tenant_id=None, ttl_s=3600)
     with TestClient(app, raise_server_exceptions=False) as client:
-        yield AppEnv(client, repo, engine, core.served_model_name, key_a, key_b, a.id, b.id)
+        yield AppEnv(client, repo, engine, core.served_model_name, key_a, key_b, a.id, b.id,
+                     admin, tmp)
 
 
 @pytest.fixture(scope="module")

@@ -75,26 +75,35 @@ def prompt_of(seed: int, n: int) -> list[int]:
 # -- auth -----------------------------------------------------------------------------------------
 def test_metrics_needs_the_scrape_token(env):
     c = env.client
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                    env.headers(env.key_a)):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
         r = c.get("/metrics", headers=headers)
         assert r.status_code == 401, headers
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["type"], err["code"]) == ("authentication_error", "invalid_metrics_token")
         assert r.headers["www-authenticate"] == "Bearer"
+    # Valid tenant credentials are not enough: the admin role (or the scrape token) is.
+    for token in (env.key_a, env.issue("tenant", env.tenant_a)):
+        r = c.get("/metrics", headers=env.headers(token))
+        assert r.status_code == 403
+        assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("permission_error",
+                                                                          "admin_required")
     assert c.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert c.get("/metrics", headers=env.headers(env.admin_token)).status_code == 200
 
 
 def test_metrics_without_a_configured_token_are_denied_to_everyone(env):
     state = env.client.app.state
     state.metrics_token = None
     try:
-        for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}, env.headers(env.key_a)):
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}):
             r = env.client.get("/metrics", headers=headers)
             assert r.status_code == 403
             assert r.json()["error"]["code"] == "metrics_disabled"
             assert r.json()["error"]["type"] == "permission_error"
+        assert env.client.get("/metrics", headers=env.headers(env.key_a)).status_code == 403
+        # An admin JWT still scrapes when no scrape token is configured.
+        assert env.client.get("/metrics", headers=env.headers(env.admin_token)).status_code == 200
     finally:
         state.metrics_token = TOKEN
 

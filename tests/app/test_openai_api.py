@@ -179,6 +179,10 @@ def test_bad_chat_requests_and_auth(app_env):
     assert c.get("/v1/models").status_code == 401
     r = c.post("/v1/completions", content=b"x" * (5 << 20), headers=h)
     assert r.status_code == 413 and "error" in r.json()
+    lone_surrogate = ('{"model": "' + app_env.model + '", "prompt": "a\\ud800b"}').encode()
+    r = c.post("/v1/completions", content=lone_surrogate,
+               headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     free, total = _engine_state(app_env)
     assert free == total
 

@@ -26,6 +26,15 @@ def test_top_k_1_and_tiny_top_p_reduce_to_argmax():
         assert picks == {(1, 0)}
 
 
+def test_top_p_below_fp32_range_still_keeps_the_argmax():
+    # Regression (found by tests/app/test_fuzz_schema.py): top_p=5e-324 rounded to 0 in the fp32
+    # comparison, dropped every token and the NaN probabilities killed the engine loop.
+    gen = torch.Generator().manual_seed(0)
+    for top_p in (5e-324, 1e-46, 1e-45):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        assert sample(_logits(), [params, params], [gen, gen]) == [1, 0]
+
+
 def test_top_k_never_leaves_the_top_k():
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=2.0, top_k=2)

@@ -1,0 +1,211 @@
+"""Per-tenant rate limits: requests per minute, tokens per minute, concurrent requests.
+
+Limits come from the tenant record (``AuthContext.rpm_limit / tpm_limit / max_concurrent``;
+None = unlimited). ``RateLimiter.acquire`` admits a call or raises ``RateLimitExceeded`` without
+changing any state, so a rejected call is neither queued nor half-counted. An admitted call holds
+a ``Lease`` until ``Lease.release`` (idempotent), which frees its concurrency slot and corrects
+its token reservation to what the call really used::
+
+    admission: reserve prompt_tokens + n * max_tokens   (max_tokens None -> max_model_len - prompt)
+    release:   reservation := prompt_tokens + completion_tokens   (never more than reserved)
+
+Windows are sliding logs over the last ``window_s`` seconds (60 s: "per minute"), kept per
+tenant in memory and pruned on every call. One process, one limiter: limits are not shared
+between replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0
+
+
+class RateLimitExceeded(Exception):
+    """A call over one of its tenant's limits; nothing was counted for it.
+
+    Attributes:
+        message: what was exceeded (no tenant data beyond the limit values).
+        headers: ``x-ratelimit-*`` headers and ``Retry-After`` (seconds, integer).
+    """
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.message, self.headers = message, headers
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's limits; None = unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.rpm is not None or self.tpm is not None or self.max_concurrent is not None
+
+
+@dataclass(eq=False)
+class _Entry:
+    time: float
+    tokens: int
+    pruned: bool = False  # left the window (no longer in ``tokens_used``)
+
+
+@dataclass
+class _TenantWindow:
+    requests: deque[float] = field(default_factory=deque)
+    tokens: deque[_Entry] = field(default_factory=deque)
+    tokens_used: int = 0  # sum of ``tokens`` entries
+    in_flight: int = 0
+
+
+def format_reset(seconds: float) -> str:
+    """Formats a duration the way OpenAI's ``x-ratelimit-reset-*`` headers do: "20ms", "1.5s",
+    "6m0s"."""
+    seconds = max(0.0, seconds)
+    if seconds < 1.0:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60.0)
+    rest_s = f"{rest:.3f}".rstrip("0").rstrip(".")
+    return f"{int(minutes)}m{rest_s}s" if minutes else f"{rest_s}s"
+
+
+class Lease:
+    """An admitted call's hold on its tenant's limits. ``release`` is idempotent."""
+
+    def __init__(self, limiter: RateLimiter, tenant_id: str, entry: _Entry | None,
+                 headers: dict[str, str]) -> None:
+        self._limiter, self._tenant_id, self._entry = limiter, tenant_id, entry
+        self.headers = headers  # x-ratelimit-* as of admission (empty when no limits are set)
+        self.released = False
+
+    def release(self, used_tokens: int | None = None) -> None:
+        """Frees the concurrency slot and corrects the token reservation.
+
+        Args:
+            used_tokens: prompt + completion tokens the call really used; None keeps the whole
+                reservation (e.g. the outcome is unknown). Never raises the reservation.
+        """
+        self._limiter._release(self, used_tokens)
+
+
+class RateLimiter:
+    """Thread-safe in-memory per-tenant limiter.
+
+    Args:
+        clock: monotonic time in seconds (injectable for tests).
+        window_s: window length in seconds for the per-minute limits.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 window_s: float = WINDOW_S) -> None:
+        self._clock, self._window_s = clock, window_s
+        self._lock = threading.Lock()
+        self._tenants: dict[str, _TenantWindow] = {}
+
+    def acquire(self, tenant_id: str, limits: TenantLimits, tokens: int) -> Lease:
+        """Admits one call reserving ``tokens``, or raises without counting anything.
+
+        Returns:
+            The call's lease; release it on every path.
+
+        Raises:
+            RateLimitExceeded: over max_concurrent, rpm or tpm (checked in that order).
+        """
+        with self._lock:
+            now = self._clock()
+            w = self._tenants.setdefault(tenant_id, _TenantWindow())
+            self._prune(w, now)
+            if limits.max_concurrent is not None and w.in_flight >= limits.max_concurrent:
+                raise RateLimitExceeded(
+                    f"too many concurrent requests: this tenant allows {limits.max_concurrent} "
+                    "at a time", self._headers(w, limits, now, retry_after=1.0))
+            if limits.rpm is not None and len(w.requests) >= limits.rpm:
+                # The oldest request leaving the window frees a slot.
+                wait = w.requests[0] + self._window_s - now
+                raise RateLimitExceeded(
+                    f"rate limit reached: {limits.rpm} requests per minute",
+                    self._headers(w, limits, now, retry_after=wait))
+            if limits.tpm is not None and w.tokens_used + tokens > limits.tpm:
+                if tokens > limits.tpm:
+                    message = (f"request too large: it may use up to {tokens} tokens (prompt + "
+                               f"max_tokens) and this tenant allows {limits.tpm} tokens per "
+                               "minute; lower max_tokens")
+                    wait = self._window_s
+                else:
+                    message = f"rate limit reached: {limits.tpm} tokens per minute"
+                    wait = self._tokens_free_at(w, limits.tpm - tokens, now) - now
+                raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
+            w.requests.append(now)
+            entry = _Entry(now, tokens)
+            w.tokens.append(entry)
+            w.tokens_used += tokens
+            w.in_flight += 1
+            return Lease(self, tenant_id, entry, self._headers(w, limits, now))
+
+    def in_flight(self, tenant_id: str) -> int:
+        """Calls of this tenant holding a lease now."""
+        with self._lock:
+            w = self._tenants.get(tenant_id)
+            return 0 if w is None else w.in_flight
+
+    def _release(self, lease: Lease, used_tokens: int | None) -> None:
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            w = self._tenants[lease._tenant_id]
+            w.in_flight -= 1
+            assert w.in_flight >= 0, "rate limiter released more leases than it granted"
+            entry = lease._entry
+            if entry is not None and used_tokens is not None and used_tokens < entry.tokens:
+                used = max(0, used_tokens)
+                if not entry.pruned:  # a pruned entry was already subtracted
+                    w.tokens_used -= entry.tokens - used
+                entry.tokens = used
+
+    def _prune(self, w: _TenantWindow, now: float) -> None:
+        horizon = now - self._window_s
+        while w.requests and w.requests[0] <= horizon:
+            w.requests.popleft()
+        while w.tokens and w.tokens[0].time <= horizon:
+            e = w.tokens.popleft()
+            e.pruned = True
+            w.tokens_used -= e.tokens
+
+    def _tokens_free_at(self, w: _TenantWindow, max_used: int, now: float) -> float:
+        """When the window's usage drops to ``max_used`` (>= 0) or below, if nothing new
+        arrives."""
+        used, free_at = w.tokens_used, now
+        for e in w.tokens:
+            if used <= max_used:
+                break
+            used -= e.tokens
+            free_at = e.time + self._window_s
+        return free_at
+
+    def _headers(self, w: _TenantWindow, limits: TenantLimits, now: float,
+                 retry_after: float | None = None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if limits.rpm is not None:
+            # OpenAI: time until the limit is back to its initial state (window empty).
+            reset = w.requests[-1] + self._window_s - now if w.requests else 0.0
+            headers["x-ratelimit-limit-requests"] = str(limits.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - len(w.requests)))
+            headers["x-ratelimit-reset-requests"] = format_reset(reset)
+        if limits.tpm is not None:
+            reset = w.tokens[-1].time + self._window_s - now if w.tokens else 0.0
+            headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - w.tokens_used))
+            headers["x-ratelimit-reset-tokens"] = format_reset(reset)
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        return headers

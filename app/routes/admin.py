@@ -1,0 +1,229 @@
+"""``/admin``: tenants, API keys, salt rotation, cache resets, audit log and usage (admin JWT only).
+
+Every route depends on ``AdminPrincipal``; every mutation is audited with the JWT ``sub`` as the
+actor. Responses never contain a salt (only its version) or a stored key hash; a new API key's
+plaintext is in the create response only.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from datetime import datetime
+from functools import partial
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from app.auth import AdminPrincipal
+from app.errors import APIError
+from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
+from tenants.repository import TenantRepository
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+schema_router = APIRouter(tags=["admin"])
+
+_LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent")
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=255)
+    enable_prefix_caching: bool = True
+
+
+class TenantPatch(BaseModel):
+    """Only the fields sent are changed. Limits: an int >= 1, or null for unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+    disabled: bool | None = None
+    enable_prefix_caching: bool | None = None
+    rpm_limit: int | None = Field(None, ge=1)
+    tpm_limit: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, max_length=255)
+    expires_at: datetime | None = Field(None, description="timezone-aware ISO 8601")
+
+
+def _repo(request: Request) -> TenantRepository:
+    return request.app.state.repo
+
+
+async def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return await run_in_threadpool(partial(fn, *args, **kwargs))
+    except ValueError as e:  # the repository's own validation messages are client-safe
+        raise APIError(400, str(e), None, "invalid_value") from None
+
+
+def _tenant_out(t: TenantInfo) -> dict:
+    return dataclasses.asdict(t)
+
+
+def _key_out(k: ApiKeyInfo) -> dict:
+    return dataclasses.asdict(k)
+
+
+async def _evict(request: Request, tenant_id: str | None, reason: str) -> int:
+    if tenant_id is None:
+        return await request.app.state.engine.call(lambda e: e.reset_prefix_cache())
+    return await request.app.state.engine.call(lambda e: e.evict_tenant_cache(tenant_id, reason))
+
+
+# -- tenants --------------------------------------------------------------------------------------
+@router.get("/tenants")
+async def list_tenants(request: Request, _: AdminPrincipal) -> dict:
+    tenants = await _in_thread(_repo(request).list_tenants)
+    return {"object": "list", "data": [_tenant_out(t) for t in tenants]}
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrincipal) -> dict:
+    """Creates a tenant (salt version 1). 409 when the name is taken."""
+    t = await _in_thread(_repo(request).create_tenant, body.name,
+                         enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject)
+    return _tenant_out(t)
+
+
+@router.get("/tenants/{tenant_id}")
+async def get_tenant(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
+    return _tenant_out(await _in_thread(_repo(request).get_tenant, tenant_id))
+
+
+@router.patch("/tenants/{tenant_id}")
+async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
+                        admin: AdminPrincipal) -> dict:
+    """Changes flags and limits. Turning prefix caching off also drops the tenant's cached
+    blocks (reason ``reset``), so nothing of theirs stays cached."""
+    repo = _repo(request)
+    limits = {k: getattr(body, k) for k in _LIMIT_FIELDS if k in body.model_fields_set}
+    before = await _in_thread(repo.get_tenant, tenant_id)
+    t = await _in_thread(repo.update_tenant, tenant_id, disabled=body.disabled,
+                         enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject,
+                         **limits)
+    if before.enable_prefix_caching and not t.enable_prefix_caching:
+        dropped = await _evict(request, tenant_id, "reset")
+        await _in_thread(repo.audit, admin.subject, "cache.reset", tenant_id,
+                         f"blocks={dropped} salt_version={t.current_salt_version} "
+                         "cause=prefix_caching_off")
+    return _tenant_out(t)
+
+
+@router.post("/tenants/{tenant_id}/rotate-salt")
+async def rotate_salt(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
+    """New salt version, current at once; the tenant's cached blocks are dropped (reason
+    ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
+    version = await _in_thread(_repo(request).rotate_salt, tenant_id, actor=admin.subject)
+    seen: dict[str, int] = request.app.state.salt_versions
+    seen[tenant_id] = max(version, seen.get(tenant_id, 0))  # no second eviction on next auth
+    dropped = await _evict(request, tenant_id, "salt_rotation")
+    return {"tenant_id": tenant_id, "salt_version": version, "blocks_dropped": dropped}
+
+
+@router.post("/tenants/{tenant_id}/cache/reset")
+async def reset_tenant_cache(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
+    """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
+    t = await _in_thread(_repo(request).get_tenant, tenant_id)
+    dropped = await _evict(request, tenant_id, "reset")
+    await _in_thread(_repo(request).audit, admin.subject, "cache.reset", tenant_id,
+                     f"blocks={dropped} salt_version={t.current_salt_version}")
+    return {"tenant_id": tenant_id, "blocks_dropped": dropped}
+
+
+@router.post("/cache/reset")
+async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
+    """Drops every cached block of every tenant; running requests unharmed."""
+    dropped = await _evict(request, None, "reset")
+    await _in_thread(_repo(request).audit, admin.subject, "cache.reset_all", None,
+                     f"blocks={dropped}")
+    return {"blocks_dropped": dropped}
+
+
+# -- API keys -------------------------------------------------------------------------------------
+@router.get("/tenants/{tenant_id}/keys")
+async def list_keys(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
+    keys = await _in_thread(_repo(request).list_api_keys, tenant_id)
+    return {"object": "list", "data": [_key_out(k) for k in keys]}
+
+
+@router.post("/tenants/{tenant_id}/keys", status_code=201)
+async def create_key(tenant_id: str, body: KeyCreate, request: Request,
+                     admin: AdminPrincipal) -> dict:
+    """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
+    token, info = await _in_thread(_repo(request).create_api_key, tenant_id, body.name,
+                                   body.expires_at, actor=admin.subject)
+    return {**_key_out(info), "key": token}
+
+
+@router.post("/keys/{key_id}/revoke")
+async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> dict:
+    """Revokes a key (idempotent); refused from the next request on."""
+    return _key_out(await _in_thread(_repo(request).revoke_api_key, key_id, actor=admin.subject))
+
+
+# -- audit and usage ------------------------------------------------------------------------------
+@router.get("/audit")
+async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = None,
+                    limit: int = Query(100, ge=1, le=1000)) -> dict:
+    """Newest first. Rows hold salt versions and key ids, never salts or secrets."""
+    rows = await _in_thread(_repo(request).list_audit, tenant, limit)
+    return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
+
+
+_USAGE_COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
+_BUCKET_COLUMNS = ["tenant_id", "bucket_start", "requests", "errors", "prompt_tokens",
+                   "cached_tokens", "completion_tokens"]
+
+
+def _buckets(records: list[UsageRecord], bucket_s: int) -> list[dict]:
+    out: dict[tuple[str, int], dict] = {}
+    for r in records:
+        assert r.created_at is not None, "stored usage records always have a time"
+        start = int(r.created_at.timestamp()) // bucket_s * bucket_s
+        row = out.setdefault((r.tenant_id, start), {
+            "tenant_id": r.tenant_id, "bucket_start": start, "requests": 0, "errors": 0,
+            "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0})
+        row["requests"] += 1
+        row["errors"] += r.status != "ok"
+        row["prompt_tokens"] += r.prompt_tokens
+        row["cached_tokens"] += r.cached_tokens
+        row["completion_tokens"] += r.completion_tokens
+    return [out[k] for k in sorted(out, key=lambda k: (k[1], k[0]))]
+
+
+@router.get("/usage", response_model=None)
+async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
+                since: datetime | None = None, until: datetime | None = None,
+                limit: int | None = Query(None, ge=1, le=100_000),
+                bucket_s: int | None = Query(None, ge=1, le=366 * 86400),
+                format: Literal["json", "csv"] = "json") -> dict | Response:
+    """Usage records (oldest first) or, with ``bucket_s``, per-tenant per-bucket sums
+    (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone."""
+    records = await _in_thread(_repo(request).list_usage, tenant, since, until, limit)
+    if bucket_s:
+        rows, columns = _buckets(records, bucket_s), _BUCKET_COLUMNS
+    else:
+        rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
+    if format == "json":
+        return {"object": "list", "data": rows}
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
+                         for k, v in row.items()})
+    return Response(buf.getvalue(), media_type="text/csv")
+
+
+@schema_router.get("/openapi.json", include_in_schema=False)
+async def openapi_schema(request: Request, _: AdminPrincipal) -> dict:
+    """The OpenAPI schema, for admins only (FastAPI's public /openapi.json, /docs and /redoc are
+    turned off)."""
+    return request.app.openapi()

@@ -1,0 +1,272 @@
+"""``/admin`` on a real app (bundled model): tenants, keys, salt rotation (API and out-of-band),
+cache resets, the per-tenant caching switch, audit rows and usage reports.
+
+Cache scenarios start with a global reset so block counts are exact. A 40-token prompt has two
+reusable blocks (last-token rule): a full hit is 32 cached tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+FULL = 32
+
+
+@pytest.fixture(scope="module")
+def env(app_env_builder, tmp_path_factory) -> Iterator:
+    with app_env_builder(tmp_path_factory.mktemp("admin"), max_model_len=256,
+                         num_gpu_blocks_override=64) as e:
+        yield e
+
+
+def admin(env, method: str, path: str, **kw):
+    return env.client.request(method, path, headers=env.headers(env.admin_token), **kw)
+
+
+def prompt_of(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 7919 + 13 * i) % 40000 + 500 for i in range(n)]
+
+
+def complete(env, key: str, prompt: list[int], **kw) -> dict:
+    body = {"model": env.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, **kw}
+    r = env.client.post("/v1/completions", json=body, headers=env.headers(key))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(env, key: str, prompt: list[int]) -> int:
+    return complete(env, key, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(env, name: str, **labels: str) -> float:
+    """Sum of ``saltserve:<name>`` samples whose labels include ``labels`` (admin scrape)."""
+    r = admin(env, "GET", "/metrics")
+    assert r.status_code == 200, r.text
+    total = 0.0
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name == "saltserve:" + name and set(labels.items()) <= set(s.labels.items()):
+                total += s.value
+    return total
+
+
+def reset_all(env) -> None:
+    assert admin(env, "POST", "/admin/cache/reset").status_code == 200
+
+
+def secret_forms(env, tenant_id: str) -> list[str]:
+    salt = env.repo.get_auth_context(tenant_id).tenant_salt
+    return [salt.hex(), base64.b64encode(salt).decode(), base64.urlsafe_b64encode(salt).decode()]
+
+
+# -- tenants and keys -----------------------------------------------------------------------------
+def test_tenant_and_key_lifecycle(env):
+    r = admin(env, "POST", "/admin/tenants", json={"name": "acme"})
+    assert r.status_code == 201, r.text
+    t = r.json()
+    assert t["name"] == "acme" and t["current_salt_version"] == 1 and not t["disabled"]
+    assert "salt" not in t and "tenant_salt" not in t
+    r = admin(env, "POST", "/admin/tenants", json={"name": "acme"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "tenant_exists"
+    assert admin(env, "POST", "/admin/tenants", json={"name": ""}).status_code == 400
+    assert admin(env, "POST", "/admin/tenants", json={"name": "x", "evil": 1}).status_code == 400
+    ids = [x["id"] for x in admin(env, "GET", "/admin/tenants").json()["data"]]
+    assert {env.tenant_a, env.tenant_b, t["id"]} <= set(ids)
+    assert admin(env, "GET", f"/admin/tenants/{t['id']}").json()["name"] == "acme"
+    r = admin(env, "GET", "/admin/tenants/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"
+
+    r = admin(env, "POST", f"/admin/tenants/{t['id']}/keys", json={"name": "ci"})
+    assert r.status_code == 201, r.text
+    created = r.json()
+    key = created["key"]
+    assert key.startswith(f"ss-{created['id']}-") and created["last4"] == key[-4:]
+    assert cached(env, key, prompt_of(1, 8)) == 0                       # the key works
+    listed = admin(env, "GET", f"/admin/tenants/{t['id']}/keys").json()["data"]
+    assert [k["id"] for k in listed] == [created["id"]]
+    assert key not in str(listed) and "key_hash" not in listed[0]       # shown once only
+    r = admin(env, "POST", f"/admin/tenants/{t['id']}/keys",
+              json={"expires_at": "2030-01-01T00:00:00"})                # naive time
+    assert r.status_code == 400
+    r = admin(env, "POST", f"/admin/keys/{created['id']}/revoke")
+    assert r.status_code == 200 and r.json()["revoked_at"] is not None
+    body = {"model": env.model, "prompt": [500], "max_tokens": 1}
+    r = env.client.post("/v1/completions", json=body, headers=env.headers(key))
+    assert r.status_code == 401                                          # next request refused
+    r = admin(env, "POST", "/admin/keys/000000000000/revoke")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "api_key_not_found"
+
+    r = admin(env, "PATCH", f"/admin/tenants/{t['id']}", json={"disabled": True})
+    assert r.status_code == 200 and r.json()["disabled"] is True
+    key2 = admin(env, "POST", f"/admin/tenants/{t['id']}/keys", json={}).json()["key"]
+    r = env.client.post("/v1/completions", json=body, headers=env.headers(key2))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_disabled"
+    admin(env, "PATCH", f"/admin/tenants/{t['id']}", json={"disabled": False})
+    assert env.client.post("/v1/completions", json=body,
+                           headers=env.headers(key2)).status_code == 200
+
+
+# -- salt rotation --------------------------------------------------------------------------------
+def test_rotate_salt_through_the_api(env):
+    reset_all(env)
+    p = prompt_of(2)
+    assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, FULL]
+    assert [cached(env, env.key_b, p), cached(env, env.key_b, p)] == [0, FULL]
+    before = env.repo.get_tenant(env.tenant_a).current_salt_version
+    r = admin(env, "POST", f"/admin/tenants/{env.tenant_a}/rotate-salt")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["salt_version"] == before + 1 and out["blocks_dropped"] >= 2
+    assert set(out) == {"tenant_id", "salt_version", "blocks_dropped"}
+    for s in secret_forms(env, env.tenant_a):
+        assert s not in r.text
+    assert metric(env, "prefix_cache_resident_blocks", tenant=env.tenant_a) == 0
+    assert cached(env, env.key_a, p) == 0                      # old blocks unreachable
+    assert cached(env, env.key_a, p) == FULL                   # new version warms again
+    assert cached(env, env.key_b, p) == FULL                   # other tenant untouched
+    # The next auth at the new version does not evict again (the server already saw it).
+    evicted = metric(env, "prefix_cache_evictions_total", tenant=env.tenant_a,
+                     reason="salt_rotation")
+    assert cached(env, env.key_a, p) == FULL
+    assert metric(env, "prefix_cache_evictions_total", tenant=env.tenant_a,
+                  reason="salt_rotation") == evicted
+    assert admin(env, "POST", "/admin/tenants/nope/rotate-salt").status_code == 404
+
+
+def test_rotation_out_of_band_is_noticed_on_the_next_request(env):
+    """``saltserve tenants rotate-salt`` runs in another process: the server notices the new
+    version when the tenant next authenticates and drops the old blocks once."""
+    reset_all(env)
+    p = prompt_of(3)
+    assert [cached(env, env.key_b, p), cached(env, env.key_b, p)] == [0, FULL]
+    assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, FULL]
+    evicted = metric(env, "prefix_cache_evictions_total", tenant=env.tenant_b,
+                     reason="salt_rotation")
+    env.repo.rotate_salt(env.tenant_b, actor="cli")            # not through the server
+    assert cached(env, env.key_b, p) == 0
+    after = metric(env, "prefix_cache_evictions_total", tenant=env.tenant_b,
+                   reason="salt_rotation")
+    assert after - evicted >= 2                                # the old blocks were released
+    assert cached(env, env.key_b, p) == FULL
+    assert metric(env, "prefix_cache_evictions_total", tenant=env.tenant_b,
+                  reason="salt_rotation") == after             # once
+    assert cached(env, env.key_a, p) == FULL
+
+
+def test_request_in_flight_during_rotation_finishes_unharmed(env):
+    reset_all(env)
+    p = prompt_of(4)
+    kw = {"max_tokens": 64, "ignore_eos": True}
+    reference = complete(env, env.key_a, p, **kw)
+    result: dict = {}
+
+    def run() -> None:
+        result["r"] = complete(env, env.key_a, p, **kw)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not env.client.portal.call(
+            env.engine.call, lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline and worker.is_alive(), "request never started"
+        time.sleep(0.005)
+    r = admin(env, "POST", f"/admin/tenants/{env.tenant_a}/rotate-salt")
+    assert r.status_code == 200
+    assert worker.is_alive(), "the request finished before the rotation: nothing was tested"
+    worker.join(60)
+    got = result["r"]
+    assert got["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert got["usage"]["completion_tokens"] == 64
+    assert cached(env, env.key_a, p) == 0
+
+
+# -- cache resets and the caching switch ----------------------------------------------------------
+def test_tenant_and_global_cache_reset(env):
+    reset_all(env)
+    p = prompt_of(5)
+    for key in (env.key_a, env.key_b):
+        assert [cached(env, key, p), cached(env, key, p)] == [0, FULL]
+    r = admin(env, "POST", f"/admin/tenants/{env.tenant_a}/cache/reset")
+    assert r.status_code == 200 and r.json()["blocks_dropped"] >= 2
+    assert cached(env, env.key_b, p) == FULL
+    assert cached(env, env.key_a, p) == 0
+    r = admin(env, "POST", "/admin/cache/reset")
+    assert r.status_code == 200 and r.json()["blocks_dropped"] >= 4
+    assert cached(env, env.key_b, p) == 0
+    assert admin(env, "POST", "/admin/tenants/nope/cache/reset").status_code == 404
+
+
+def test_per_tenant_caching_switch(env):
+    reset_all(env)
+    p = prompt_of(6)
+    for key in (env.key_a, env.key_b):
+        assert [cached(env, key, p), cached(env, key, p)] == [0, FULL]
+    r = admin(env, "PATCH", f"/admin/tenants/{env.tenant_a}",
+              json={"enable_prefix_caching": False})
+    assert r.status_code == 200 and r.json()["enable_prefix_caching"] is False
+    assert metric(env, "prefix_cache_resident_blocks", tenant=env.tenant_a) == 0
+    assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, 0]
+    assert metric(env, "prefix_cache_resident_blocks", tenant=env.tenant_a) == 0
+    assert cached(env, env.key_b, p) == FULL
+    admin(env, "PATCH", f"/admin/tenants/{env.tenant_a}", json={"enable_prefix_caching": True})
+    assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, FULL]
+    assert admin(env, "PATCH", f"/admin/tenants/{env.tenant_a}",
+                 json={"disabled": "maybe"}).status_code == 400
+
+
+# -- audit and usage ------------------------------------------------------------------------------
+def test_audit_rows_record_versions_never_salts(env):
+    t = admin(env, "POST", "/admin/tenants", json={"name": "audited"}).json()
+    k = admin(env, "POST", f"/admin/tenants/{t['id']}/keys", json={}).json()
+    admin(env, "POST", f"/admin/keys/{k['id']}/revoke")
+    admin(env, "POST", f"/admin/tenants/{t['id']}/rotate-salt")
+    admin(env, "POST", f"/admin/tenants/{t['id']}/cache/reset")
+    env.client.get("/admin/audit", headers=env.headers(env.key_a))      # denied
+    r = admin(env, "GET", "/admin/audit", params={"tenant": t["id"]})
+    assert r.status_code == 200
+    rows = r.json()["data"]
+    by_action = {row["action"]: row for row in rows}
+    assert by_action["tenant.create"]["detail"] == "salt_version=1"
+    assert by_action["tenant.rotate_salt"]["detail"] == "salt_version=2"
+    assert "salt_version=2" in by_action["cache.reset"]["detail"]
+    assert by_action["api_key.create"]["detail"] == f"key_id={k['id']} salt_version=1"
+    assert by_action["api_key.revoke"]["detail"] == f"key_id={k['id']} salt_version=1"
+    assert {row["actor"] for row in rows} == {"test-admin"}
+    everything = admin(env, "GET", "/admin/audit", params={"limit": 1000}).text
+    assert "auth.admin_denied" in everything
+    for tid in (t["id"], env.tenant_a, env.tenant_b):
+        for s in secret_forms(env, tid):
+            assert s not in everything
+    assert k["key"] not in everything and env.key_a not in everything
+    assert admin(env, "GET", "/admin/audit", params={"limit": 0}).status_code == 400
+
+
+def test_usage_report_json_and_csv(env):
+    complete(env, env.key_b, prompt_of(7, 20))
+    r = admin(env, "GET", "/admin/usage", params={"tenant": env.tenant_b})
+    assert r.status_code == 200
+    rows = r.json()["data"]
+    assert rows and {row["tenant_id"] for row in rows} == {env.tenant_b}
+    assert rows[-1]["prompt_tokens"] == 20 and rows[-1]["status"] == "ok"
+    r = admin(env, "GET", "/admin/usage", params={"tenant": env.tenant_b, "format": "csv"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    parsed = list(csv.DictReader(io.StringIO(r.text)))
+    assert len(parsed) == len(rows) and parsed[-1]["prompt_tokens"] == "20"
+    r = admin(env, "GET", "/admin/usage", params={"bucket_s": 3600, "format": "json"})
+    buckets = r.json()["data"]
+    mine = [b for b in buckets if b["tenant_id"] == env.tenant_b]
+    assert sum(b["requests"] for b in mine) == len(rows)
+    assert sum(b["prompt_tokens"] for b in mine) == sum(x["prompt_tokens"] for x in rows)
+    r = admin(env, "GET", "/admin/usage", params={"bucket_s": 60, "format": "csv"})
+    assert r.text.splitlines()[0].startswith("tenant_id,bucket_start,requests")
+    assert admin(env, "GET", "/admin/usage", params={"format": "xml"}).status_code == 400
+    assert admin(env, "GET", "/admin/usage",
+                 params={"since": "2020-01-01T00:00:00"}).status_code == 400  # naive time

@@ -1,0 +1,204 @@
+"""Deny by default: every route of the real app, every method, against every bad credential.
+
+Routes are enumerated from ``app.routes`` (path parameters filled with dummies), so a route added
+later without an auth dependency fails here. Only ``GET /health`` is public.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from collections.abc import Iterator
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from tenants.tokens import key_id
+
+SCRAPE = "scrape-token-for-auth-tests"
+PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
+
+
+@pytest.fixture(scope="module")
+def env(app_env_builder, tmp_path_factory) -> Iterator:
+    with app_env_builder(tmp_path_factory.mktemp("auth"), metrics_token=SCRAPE,
+                         max_model_len=256, num_gpu_blocks_override=32) as e:
+        yield e
+
+
+def all_routes(app) -> list[tuple[str, str]]:
+    """(method, concrete path) for every route and method, path params filled with dummies."""
+    out = []
+    for route in app.routes:
+        # FastAPI >= 0.16x keeps included routers as lazy ``_IncludedRouter`` entries.
+        contexts = (route.effective_route_contexts() if hasattr(route, "effective_route_contexts")
+                    else [route])
+        for ctx in contexts:
+            original = getattr(ctx, "original_route", ctx)
+            methods = getattr(original, "methods", None)
+            if not methods:
+                continue
+            path = re.sub(r"\{[^}]+\}", "dummy-0", ctx.path)
+            out.extend((m, path) for m in sorted(methods))
+    assert out, "no routes found: has FastAPI changed how app.routes looks?"
+    return out
+
+
+def call(env, method: str, path: str, headers: dict[str, str]):
+    kw = {"json": {}} if method in ("POST", "PUT", "PATCH") else {}
+    return env.client.request(method, path, headers=headers, **kw)
+
+
+def b64(obj: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+
+def admin_claims(**over) -> dict:
+    now = int(time.time())
+    return {"iss": "saltserve", "aud": "saltserve", "sub": "mallory", "iat": now,
+            "exp": now + 600, "role": "admin", **over}
+
+
+def bad_credentials(env) -> dict[str, dict[str, str]]:
+    from tenants.tokens import load_or_create_platform_key
+
+    platform = load_or_create_platform_key(env.data_dir)
+    kid = key_id(platform.public_key())
+    now = int(time.time())
+    other = ed25519.Ed25519PrivateKey.generate()
+    revoked, info = env.repo.create_api_key(env.tenant_a, name="to-revoke")
+    env.repo.revoke_api_key(info.id)
+
+    def bearer(token: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    return {
+        "no token": {},
+        "empty bearer": {"Authorization": "Bearer "},
+        "basic scheme": {"Authorization": "Basic dXNlcjpwYXNz"},
+        "malformed": bearer("garbage"),
+        "malformed key": bearer("ss-zzzz-not-a-key"),
+        "malformed jwt": bearer("a.b.c"),
+        "expired jwt": bearer(jwt.encode(admin_claims(iat=now - 7200, exp=now - 3600), platform,
+                                         algorithm="EdDSA", headers={"kid": kid})),
+        "wrong audience": bearer(jwt.encode(admin_claims(aud="other-service"), platform,
+                                            algorithm="EdDSA", headers={"kid": kid})),
+        "alg none": bearer(f"{b64({'alg': 'none', 'typ': 'JWT'})}.{b64(admin_claims())}."),
+        "wrong key": bearer(jwt.encode(admin_claims(), other, algorithm="EdDSA",
+                                       headers={"kid": kid})),
+        "revoked key": bearer(revoked),
+        "unknown tenant jwt": bearer(env.issue("tenant", "0" * 32)),
+    }
+
+
+def test_enumeration_covers_every_router(env):
+    routes = all_routes(env.client.app)
+    paths = {p for _, p in routes}
+    for must in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics",
+                 "/admin/tenants", "/admin/tenants/dummy-0/rotate-salt", "/admin/cache/reset",
+                 "/admin/audit", "/admin/usage", "/health"):
+        assert must in paths, must
+    assert "/docs" not in paths and "/redoc" not in paths  # no public schema UIs
+
+
+def test_only_get_health_is_public(env):
+    assert env.client.get("/health").status_code == 200
+    for method, path in all_routes(env.client.app):
+        if (method, path) in PUBLIC:
+            continue
+        r = call(env, method, path, {})
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "authentication_error"
+
+
+def test_every_route_rejects_every_bad_credential(env):
+    creds = bad_credentials(env)
+    secrets = [h["Authorization"].split(" ", 1)[1] for h in creds.values()
+               if h.get("Authorization", "").startswith("Bearer ") and len(h["Authorization"]) > 12]
+    checked = 0
+    for method, path in all_routes(env.client.app):
+        if (method, path) in PUBLIC:
+            continue
+        for name, headers in creds.items():
+            r = call(env, method, path, headers)
+            assert r.status_code == 401, (name, method, path, r.status_code, r.text)
+            assert "Traceback" not in r.text
+            assert not any(s in r.text for s in secrets), (name, path)  # never echoed
+            checked += 1
+    assert checked >= 15 * len(creds)
+
+
+def test_tenant_credentials_get_403_on_admin_routes_and_metrics(env):
+    tenant_tokens = {"api key": env.key_a, "tenant jwt": env.issue("tenant", env.tenant_a),
+                     "tenant jwt b": env.issue("tenant", env.tenant_b, subject="bob")}
+    n = 0
+    for method, path in all_routes(env.client.app):
+        if not (path.startswith("/admin") or path in ("/metrics", "/openapi.json")):
+            continue
+        for name, token in tenant_tokens.items():
+            r = call(env, method, path, env.headers(token))
+            assert r.status_code == 403, (name, method, path, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "permission_error"
+            assert r.json()["error"]["code"] == "admin_required"
+            n += 1
+    assert n >= 3 * 12
+
+
+def test_admin_token_reaches_admin_routes_and_metrics(env):
+    h = env.headers(env.admin_token)
+    assert env.client.get("/admin/tenants", headers=h).status_code == 200
+    assert env.client.get("/metrics", headers=h).status_code == 200
+    assert env.client.get("/openapi.json", headers=h).json()["info"]["title"] == "saltserve"
+    assert env.client.get("/metrics", headers=env.headers(SCRAPE)).status_code == 200
+    # The scrape token is not an admin token.
+    assert env.client.get("/admin/tenants", headers=env.headers(SCRAPE)).status_code == 401
+
+
+def test_tenant_routes_accept_api_keys_and_tenant_jwts(env):
+    for token in (env.key_a, env.issue("tenant", env.tenant_a)):
+        r = env.client.get("/v1/models", headers=env.headers(token))
+        assert r.status_code == 200, r.text
+    # An admin JWT acts as a tenant only when it names one.
+    r = env.client.get("/v1/models", headers=env.headers(env.admin_token))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_required"
+    named = env.issue("admin", env.tenant_a, subject="support")
+    assert env.client.get("/v1/models", headers=env.headers(named)).status_code == 200
+    body = {"model": env.model, "prompt": [500, 501, 502], "max_tokens": 1, "temperature": 0}
+    r = env.client.post("/v1/completions", json=body,
+                        headers=env.headers(env.issue("tenant", env.tenant_b)))
+    assert r.status_code == 200, r.text
+
+
+def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
+    token = env.issue("tenant", env.tenant_b)
+    named_admin = env.issue("admin", env.tenant_b, subject="support")
+    env.repo.update_tenant(env.tenant_b, disabled=True)
+    try:
+        for t in (env.key_b, token, named_admin):
+            r = env.client.get("/v1/models", headers=env.headers(t))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_disabled"
+        # ... but an admin token naming it is still an admin (it can enable the tenant again).
+        r = env.client.get(f"/admin/tenants/{env.tenant_b}", headers=env.headers(named_admin))
+        assert r.status_code == 200 and r.json()["disabled"] is True
+    finally:
+        env.repo.update_tenant(env.tenant_b, disabled=False)
+    assert env.client.get("/v1/models", headers=env.headers(token)).status_code == 200
+
+
+def test_failed_admin_auth_is_audited_without_the_token(env):
+    expired = jwt.encode(admin_claims(exp=int(time.time()) - 3600, iat=int(time.time()) - 7200),
+                         ed25519.Ed25519PrivateKey.generate(), algorithm="EdDSA")
+    for headers in ({}, env.headers(expired), env.headers(env.key_a)):
+        env.client.get("/admin/audit", headers=headers)
+    rows = [a for a in env.repo.list_audit(limit=1000) if a.action == "auth.admin_denied"]
+    details = " ".join(a.detail or "" for a in rows)
+    assert "reason=not_admin" in details and "reason=bad_jwt" in details
+    assert "GET /admin/audit" in details
+    assert any(a.actor.startswith("key:") for a in rows)
+    assert expired not in details and env.key_a not in details
+    assert env.key_a.split("-")[-1] not in details

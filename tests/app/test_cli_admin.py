@@ -1,0 +1,133 @@
+"""``saltserve token issue``, ``tenants rotate-salt / disable / enable``, ``keys rotate-master``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from app.bootstrap import open_repository
+from app.cli import main
+from app.settings import Settings
+from tenants.crypto import MASTER_KEY_FILENAME
+from tenants.errors import InvalidToken, TenantDisabled
+from tenants.tokens import JWTConfig, JWTVerifier, TokenClaims, load_or_create_platform_key
+
+ENV = {"SALTSERVE_MASTER_KEY": "", "SALTSERVE_JWT_ISSUER": "saltserve",
+       "SALTSERVE_JWT_AUDIENCE": "saltserve"}
+
+
+@pytest.fixture
+def cli(tmp_path):
+    runner = CliRunner(env=ENV)
+    dd = ["--data-dir", str(tmp_path)]
+
+    def run(*args: str, ok: bool = True):
+        r = runner.invoke(main, [*args, *dd])
+        if ok:
+            assert r.exit_code == 0, r.output
+        return r
+
+    r = run("tenants", "create", "acme")
+    run.tenant_id = re.search(r"id=([0-9a-f]{32})", r.output).group(1)  # type: ignore[attr-defined]
+    return run
+
+
+def test_token_issue(cli, tmp_path):
+    verifier = JWTVerifier(JWTConfig(), load_or_create_platform_key(tmp_path).public_key())
+    token = cli("token", "issue", "--role", "admin", "--ttl", "60").stdout.strip()
+    assert verifier.verify(token) == TokenClaims("admin", "admin", None)
+    token = cli("token", "issue", "--tenant", "acme", "--ttl", "60").stdout.strip()
+    assert verifier.verify(token) == TokenClaims(f"tenant:{cli.tenant_id}", "tenant",
+                                                 cli.tenant_id)
+    token = cli("token", "issue", "--tenant", cli.tenant_id, "--role", "admin",
+                "--subject", "alice").stdout.strip()
+    assert verifier.verify(token) == TokenClaims("alice", "admin", cli.tenant_id)
+    assert (tmp_path / "jwt-signing-key.pem").stat().st_mode & 0o777 == 0o600
+    r = cli("token", "issue", "--role", "tenant", ok=False)
+    assert r.exit_code == 2 and "--tenant" in r.output
+    r = cli("token", "issue", "--tenant", "nobody", ok=False)
+    assert r.exit_code == 1 and "no tenant" in r.output
+    r = cli("token", "issue", "--role", "admin", "--ttl", "0", ok=False)
+    assert r.exit_code == 2
+    # Another data dir's key does not verify this one's tokens.
+    other = JWTVerifier(JWTConfig(), load_or_create_platform_key(tmp_path / "x").public_key())
+    with pytest.raises(InvalidToken):
+        other.verify(token)
+
+
+def test_rotate_salt_disable_enable(cli, tmp_path):
+    repo = open_repository(Settings(data_dir=tmp_path))
+    key, _ = repo.create_api_key(cli.tenant_id)
+    old = repo.authenticate_api_key(key)
+    r = cli("tenants", "rotate-salt", "acme")
+    assert "salt_version=2" in r.output
+    new = open_repository(Settings(data_dir=tmp_path)).authenticate_api_key(key)
+    assert new.salt_version == 2 and new.effective_salt() != old.effective_salt()
+    assert old.tenant_salt.hex() not in r.output
+    audit = repo.list_audit(cli.tenant_id)
+    assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == "cli"
+    assert audit[0].detail == "salt_version=2"
+    assert "disabled" in cli("tenants", "disable", "acme").output
+    with pytest.raises(TenantDisabled):
+        repo.authenticate_api_key(key)
+    assert "active" in cli("tenants", "enable", cli.tenant_id).output
+    assert repo.authenticate_api_key(key).salt_version == 2
+    assert cli("tenants", "rotate-salt", "nobody", ok=False).exit_code == 1
+
+
+def test_rotate_master_key(cli, tmp_path):
+    repo = open_repository(Settings(data_dir=tmp_path))
+    key, _ = repo.create_api_key(cli.tenant_id)
+    cli("tenants", "rotate-salt", "acme")
+    salt = open_repository(Settings(data_dir=tmp_path)).authenticate_api_key(key).tenant_salt
+    path = tmp_path / MASTER_KEY_FILENAME
+    old_key = path.read_text()
+    r = cli("keys", "rotate-master")
+    assert "re-encrypted 2 salts" in r.output and old_key.strip() not in r.output
+    backup = tmp_path / (MASTER_KEY_FILENAME + ".bak")
+    assert backup.read_text() == old_key and backup.stat().st_mode & 0o777 == 0o600
+    assert path.read_text() != old_key and path.stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / (MASTER_KEY_FILENAME + ".new")).exists()
+    fresh = open_repository(Settings(data_dir=tmp_path))       # decrypts with the new key
+    assert fresh.authenticate_api_key(key).tenant_salt == salt
+    assert fresh.get_auth_context(cli.tenant_id).salt_version == 2
+    assert fresh.list_audit()[0].action == "master_key.rotate"
+
+
+def test_rotate_master_key_from_env_prints_the_new_key_once(tmp_path):
+    from tenants.crypto import decode_master_key, generate_master_key
+
+    env_key = generate_master_key()
+    runner = CliRunner(env={**ENV, "SALTSERVE_MASTER_KEY": env_key})
+    dd = ["--data-dir", str(tmp_path)]
+    assert runner.invoke(main, ["tenants", "create", "acme", *dd]).exit_code == 0
+    r = runner.invoke(main, ["keys", "rotate-master", *dd])
+    assert r.exit_code == 0, r.output
+    new_key = r.stdout.strip()
+    assert decode_master_key(new_key) and new_key != env_key
+    assert not (tmp_path / MASTER_KEY_FILENAME).exists()
+    repo = open_repository(Settings(data_dir=tmp_path, master_key=new_key))
+    assert repo.get_auth_context(repo.get_tenant_by_name("acme").id).salt_version == 1
+
+
+def test_jwt_settings_from_the_environment(tmp_path, monkeypatch):
+    from app.bootstrap import make_jwt_verifier
+
+    monkeypatch.setenv("SALTSERVE_JWT_ALGORITHMS", '["EdDSA"]')
+    monkeypatch.setenv("SALTSERVE_JWT_AUDIENCE", "inference")
+    monkeypatch.setenv("SALTSERVE_JWT_LEEWAY_S", "30")
+    monkeypatch.setenv("SALTSERVE_JWT_TENANT_CLAIM", "org")
+    cfg = Settings(data_dir=tmp_path).jwt_config()
+    assert (cfg.algorithms, cfg.audience, cfg.leeway_s, cfg.tenant_claim, cfg.role_claim) == (
+        ("EdDSA",), "inference", 30.0, "org", "role")
+    verifier = make_jwt_verifier(Settings(data_dir=tmp_path))
+    assert (tmp_path / "jwt-signing-key.pem").stat().st_mode & 0o777 == 0o600
+    runner = CliRunner(env={**ENV, "SALTSERVE_JWT_AUDIENCE": "inference",
+                            "SALTSERVE_JWT_TENANT_CLAIM": "org"})
+    r = runner.invoke(main, ["token", "issue", "--role", "admin", "--data-dir", str(tmp_path)])
+    assert verifier.verify(r.stdout.strip()).role == "admin"
+    for bad in (["none"], ["HS256"], []):
+        with pytest.raises(ValueError):
+            Settings(data_dir=tmp_path, jwt_algorithms=bad).jwt_config()

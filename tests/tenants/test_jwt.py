@@ -1,0 +1,199 @@
+"""``tenants.tokens``: platform key, issuing, and every way ``JWTVerifier`` must refuse a token."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+from tenants.errors import InvalidToken
+from tenants.tokens import (
+    PLATFORM_KEY_FILENAME,
+    JWTConfig,
+    JWTVerifier,
+    TokenClaims,
+    issue_token,
+    key_id,
+    load_or_create_platform_key,
+)
+
+CFG = JWTConfig()
+
+
+def b64(obj: dict | bytes) -> str:
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def claims(**over) -> dict:
+    now = int(time.time())
+    base = {"iss": "saltserve", "aud": "saltserve", "sub": "alice", "iat": now,
+            "exp": now + 600, "role": "tenant", "tenant": "t1"}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+@pytest.fixture
+def platform(tmp_path) -> ed25519.Ed25519PrivateKey:
+    return load_or_create_platform_key(tmp_path)
+
+
+@pytest.fixture
+def verifier(platform) -> JWTVerifier:
+    return JWTVerifier(CFG, platform.public_key())
+
+
+def sign(key, payload: dict, alg: str = "EdDSA", kid: str | None = "auto") -> str:
+    headers = {}
+    if kid == "auto":
+        headers["kid"] = key_id(key.public_key())
+    elif kid is not None:
+        headers["kid"] = kid
+    return jwt.encode(payload, key, algorithm=alg, headers=headers)
+
+
+def rejected(verifier: JWTVerifier, token: str) -> None:
+    with pytest.raises(InvalidToken):
+        verifier.verify(token)
+
+
+def test_platform_key_is_created_once_with_mode_0600(tmp_path):
+    k1 = load_or_create_platform_key(tmp_path)
+    k2 = load_or_create_platform_key(tmp_path)
+    assert (tmp_path / PLATFORM_KEY_FILENAME).stat().st_mode & 0o777 == 0o600
+    assert key_id(k1.public_key()) == key_id(k2.public_key())
+
+
+def test_issued_tokens_round_trip(platform, verifier):
+    t = issue_token(platform, CFG, subject="ops", role="tenant", tenant_id="t1", ttl_s=60)
+    assert verifier.verify(t) == TokenClaims("ops", "tenant", "t1")
+    a = issue_token(platform, CFG, subject="root", role="admin", tenant_id=None, ttl_s=60)
+    assert verifier.verify(a) == TokenClaims("root", "admin", None)
+    header = jwt.get_unverified_header(a)
+    assert header["alg"] == "EdDSA" and header["kid"] == key_id(platform.public_key())
+    with pytest.raises(ValueError):
+        issue_token(platform, CFG, subject="x", role="tenant", tenant_id=None, ttl_s=60)
+    with pytest.raises(ValueError):
+        issue_token(platform, CFG, subject="x", role="root", tenant_id=None, ttl_s=60)  # type: ignore[arg-type]
+
+
+def test_alg_none_is_refused(verifier):
+    for alg in ("none", "None", "NONE"):
+        rejected(verifier, f"{b64({'alg': alg, 'typ': 'JWT'})}.{b64(claims())}.")
+    with pytest.raises(ValueError, match="never 'none'"):
+        JWTConfig(algorithms=("none",))
+
+
+def test_hs_rs_confusion_is_refused(tmp_path, platform):
+    """An HS256 token keyed with the (public) PEM of a verifying key must never pass."""
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = rsa_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "idp.pem").write_bytes(pem)
+    v = JWTVerifier(JWTConfig(public_key_file=tmp_path / "idp.pem"), platform.public_key())
+    for secret in (pem, platform.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)):
+        head = b64({"alg": "HS256", "typ": "JWT"}) + "." + b64(claims())
+        sig = hmac.new(secret, head.encode(), hashlib.sha256).digest()
+        rejected(v, head + "." + b64(sig))
+    with pytest.raises(ValueError):
+        JWTConfig(algorithms=("HS256", "RS256"))
+    # The real RSA token passes; the same key's token is refused once RS256 is not allowed.
+    good = sign(rsa_key, claims(), "RS256", kid=None)
+    assert v.verify(good).subject == "alice"
+    only_ed = JWTVerifier(JWTConfig(algorithms=("EdDSA",), public_key_file=tmp_path / "idp.pem"))
+    rejected(only_ed, good)
+    # An EdDSA header on an RSA-only key source is refused (alg must match the key family).
+    rejected(JWTVerifier(JWTConfig(public_key_file=tmp_path / "idp.pem")),
+             sign(ed25519.Ed25519PrivateKey.generate(), claims(), kid=None))
+
+
+def test_expiry_and_leeway(platform):
+    now = int(time.time())
+    old = sign(platform, claims(iat=now - 100, exp=now - 10))
+    rejected(JWTVerifier(CFG, platform.public_key()), old)
+    lenient = JWTVerifier(JWTConfig(leeway_s=60), platform.public_key())
+    assert lenient.verify(old).subject == "alice"
+    future = sign(platform, claims(iat=now + 3600, exp=now + 7200))
+    rejected(JWTVerifier(CFG, platform.public_key()), future)
+
+
+@pytest.mark.parametrize("over", [
+    {"aud": "someone-else"}, {"iss": "evil"}, {"exp": None}, {"iat": None}, {"iss": None},
+    {"aud": None}, {"sub": None}, {"sub": ""}, {"role": None}, {"role": "root"},
+    {"role": "tenant", "tenant": None}, {"tenant": ""}, {"tenant": 7},
+])
+def test_claims_are_required_and_checked(verifier, platform, over):
+    rejected(verifier, sign(platform, claims(**over)))
+
+
+def test_wrong_key_is_refused(verifier, platform):
+    other = ed25519.Ed25519PrivateKey.generate()
+    rejected(verifier, sign(other, claims()))                               # its own kid
+    rejected(verifier, sign(other, claims(), kid=key_id(platform.public_key())))  # forged kid
+    rejected(verifier, sign(other, claims(), kid=None))
+    rejected(verifier, "not-a-jwt")
+    rejected(verifier, "a.b.c")
+    good = sign(platform, claims())
+    rejected(verifier, good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB"))
+
+
+def test_configurable_claim_names(platform):
+    cfg = JWTConfig(tenant_claim="org", role_claim="https://saltserve/role", leeway_s=5)
+    v = JWTVerifier(cfg, platform.public_key())
+    t = issue_token(platform, cfg, subject="bob", role="tenant", tenant_id="t9", ttl_s=60)
+    assert v.verify(t) == TokenClaims("bob", "tenant", "t9")
+    rejected(v, sign(platform, claims()))          # default claim names: no role claim found
+
+
+def test_jwks_with_kid_rotation(request):
+    keys = {f"k{i}": rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            for i in (1, 2)}
+    published: dict[str, bytes] = {}
+
+    class JWKS(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(published["body"])
+
+        def log_message(self, *args) -> None:
+            pass
+
+    def publish(*kids: str) -> None:
+        jwks = []
+        for kid in kids:
+            jwk = jwt.algorithms.RSAAlgorithm.to_jwk(keys[kid].public_key(), as_dict=True)
+            jwks.append({**jwk, "kid": kid, "use": "sig", "alg": "RS256"})
+        published["body"] = json.dumps({"keys": jwks}).encode()
+
+    server = HTTPServer(("127.0.0.1", 0), JWKS)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request.addfinalizer(server.shutdown)
+    publish("k1")
+    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url))
+    t1 = sign(keys["k1"], claims(), "RS256", kid="k1")
+    assert v.verify(t1).subject == "alice"
+    publish("k2")                                   # the IdP rotates: an unknown kid refetches
+    t2 = sign(keys["k2"], claims(sub="bob"), "RS256", kid="k2")
+    assert v.verify(t2).subject == "bob"
+    rejected(v, t1)                                  # k1 is gone from the set
+    rejected(v, sign(keys["k1"], claims(), "RS256", kid="k2"))  # k2's kid, k1's signature
+    rejected(v, sign(keys["k1"], claims(), "RS256", kid=None))
+
+
+def test_no_key_source_refuses_everything(platform, tmp_path):
+    rejected(JWTVerifier(CFG), sign(platform, claims()))
+    with pytest.raises(ValueError, match="JWKS"):
+        JWTVerifier(JWTConfig(jwks_url=(tmp_path / "jwks.json").as_uri()))  # http(s) only
