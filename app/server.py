@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,6 +19,38 @@ from app.routes import admin, health, metrics, openai
 from engine.async_engine import AsyncLLM
 from tenants.repository import TenantRepository
 from tenants.tokens import JWTVerifier
+from tenants.usage import current_request_id
+
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id: the client's ``X-Request-ID`` when it is a short safe
+    token, else a new uuid4 hex. It is echoed in the ``x-request-id`` response header and stamped
+    on every audit row written while serving the request (``tenants.usage.current_request_id``).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
+        token = current_request_id.set(request_id)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            current_request_id.reset(token)
 
 
 class BodySizeLimit:
@@ -104,4 +138,5 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
     app.include_router(admin.router)
     app.include_router(admin.schema_router)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: ids also cover 413s
     return app

@@ -8,6 +8,7 @@ salt, key secret or key hash: salt changes record the version only.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from datetime import datetime
 
 from sqlalchemy import select
@@ -101,6 +102,11 @@ def select_usage(
     ]
 
 
+# The HTTP request being served (set per request by the app's RequestIdMiddleware); audit rows
+# written while serving it carry its id unless the caller passes one.
+current_request_id: ContextVar[str | None] = ContextVar("current_request_id", default=None)
+
+
 def add_audit(
     session: Session,
     actor: str,
@@ -117,7 +123,7 @@ def add_audit(
         action: dotted verb, e.g. "tenant.rotate_salt".
         tenant_id: the tenant concerned, if any.
         detail: short free text. Never a salt, key secret or key hash.
-        request_id: the HTTP request that caused it, if any.
+        request_id: the HTTP request that caused it; defaults to ``current_request_id``.
     """
     session.add(
         AuditLogRow(
@@ -126,7 +132,7 @@ def add_audit(
             action=action,
             tenant_id=tenant_id,
             detail=detail,
-            request_id=request_id,
+            request_id=request_id or current_request_id.get(),
         )
     )
 

@@ -270,3 +270,26 @@ def test_usage_report_json_and_csv(env):
     assert admin(env, "GET", "/admin/usage", params={"format": "xml"}).status_code == 400
     assert admin(env, "GET", "/admin/usage",
                  params={"since": "2020-01-01T00:00:00"}).status_code == 400  # naive time
+
+
+def test_audit_rows_carry_the_http_request_id(env):
+    import re
+
+    h = {**env.headers(env.admin_token), "X-Request-ID": "trace-123"}
+    r = env.client.post("/admin/tenants", json={"name": "traced"}, headers=h)
+    assert r.status_code in (200, 201) and r.headers["x-request-id"] == "trace-123"
+    tenant_id = r.json()["id"]
+    r = admin(env, "POST", f"/admin/tenants/{tenant_id}/rotate-salt")
+    generated = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    rows = {e.action: e for e in env.repo.list_audit(tenant_id)}
+    assert rows["tenant.create"].request_id == "trace-123"
+    assert rows["tenant.rotate_salt"].request_id == generated
+    bad = {**env.headers(env.key_a), "X-Request-ID": "denied-1"}
+    r = env.client.get("/admin/audit", headers=bad)
+    assert r.status_code == 403 and r.headers["x-request-id"] == "denied-1"
+    assert any(e.action == "auth.admin_denied" and e.request_id == "denied-1"
+               for e in env.repo.list_audit(limit=1000))
+    # A header that is not a short safe token is replaced, never echoed.
+    r = env.client.get("/health", headers={"X-Request-ID": "x" * 65})
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
