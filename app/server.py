@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import time
 import uuid
@@ -9,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -20,6 +23,8 @@ from engine.async_engine import AsyncLLM
 from tenants.repository import TenantRepository
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_request_id
+
+logger = logging.getLogger(__name__)
 
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -90,11 +95,13 @@ class BodySizeLimit:
 def create_app(engine: AsyncLLM, repo: TenantRepository,
                max_request_body_bytes: int = 4 << 20,
                metrics_token: str | None = None,
-               jwt_verifier: JWTVerifier | None = None) -> FastAPI:
+               jwt_verifier: JWTVerifier | None = None,
+               last_used_flush_s: float = 60.0) -> FastAPI:
     """Builds the app around a constructed engine and tenant repository.
 
-    The engine loop starts with the app's lifespan and stops with it; buffered API-key
-    ``last_used_at`` times are flushed on shutdown.
+    The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
+    times are buffered in memory (no DB write per request) and written every
+    ``last_used_flush_s`` seconds and on shutdown.
 
     Args:
         metrics_token: bearer token that Prometheus presents on ``GET /metrics``
@@ -104,12 +111,22 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
             so only API keys work and the admin API is closed.
     """
 
+    async def flush_periodically() -> None:
+        while True:
+            await asyncio.sleep(last_used_flush_s)
+            try:
+                await run_in_threadpool(repo.flush_last_used)
+            except Exception as e:  # noqa: BLE001 - retried next period, never kills the app
+                logger.error("flushing API-key last_used_at failed: %s", type(e).__name__)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        flusher = asyncio.create_task(flush_periodically())
         try:
             yield
         finally:
+            flusher.cancel()
             engine.shutdown()
             repo.flush_last_used()
 

@@ -54,7 +54,8 @@ def make_repo(tmp: Path, database_url: str | None = None) -> TenantRepository:
 
 @contextmanager
 def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
-                  database_url: str | None = None, **engine_overrides) -> Iterator[AppEnv]:
+                  database_url: str | None = None, last_used_flush_s: float = 60.0,
+                  **engine_overrides) -> Iterator[AppEnv]:
     """A running app over a fresh engine and database with tenants A and B (one key each).
 
     Args:
@@ -72,7 +73,8 @@ def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
     engine = AsyncLLM(core)
     platform_key = load_or_create_platform_key(tmp)
     verifier = JWTVerifier(JWTConfig(), platform_key.public_key())
-    app = create_app(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier)
+    app = create_app(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier,
+                     last_used_flush_s=last_used_flush_s)
     admin = issue_token(platform_key, JWTConfig(), subject="test-admin", role="admin",
                         tenant_id=None, ttl_s=3600)
     with TestClient(app, raise_server_exceptions=False) as client:
