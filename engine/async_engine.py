@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -146,12 +146,16 @@ class AsyncLLM:
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
+        """Pops queued commands until the queue is empty (never blocks)."""
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 try:
                     self.engine.add_request(payload)
@@ -191,11 +195,7 @@ class AsyncLLM:
 
     def _fail_pending(self) -> None:
         """On loop exit: answers every queued command and open stream with EngineDeadError."""
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for kind, payload in self._queued_commands():
             if kind == "call":
                 fut = payload[1]
                 if fut.set_running_or_notify_cancel():
