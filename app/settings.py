@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from pydantic import Field
@@ -69,13 +70,6 @@ class Settings(BaseSettings):
 
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
-        return EngineConfig(
-            model=str(model_dir), served_model_name=self.served_model_name,
-            block_size=self.block_size, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization, dtype=self.dtype,
-            device=self.device, attention_backend=self.attention_backend, seed=self.seed)
+        # Every EngineConfig field but ``model`` has a same-named setting (vLLM flag names).
+        return EngineConfig(model=str(model_dir), **{
+            f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "model"})

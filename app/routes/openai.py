@@ -344,6 +344,26 @@ def _encode(tokenizer, text: str, param: str, **kwargs) -> list[int]:
                        "invalid_value") from None
 
 
+async def _respond(request: Request, job: _Job, body: ChatCompletionRequest | CompletionRequest,
+                   chat: bool) -> JSONResponse | StreamingResponse:
+    """Streams SSE chunks, or runs the job to completion and returns one JSON body (OpenAI
+    ``chat.completion`` or ``text_completion``)."""
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return _streaming_response(request, job, chat, include)
+    await _collect(request, job)
+    if chat:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None, "finish_reason": c.finish_reason} for c in job.choices]
+    else:
+        choices = [{"index": c.index, "text": c.text, "logprobs": None,
+                    "finish_reason": c.finish_reason} for c in job.choices]
+    return JSONResponse({
+        "id": job.request_id, "object": "chat.completion" if chat else "text_completion",
+        "created": job.created, "model": job.model, "choices": choices,
+        "usage": job.usage()}, headers=job.limit_headers())
+
+
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            auth: CurrentTenant) -> JSONResponse | StreamingResponse:
@@ -357,16 +377,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                        "messages", "invalid_value") from None
     prompt_ids = _encode(tokenizer, text, "messages", add_special_tokens=False)
     job = _prepare(request, auth, body, prompt_ids, "chat.completions", "chatcmpl", "messages")
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(request, job, True, include)
-    await _collect(request, job)
-    return JSONResponse({
-        "id": job.request_id, "object": "chat.completion", "created": job.created,
-        "model": job.model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None, "finish_reason": c.finish_reason} for c in job.choices],
-        "usage": job.usage()}, headers=job.limit_headers())
+    return await _respond(request, job, body, chat=True)
 
 
 @router.post("/completions", response_model=None)
@@ -378,16 +389,7 @@ async def completions(body: CompletionRequest, request: Request,
     else:
         prompt_ids = list(body.prompt)
     job = _prepare(request, auth, body, prompt_ids, "completions", "cmpl", "prompt")
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming_response(request, job, False, include)
-    await _collect(request, job)
-    return JSONResponse({
-        "id": job.request_id, "object": "text_completion", "created": job.created,
-        "model": job.model,
-        "choices": [{"index": c.index, "text": c.text, "logprobs": None,
-                     "finish_reason": c.finish_reason} for c in job.choices],
-        "usage": job.usage()}, headers=job.limit_headers())
+    return await _respond(request, job, body, chat=False)
 
 
 @router.get("/models")
