@@ -125,8 +125,7 @@ async def _note_salt_version(request: Request, ctx: AuthContext) -> None:
     if last is None:
         return  # first sight since start: nothing of this tenant can be cached yet
     tenant_id = ctx.tenant_id
-    dropped = await request.app.state.engine.call(
-        lambda e: e.evict_tenant_cache(tenant_id, "salt_rotation"))
+    dropped = await request.app.state.engine.evict_tenant_cache(tenant_id, "salt_rotation")
     logger.info("tenant %s salt version %d -> %d: dropped %d cached blocks", tenant_id, last,
                 ctx.salt_version, dropped)
 

@@ -96,6 +96,11 @@ class Lease:
         """
         self._limiter._release(self, used_tokens)
 
+    def cancel(self) -> None:
+        """Undoes the admission as if it never happened (the engine refused the call before
+        any work): frees the slot and removes the call from the rpm and tpm windows."""
+        self._limiter._release(self, None, cancel=True)
+
 
 class RateLimiter:
     """Thread-safe in-memory per-tenant limiter.
@@ -157,7 +162,7 @@ class RateLimiter:
             w = self._tenants.get(tenant_id)
             return 0 if w is None else w.in_flight
 
-    def _release(self, lease: Lease, used_tokens: int | None) -> None:
+    def _release(self, lease: Lease, used_tokens: int | None, cancel: bool = False) -> None:
         with self._lock:
             if lease.released:
                 return
@@ -166,6 +171,11 @@ class RateLimiter:
             w.in_flight -= 1
             assert w.in_flight >= 0, "rate limiter released more leases than it granted"
             entry = lease._entry
+            if cancel and entry is not None and not entry.pruned:
+                w.requests.remove(entry.time)  # equal timestamps are interchangeable
+                w.tokens.remove(entry)
+                w.tokens_used -= entry.tokens
+                return
             if entry is not None and used_tokens is not None and used_tokens < entry.tokens:
                 used = max(0, used_tokens)
                 if not entry.pruned:  # a pruned entry was already subtracted

@@ -1,4 +1,4 @@
-"""OpenAI request bodies (the subset we serve) and their conversion to ``SamplingParams``.
+"""OpenAI request and response bodies (the subset we serve); requests convert to ``SamplingParams``.
 
 Field names, ranges and defaults follow the OpenAI API reference; unknown fields are ignored, as
 vLLM's OpenAI server does.
@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    field_validator,
+    model_serializer,
+)
 
 from engine.sampling_params import SamplingParams
 
@@ -104,3 +112,116 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens)
+
+
+# -- responses ---------------------------------------------------------------------------------
+# Shapes of the OpenAI API reference (chat.completion, chat.completion.chunk, text_completion).
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """``usage``; ``prompt_tokens_details.cached_tokens`` is always present (0 on a miss)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A stream delta; unset fields are left out (the final delta is ``{}``)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class _StreamChunk(BaseModel):
+    """With ``include_usage`` (``stream_options``) every chunk carries ``usage`` (null until the
+    last, choice-less chunk); without it the key is absent, as in the OpenAI API."""
+
+    id: str
+    created: int
+    model: str
+    usage: UsageInfo | None = None
+    include_usage: bool = Field(False, exclude=True)
+
+    @model_serializer(mode="wrap")
+    def _usage_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict:
+        body = handler(self)
+        if not self.include_usage:
+            body.pop("usage", None)
+        return body
+
+
+class ChatCompletionStreamResponse(_StreamChunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionStreamChoice]
+
+
+class CompletionStreamResponse(_StreamChunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "saltserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,8 +1,11 @@
-"""Background engine loop for the server: one thread steps the engine, asyncio consumers stream.
+"""``AsyncLLM``: the ``EngineClient`` of the server. One thread steps the engine; asyncio consumers
+stream.
 
 The engine thread owns the ``LLMEngine`` exclusively. Callers talk to it through a thread-safe
-command queue (add / abort / call) and receive ``RequestOutput`` objects on per-request asyncio
-queues, so tokens stream to HTTP clients as they are produced.
+queue of typed commands (``_AddRequest``, ``_Abort``, ``_Call``) and receive ``RequestOutput``
+records on per-request asyncio queues, so tokens stream to HTTP clients as they are produced.
+Requests are validated on the caller's thread against the frozen ``ModelInfo`` before anything
+is queued (``engine.protocol.validate_request``).
 """
 
 from __future__ import annotations
@@ -14,25 +17,96 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
+from engine.protocol import EngineClient, ModelInfo, OutputObserver, validate_request
 from engine.request import EngineRequest, RequestOutput
+from engine.stats import EXPLICIT_EVICTION_REASONS, EngineStatsSnapshot
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-# Called on the consumer's event loop for each output that carries new tokens, with the seconds
-# since the previous such output of the same request (None for the first one).
-OutputObserver = Callable[[EngineRequest, RequestOutput, "float | None"], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; no request can be served."""
+__all__ = ["AsyncLLM", "EngineDeadError", "OutputObserver"]
 
 
-class AsyncLLM:
-    """Async facade over ``LLMEngine``.
+@dataclass(frozen=True)
+class _AddRequest:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
+_Command = _AddRequest | _Abort | _Call
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator on the submitting event loop.
+
+    Ends after the finished output. ``close()`` (or ``aclose()``) before that aborts the request
+    and frees its blocks; closing twice is harmless.
+    """
+
+    def __init__(self, client: AsyncLLM, request: EngineRequest) -> None:
+        self.request = request
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._client = client
+        self._finished = False
+        self._closed = False
+        self._last_token_time: float | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.new_token_ids and self._client.output_observers:
+            now = time.monotonic()
+            gap = None if self._last_token_time is None else now - self._last_token_time
+            self._last_token_time = now
+            self._client._observe(self.request, item, gap)
+        if item.finished:
+            self._finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stops delivery; aborts the request unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client._streams.pop(self.request.request_id, None)
+        if not self._finished:
+            self._client._send(_Abort((self.request.request_id,)))
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class AsyncLLM(EngineClient):
+    """``EngineClient`` over an in-process ``LLMEngine`` stepped by one background thread.
 
     Args:
         engine: a constructed engine; from now on only the loop thread touches it.
@@ -40,12 +114,13 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._model_info: ModelInfo = engine.model_info
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.errored: BaseException | None = None
+        self._dead_error: BaseException | None = None
         self.last_step_time = time.monotonic()
         self.output_observers: list[OutputObserver] = []
 
@@ -65,9 +140,17 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.errored is None
+        return (self._thread is not None and self._thread.is_alive()
+                and self._dead_error is None)
 
-    # -- API -----------------------------------------------------------------------------------
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    # -- EngineClient --------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
     def add_output_observer(self, observer: OutputObserver) -> None:
         """Registers ``observer(request, output, seconds_since_previous_token)``.
 
@@ -77,46 +160,39 @@ class AsyncLLM:
         """
         self.output_observers.append(observer)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Submits ``request`` and yields its outputs until the finished one.
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Validates ``request`` on the caller's thread, queues it, and returns its stream.
 
         Raises:
-            ValueError: invalid request (checked before anything is queued).
-            EngineDeadError: the engine loop has died.
-
-        Cancelling the consumer (client disconnect) aborts the request and frees its blocks.
+            InvalidRequestError: the request fails ``validate_request`` (nothing is queued).
+            EngineDeadError: the engine loop is not running.
         """
         if not self.is_running:
             raise EngineDeadError("engine is not running")
-        self.engine.validate_request(request)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, q)
+        validate_request(request, self._model_info)
+        stream = RequestStream(self, request)
+        self._streams[request.request_id] = (stream.loop, stream.queue)
         if not self.is_running:  # the loop died between the check above and registering
             self._streams.pop(request.request_id, None)
             raise EngineDeadError("engine is not running")
-        self._send("add", request)
-        finished = False
-        last_token_time: float | None = None
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.new_token_ids and self.output_observers:
-                    now = time.monotonic()
-                    gap = None if last_token_time is None else now - last_token_time
-                    last_token_time = now
-                    self._observe(request, item, gap)
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self._send("abort", [request.request_id])
+        self._send(_AddRequest(request))
+        return stream
 
+    async def abort(self, request_ids: list[str]) -> None:
+        self._send(_Abort(tuple(request_ids)))
+
+    async def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
+        if reason not in EXPLICIT_EVICTION_REASONS:  # checked here too: fail before the hop
+            raise ValueError(f"reason must be one of {EXPLICIT_EVICTION_REASONS}, got {reason!r}")
+        return await self._call(lambda e: e.evict_tenant_cache(tenant_id, reason))
+
+    async def reset_prefix_cache(self) -> int:
+        return await self._call(lambda e: e.reset_prefix_cache())
+
+    async def stats(self) -> EngineStatsSnapshot:
+        return await self._call(lambda e: e.stats_snapshot())
+
+    # -- internals -----------------------------------------------------------------------------
     def _observe(self, request: EngineRequest, output: RequestOutput, gap: float | None) -> None:
         for observer in self.output_observers:
             try:
@@ -124,16 +200,19 @@ class AsyncLLM:
             except Exception as e:  # noqa: BLE001 - observers never break a stream
                 logger.error("output observer failed: %s", type(e).__name__)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs ``fn(engine)`` on the engine thread between steps and returns its result."""
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread between steps and returns its result.
+
+        Private: the typed methods above are the interface; tests use it to inspect the engine.
+        """
         if not self.is_running:
             raise EngineDeadError("engine is not running")
         fut: Future = Future()
-        self._send("call", (fn, fut))
+        self._send(_Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.put((kind, payload))
+    def _send(self, command: _Command) -> None:
+        self._commands.put(command)
         self._wakeup.set()
 
     # -- engine thread -------------------------------------------------------------------------
@@ -146,7 +225,7 @@ class AsyncLLM:
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
+    def _queued_commands(self) -> Iterator[_Command]:
         """Pops queued commands until the queue is empty (never blocks)."""
         while True:
             try:
@@ -155,27 +234,27 @@ class AsyncLLM:
                 return
 
     def _drain_commands(self) -> None:
-        for kind, payload in self._queued_commands():
-            if kind == "add":
+        for cmd in self._queued_commands():
+            if isinstance(cmd, _AddRequest):
                 try:
-                    self.engine.add_request(payload)
-                except ValueError as e:
-                    self._deliver(payload.request_id, e)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-            elif kind == "call":
-                fn, fut = payload
-                if not fut.set_running_or_notify_cancel():
-                    continue  # the caller gave up (cancelled) before we got to it
+                    self.engine.enqueue(cmd.request)
+                except ValueError as e:  # duplicate request id
+                    self._deliver(cmd.request.request_id, e)
+            elif isinstance(cmd, _Abort):
+                self.engine.abort_request(list(cmd.request_ids))
+            elif cmd.future.set_running_or_notify_cancel():  # else the caller gave up
                 try:
-                    fut.set_result(fn(self.engine))
+                    cmd.future.set_result(cmd.fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-                    fut.set_exception(e)
+                    cmd.future.set_exception(e)
 
     def _loop(self) -> None:
-        import torch
+        try:
+            import torch
 
-        torch.set_grad_enabled(False)
+            torch.set_grad_enabled(False)
+        except ImportError:  # a torch-free executor (tests)
+            pass
         try:
             while not self._stop:
                 self._drain_commands()
@@ -189,16 +268,14 @@ class AsyncLLM:
                     self._deliver(out.request_id, out)
         except Exception as e:  # a model/kernel/engine failure: fail everyone, stop serving
             logger.exception("engine loop failed; stopping it")
-            self.errored = e
+            self._dead_error = e
         finally:
             self._fail_pending()
 
     def _fail_pending(self) -> None:
         """On loop exit: answers every queued command and open stream with EngineDeadError."""
-        for kind, payload in self._queued_commands():
-            if kind == "call":
-                fut = payload[1]
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(EngineDeadError("engine is not running"))
+        for cmd in self._queued_commands():
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineDeadError("engine is not running"))
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError("engine is not running"))

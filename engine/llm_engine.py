@@ -10,38 +10,21 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool
 from engine.config import CacheInfo, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import ModelExecutor
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model_runner import ModelRunner
-from engine.models.llama import load_model
+from engine.models.config import ModelConfig
+from engine.protocol import ModelInfo, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus
 from engine.scheduler import Scheduler
 from engine.stats import EXPLICIT_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"--dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
-    return dtypes[name]
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:
@@ -57,92 +40,89 @@ def _generation_config_eos(model_dir: Path) -> set[int]:
 class LLMEngine:
     """Synchronous engine; not thread-safe (``engine.async_engine.AsyncLLM`` wraps it).
 
+    Imports no torch itself: the model lives behind a ``ModelExecutor`` (by default
+    ``engine.model_runner.ModelRunner``, loaded from ``config.model``).
+
+    Args:
+        config: engine settings.
+        tokenizer: a Hugging Face tokenizer; default: loaded from ``config.model``.
+        executor: runs the model; default: ``ModelRunner.load`` (tests pass a fake).
+
     Raises:
-        ValueError: misconfiguration (unknown dtype, pool smaller than one max-length request, ...).
+        ValueError: misconfiguration (unknown dtype, unsupported architecture naming the supported
+            ones, pool smaller than one max-length request, ...).
     """
 
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, config: EngineConfig, tokenizer: Any = None,
+                 executor: ModelExecutor | None = None) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-        from engine.models.llama import ModelConfig
-
         model_cfg = ModelConfig.from_pretrained(model_dir)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = tokenizer
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if max_model_len > model_cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_cfg.max_position_embeddings}")
-        self.model = load_model(model_dir, max_model_len, self.dtype, self.device)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        if backend == "triton":
-            from kernels.backend import use_triton_backend  # optional until kernels land
+        if executor is None:
+            from engine.model_runner import ModelRunner
 
-            use_triton_backend(self.model)
+            executor = ModelRunner.load(config, model_cfg, max_model_len)
+        self.runner = executor
+        self.model = getattr(executor, "model", None)  # None for executors without a module
 
         bs = config.block_size
-        per_block = ModelRunner.bytes_per_block(self.model, bs, self.dtype)
-        num_blocks = config.num_gpu_blocks_override or self._num_blocks_from_budget(per_block)
+        per_block = executor.kv_bytes_per_block(bs)
+        num_blocks = (config.num_gpu_blocks_override
+                      or max(1, executor.kv_cache_budget_bytes() // per_block))
         if cdiv(max_model_len, bs) > num_blocks:
             raise ValueError(f"the KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), "
                              f"fewer than one request of --max-model-len {max_model_len}; raise "
                              "the KV cache budget or lower --max-model-len")
+        executor.initialize_kv_cache(num_blocks, bs)
         # Stop ids: config.json's, generation_config.json's (e.g. Llama 3's <|eot_id|>) and the
         # tokenizer's eos (vLLM reads the same three sources).
         eos = set(model_cfg.eos_token_ids) | _generation_config_eos(model_dir)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
         self.cache_info = CacheInfo(num_blocks, bs, max_model_len, per_block, tuple(sorted(eos)),
-                                    str(self.dtype).removeprefix("torch."), str(self.device),
-                                    backend)
+                                    executor.dtype, executor.device, executor.attention_backend)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, bs,
                                                get_hash_fn(config.prefix_caching_hash_algo),
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, max_model_len, eos)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.served_model_name = config.served_model_name or model_dir.name
-        torch.manual_seed(config.seed)
+        self.model_info = ModelInfo(
+            served_model_name=self.served_model_name, max_model_len=max_model_len,
+            vocab_size=model_cfg.vocab_size, block_size=bs, num_blocks=num_blocks,
+            eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer)
         logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
                     "prefix caching %s (%s), attention %s, %s %s", num_blocks, bs,
                     num_blocks * per_block / 2**20, max_model_len,
                     "on" if config.enable_prefix_caching else "off",
-                    config.prefix_caching_hash_algo, backend, self.device, self.dtype)
-
-    def _num_blocks_from_budget(self, bytes_per_block: int) -> int:
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
-        return max(1, budget // bytes_per_block)
+                    config.prefix_caching_hash_algo, executor.attention_backend,
+                    executor.device, executor.dtype)
 
     # -- requests ------------------------------------------------------------------------------
-    def validate_request(self, req: EngineRequest) -> None:
-        """Checks a request before queueing. Raises ValueError(message, param)."""
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty", "prompt")
-        limit = self.cache_info.max_model_len
-        if n >= limit:
-            raise ValueError(f"this model's maximum context length is {limit} tokens; the prompt "
-                             f"has {n} tokens and at least 1 output token is needed", "prompt")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-            raise ValueError(f"token ids must be in [0, {vocab})", "prompt")
-
     def add_request(self, req: EngineRequest) -> None:
-        """Queues a request. Raises ValueError (see ``validate_request``) or for duplicate ids."""
-        self.validate_request(req)
+        """Validates and queues a request (the offline path; see ``enqueue``).
+
+        Raises:
+            InvalidRequestError: from ``engine.protocol.validate_request``.
+            ValueError: duplicate request id.
+        """
+        validate_request(req, self.model_info)
+        self.enqueue(req)
+
+    def enqueue(self, req: EngineRequest) -> None:
+        """Queues a request the caller has already validated (``AsyncLLM`` validates on the
+        caller's thread, vLLM's input-processor split). Raises ValueError for a duplicate id."""
         request = Request(req)
         self.scheduler.add_request(request)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
@@ -186,7 +166,7 @@ class LLMEngine:
     def stats_snapshot(self) -> EngineStatsSnapshot:
         """Frozen copy of the engine's counters and gauges (see ``engine.stats``).
 
-        Call on the engine thread (``await AsyncLLM.call(lambda e: e.stats_snapshot())``).
+        Call on the engine thread (``await AsyncLLM.stats()`` does).
         """
         return take_snapshot(self.scheduler)
 

@@ -4,45 +4,93 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import (
-    CASCADE_MIN_PREFIX_TOKENS,
-    CASCADE_MIN_SEQS,
-    AttentionMetadata,
-    shared_prefix_blocks,
-)
-from engine.models.llama import LlamaForCausalLM
+from engine.attention import AttentionMetadata, get_attention_backend
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
 
+_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bf16 on CUDA, fp32 elsewhere. Raises ValueError for an unknown name."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
 
 class ModelRunner:
-    """Owns the model and the KV cache tensor.
+    """The torch ``ModelExecutor``: owns the model, its attention backend and the KV cache.
+
+    The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    in the model's dtype, allocated by ``initialize_kv_cache``.
 
     Args:
-        model: a loaded ``LlamaForCausalLM``.
-        num_blocks: KV blocks in the pool.
-        block_size: tokens per block.
-        device, dtype: where and how the KV cache lives.
-
-    The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        model: a loaded model from ``engine.models.loader.load_model``.
+        config: the engine settings (KV budget flags).
+        device, dtype: where and how the model and KV cache live.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        cfg = model.config
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.model = model
-        self.block_size = block_size
-        self.device = device
-        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim,
-                                     device=device, dtype=dtype)
+        self.config = config
+        self.torch_device, self.torch_dtype = device, dtype
+        self.device = str(device)
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.attn = model.attn
+        self.attention_backend = self.attn.name
+        self.block_size = config.block_size
+        self.kv_caches: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
 
-    @staticmethod
-    def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-        cfg = model.config
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    @classmethod
+    def load(cls, config: EngineConfig, model_config: ModelConfig,
+             max_model_len: int) -> ModelRunner:
+        """Resolves device, dtype and attention backend, seeds torch, loads the weights.
+
+        Raises:
+            ValueError: unknown dtype, or triton off CUDA without the interpreter.
+            FileNotFoundError: no safetensors in ``config.model``.
+        """
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        attn = get_attention_backend(config.attention_backend, device)
+        model = load_model(config.model, model_config, max_model_len, dtype, device, attn)
+        torch.manual_seed(config.seed)
+        return cls(model, config, device, dtype)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.model.config.kv_bytes_per_block(block_size, elem)
+
+    def kv_cache_budget_bytes(self) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is not None:
+            return budget
+        if self.torch_device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.torch_device)
+            return int(free * self.config.gpu_memory_utilization)
+        return _DEFAULT_CPU_KV_BYTES
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.model.config
+        self.block_size = block_size
+        self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
+                                     cfg.num_key_value_heads, cfg.head_dim,
+                                     device=self.torch_device, dtype=self.torch_dtype)
 
     def release(self, request_id: str) -> None:
         """Drops per-request state (the seeded RNG) when a request finishes."""
@@ -75,7 +123,7 @@ class ModelRunner:
                 sampled_reqs.append(req)
         if not input_ids:
             return {}
-        dev = self.device
+        dev = self.torch_device
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -83,16 +131,13 @@ class ModelRunner:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-        meta = AttentionMetadata(
+        meta = self.attn.build_metadata(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=block_tables.to(dev),
-            query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs,
-            token_slots=(AttentionMetadata.expand_token_slots(block_tables, bs).to(dev)
-                         if self.model.uses_token_slots else None),
-            cascade_prefix_len=(self._cascade_prefix_len(tables, query_lens, seq_lens)
-                                if self.model.uses_token_slots else 0))
+            query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs),
+            tables)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)
@@ -104,21 +149,11 @@ class ModelRunner:
         tokens = sample(logits, params, gens)
         return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
 
-    def _cascade_prefix_len(self, tables: list[tuple[int, ...]], query_lens: list[int],
-                            seq_lens: list[int]) -> int:
-        """Tokens shared by every decode sequence's block table when worth a cascade, else 0."""
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
-        if len(decode) < CASCADE_MIN_SEQS:
-            return 0
-        n = shared_prefix_blocks([tables[i] for i in decode], [seq_lens[i] for i in decode],
-                                 self.block_size)
-        return n * self.block_size if n * self.block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
-
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+            gen = torch.Generator(device=self.torch_device).manual_seed(seed)
             self.generators[request_id] = gen
         return gen

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,7 +23,7 @@ class SamplingParams:
         n: completions per prompt (the API layer fans out n requests).
 
     Raises:
-        ValueError: from ``validate`` with the offending parameter name as ``args[1]``.
+        InvalidRequestError: (a ValueError) from ``validate``, ``param`` naming the field.
     """
 
     max_tokens: int | None = 16
@@ -45,14 +47,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}", "top_k")
+            raise InvalidRequestError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}", "top_k")
         if not 1 <= self.n <= 16:
-            raise ValueError(f"n must be in [1, 16], got {self.n}", "n")
+            raise InvalidRequestError(f"n must be in [1, 16], got {self.n}", "n")
         if len(self.stop) > 4 or any(not s for s in self.stop):
-            raise ValueError("stop takes up to 4 non-empty strings", "stop")
+            raise InvalidRequestError("stop takes up to 4 non-empty strings", "stop")

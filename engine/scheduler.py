@@ -70,12 +70,10 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request. Raises ValueError for duplicate ids or over-long prompts."""
+        """Queues a request validated by ``engine.protocol.validate_request`` (prompt length and
+        vocabulary are not re-checked here). Raises ValueError for a duplicate id."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {request.num_tokens} tokens; the maximum context "
-                             f"length is {self.max_model_len} including at least 1 output token")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth import AdminPrincipal
 from app.errors import APIError
+from engine.protocol import EngineClient
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.repository import TenantRepository
 
@@ -72,9 +73,10 @@ def _key_out(k: ApiKeyInfo) -> dict:
 
 
 async def _evict(request: Request, tenant_id: str | None, reason: str) -> int:
+    engine: EngineClient = request.app.state.engine
     if tenant_id is None:
-        return await request.app.state.engine.call(lambda e: e.reset_prefix_cache())
-    return await request.app.state.engine.call(lambda e: e.evict_tenant_cache(tenant_id, reason))
+        return await engine.reset_prefix_cache()
+    return await engine.evict_tenant_cache(tenant_id, reason)
 
 
 # -- tenants --------------------------------------------------------------------------------------

@@ -8,75 +8,14 @@ transformers' ``LlamaForCausalLM`` (fp32 RMSNorm, fp32 rotary tables) so greedy 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (
-    AttentionMetadata,
-    paged_attention_torch,
-    write_kv_cache,
-    write_kv_cache_no_padding,
-)
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The subset of a Hugging Face ``config.json`` this model needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """Raises ValueError for unsupported architectures or rope scaling."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        model_type = cfg.get("model_type", "llama")
-        if arch not in SUPPORTED_ARCHITECTURES and model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{SUPPORTED_ARCHITECTURES}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+__all__ = ["LlamaForCausalLM", "ModelConfig"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,11 +67,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
-                       torch.Tensor]
-KVWriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -160,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attn_fn: AttentionFn, kv_write_fn: KVWriteFn) -> torch.Tensor:
+                attn: AttentionBackend) -> torch.Tensor:
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = self._w
         eps = self.input_layernorm.eps
         T = hidden.shape[0]
@@ -171,9 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, cos, sin)
-        kv_write_fn(k, v, key_cache, value_cache, meta.slot_mapping)
-        attn = attn_fn(q, key_cache, value_cache, meta, self.scale)
-        hidden = hidden + F.linear(attn.reshape(T, self.q_size), o_w)
+        attn.write_kv(k, v, key_cache, value_cache, meta)
+        out = attn.forward(q, key_cache, value_cache, meta, self.scale)
+        hidden = hidden + F.linear(out.reshape(T, self.q_size), o_w)
         x = rms_norm(hidden, ln2, eps)
         gate, up = F.linear(x, gate_up_w).split(self.intermediate_size, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, down_w)
@@ -183,35 +117,41 @@ class LlamaForCausalLM(nn.Module):
     """Decoder over a paged KV cache.
 
     ``kv_caches`` is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Args:
+        cfg: the model's shape.
+        max_position: rotary table length (tokens; the engine's max_model_len).
+        attn: the attention backend every layer calls (``engine.attention``).
     """
 
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, attn: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_position = max_position
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
-        self.attn_fn: AttentionFn = paged_attention_torch
-        self.kv_write_fn: KVWriteFn = write_kv_cache
-        self.kv_write_no_padding_fn: KVWriteFn = write_kv_cache_no_padding
-        # The torch backend reads context through per-token slots expanded once per step.
-        self.uses_token_slots = True
+        self.attn = attn
 
     def bind_weights(self) -> None:
         for layer in self.layers:
             layer.bind_weights()
+
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuilds the rotary tables after ``to_empty`` (they are not in the checkpoint)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Args: input_ids, positions: [num_tokens] int64. Returns hidden [num_tokens, hidden]."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        kv_write = self.kv_write_fn if meta.has_padding else self.kv_write_no_padding_fn
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, cos, sin, kv_caches[i, 0], kv_caches[i, 1], meta,
-                                   self.attn_fn, kv_write)
+                                   self.attn)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -248,30 +188,3 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(
                     take(p + "post_attention_layernorm.weight"))
-
-
-def load_model(model_dir: str | Path, max_position: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
-    """Builds the model from a Hugging Face folder of safetensors files.
-
-    Raises:
-        FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
-    """
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_pretrained(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
-    model = model.to_empty(device="cpu")
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
-    model.load_hf_state_dict(state)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.bind_weights()
-    return model

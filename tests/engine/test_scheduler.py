@@ -470,8 +470,6 @@ def test_add_request_validation() -> None:
     sched.add_request(make_request("a", [1, 2, 3]))
     with pytest.raises(ValueError, match="duplicate"):
         sched.add_request(make_request("a", [4, 5]))
-    with pytest.raises(ValueError, match="maximum context length"):
-        sched.add_request(make_request("long", list(range(20))))
     sched.add_request(make_request("ok", list(range(19))))
     assert [r.request_id for r in sched.waiting] == ["a", "ok"]
     with pytest.raises(ValueError):

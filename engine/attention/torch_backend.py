@@ -1,95 +1,32 @@
-"""Attention metadata and the pure-torch paged attention backend (CPU, and reference on GPU).
+"""The ``torch`` attention backend: pure-torch paged attention (CPU, and the reference on GPU).
 
-Layouts (shared with the Triton kernels in ``kernels/``)::
-
-    query:        [num_tokens, num_heads, head_dim]
-    key, value:   [num_tokens, num_kv_heads, head_dim]          new tokens of this step
-    key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset, -1 = padding
-
-Sequence s owns query rows ``query_start_loc[s] : query_start_loc[s+1]`` (its ``query_len`` new
-tokens) and attends causally over its first ``seq_lens[s]`` tokens, read through
-``block_tables[s]``; the first ``seq_lens[s] - query_len`` of them were cached before this step::
-
-    |<------------- seq_len ------------->|
-    |<--- context (cached) --->|<- query ->|
+Prefill chunks run through ``scaled_dot_product_attention`` one sequence at a time; decodes run as
+one padded batch, split at a shared prefix into cascade attention when enough sequences share
+enough blocks (vLLM's cascade attention, merged by log-sum-exp). Context is read through per-token
+cache slots expanded once per step (``AttentionMetadata.token_slots``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Per-step batch description passed explicitly through the model to every attention layer.
-
-    Attributes:
-        slot_mapping: [num_tokens] int64.
-        query_start_loc: [num_seqs + 1] int32, prefix sums of query lengths.
-        seq_lens: [num_seqs] int32, context + query tokens per sequence.
-        block_tables: [num_seqs, max_num_blocks] int32, padded with 0 (never read past seq_len).
-        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (no device sync).
-        block_size: tokens per block.
-        token_slots: [num_seqs, max_num_blocks * block_size] int64, the cache slot of every
-            context position (``block_tables`` expanded once per step for the torch backend).
-        has_padding: whether ``slot_mapping`` contains -1 entries.
-        cascade_prefix_len: tokens of context (whole blocks) shared by the block tables of every
-            decode sequence (query_len 1) in the batch, or 0; the torch backend then attends
-            over that shared prefix once for all of them (cascade attention, as vLLM does).
-    """
-
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    query_lens_cpu: tuple[int, ...]
-    seq_lens_cpu: tuple[int, ...]
-    block_size: int
-    token_slots: torch.Tensor | None = None
-    has_padding: bool = False
-    cascade_prefix_len: int = 0
-
-    @staticmethod
-    def expand_token_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-        """[num_seqs, max_blocks] int32 -> [num_seqs, max_blocks * block_size] int64 slots."""
-        offsets = torch.arange(block_size, device=block_tables.device)
-        return (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+from engine.attention.base import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Writes new K/V rows into the paged cache at ``slot_mapping`` (slot -1 skipped).
+    """Writes new K/V rows into the paged cache at ``slot_mapping`` (no padding slots).
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
-        slot_mapping: [num_tokens] int64.
+        slot_mapping: [num_tokens] int64, every entry a valid slot.
     """
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    _write(key, value, key_cache, value_cache, slot_mapping, num_kv_heads, head_dim)
-
-
-def write_kv_cache_no_padding(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``write_kv_cache`` for a step whose ``slot_mapping`` has no -1 (skips the check)."""
-    _write(key, value, key_cache, value_cache, slot_mapping, key.shape[1], key.shape[2])
-
-
-def _write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int,
-           head_dim: int) -> None:
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
@@ -175,6 +112,20 @@ def shared_prefix_blocks(tables: list[tuple[int, ...]], seq_lens: list[int],
     return n
 
 
+def cascade_prefix_len(tables: list[tuple[int, ...]], query_lens: tuple[int, ...],
+                       seq_lens: tuple[int, ...], block_size: int) -> int:
+    """Tokens shared by every decode sequence's block table when worth a cascade, else 0.
+
+    Worth it from ``CASCADE_MIN_SEQS`` decode sequences sharing ``CASCADE_MIN_PREFIX_TOKENS``.
+    """
+    decode = [i for i, q in enumerate(query_lens) if q == 1]
+    if len(decode) < CASCADE_MIN_SEQS:
+        return 0
+    n = shared_prefix_blocks([tables[i] for i in decode], [seq_lens[i] for i in decode],
+                             block_size)
+    return n * block_size if n * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning (output, log-sum-exp), fp32 math.
@@ -253,3 +204,29 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     q = query[rows].unsqueeze(2)                                           # [B, H, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[rows] = o.squeeze(2)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """``--attention-backend torch``: works on any device; the default on CPU."""
+
+    name = "torch"
+
+    def build_metadata(self, meta: AttentionMetadata,
+                       block_tables_cpu: list[tuple[int, ...]]) -> AttentionMetadata:
+        """Adds ``token_slots`` and, for a decode batch sharing a long prefix, the cascade
+        split (``cascade_prefix_len``)."""
+        return replace(meta,
+                       token_slots=AttentionMetadata.expand_token_slots(meta.block_tables,
+                                                                        meta.block_size),
+                       cascade_prefix_len=cascade_prefix_len(block_tables_cpu,
+                                                             meta.query_lens_cpu,
+                                                             meta.seq_lens_cpu,
+                                                             meta.block_size))
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_torch(query, key_cache, value_cache, meta, scale)

@@ -1,0 +1,48 @@
+"""``ModelExecutor``: what ``LLMEngine`` needs from whatever runs the model (torch-free).
+
+``engine.model_runner.ModelRunner`` is the real one (our model code on torch); tests use a
+deterministic fake (``tests/fake_engine.py``) to run the real scheduler, block pool and API
+without loading weights.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.scheduler import SchedulerOutput
+
+
+class ModelExecutor(Protocol):
+    """Runs scheduled batches on a model and owns the KV cache memory.
+
+    Attributes:
+        device: e.g. ``"cpu"``, ``"cuda:0"``.
+        dtype: e.g. ``"float32"``.
+        attention_backend: the resolved backend name (``"torch"`` | ``"triton"``).
+    """
+
+    device: str
+    dtype: str
+    attention_backend: str
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K and V per block of ``block_size`` tokens, all layers."""
+        ...
+
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes available for the KV cache (``--kv-cache-memory-bytes``, else a share of free
+        GPU memory, else 1 GiB on CPU)."""
+        ...
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocates the KV cache: ``num_blocks`` blocks of ``block_size`` tokens."""
+        ...
+
+    def execute(self, scheduled: SchedulerOutput) -> dict[str, int]:
+        """Runs one step. Returns request id -> sampled token for chunks that reach the end of
+        their known tokens (the others only filled KV)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Drops per-request state (e.g. a seeded RNG) when a request finishes."""
+        ...

@@ -1,0 +1,73 @@
+"""``ModelConfig``: the subset of a Hugging Face ``config.json`` our model code reads (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.models.registry import resolve_architecture
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder, read from ``config.json``.
+
+    Attributes:
+        architecture: the registry key (Hugging Face ``architectures[0]``).
+        head_dim: per-head width; ``hidden_size // num_attention_heads`` unless set.
+        eos_token_ids: ``eos_token_id`` of config.json (an int or a list there).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        """Raises ``UnsupportedArchitectureError`` (a ValueError) for an architecture outside
+        the registry, ValueError for an unsupported rope scaling type."""
+        arch = resolve_architecture(cfg)
+        model_type = cfg.get("model_type", "llama")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Reads ``model_dir/config.json``. Raises FileNotFoundError without one."""
+        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """Bytes of K and V for one block of ``block_size`` tokens across all layers."""
+        return (2 * self.num_hidden_layers * block_size * self.num_key_value_heads
+                * self.head_dim * dtype_bytes)
