@@ -7,32 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
+import types
+from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import click
 
 from app.settings import Settings
-
-_ENGINE_FLAGS: list[tuple[str, Any, str]] = [
-    ("--block-size", int, "Tokens per KV block (vLLM --block-size). [16]"),
-    ("--max-model-len", int, "Prompt + output tokens per request. [8192]"),
-    ("--max-num-seqs", int, "Running requests per step. [64]"),
-    ("--max-num-batched-tokens", int, "Tokens per step (chunked prefill budget). [2048]"),
-    ("--prefix-caching-hash-algo", click.Choice(["sha256", "sha256_cbor", "xxhash"]),
-     "Block hash function. [sha256]"),
-    ("--num-gpu-blocks-override", int, "Exact number of KV blocks (testing)."),
-    ("--kv-cache-memory-bytes", int, "KV cache budget in bytes. [1 GiB on CPU]"),
-    ("--gpu-memory-utilization", float, "Fraction of free GPU memory for the KV cache. [0.9]"),
-    ("--dtype", click.Choice(["auto", "float32", "bfloat16", "float16"]),
-     "Model dtype. [auto: fp32 on CPU, bf16 on CUDA]"),
-    ("--device", click.Choice(["auto", "cpu", "cuda"]), "Device. [auto]"),
-    ("--attention-backend", click.Choice(["auto", "torch", "triton"]),
-     "Attention implementation. [auto: triton on CUDA, torch on CPU]"),
-    ("--served-model-name", str, "Model id reported by /v1/models. [model folder name]"),
-    ("--seed", int, "Seed for unseeded sampling. [0]"),
-]
+from engine.config import EngineConfig
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -56,11 +40,37 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
+    """``(declaration, click.option kwargs)`` per ``EngineConfig`` field but ``model``, in order.
+
+    Flag ``--<name with - for _>``; bool fields become ``--x/--no-x``; ``T | None`` takes ``T``;
+    ``metadata["choices"]`` becomes ``click.Choice``; help is ``metadata["help"]`` plus the
+    default and env var in brackets. Click defaults stay None so that ``Settings`` fills in
+    unset flags (env ``SALTSERVE_<NAME>``, then EngineConfig's default).
+    """
+    hints = get_type_hints(EngineConfig)
+    specs = []
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag, typ = "--" + f.name.replace("_", "-"), hints[f.name]
+        if get_origin(typ) in (Union, types.UnionType):  # X | None -> X
+            typ = next(a for a in get_args(typ) if a is not type(None))
+        shown = f.metadata.get("unset") if f.default is None else f.default
+        kwargs: dict[str, Any] = {"default": None}
+        if typ is bool:
+            decl, shown = f"{flag}/--no-{flag[2:]}", "on" if f.default else "off"
+        else:
+            decl = flag
+            kwargs["type"] = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else typ
+        kwargs["help"] = f"{f.metadata['help']} [{shown}; env SALTSERVE_{f.name.upper()}]"
+        specs.append((decl, kwargs))
+    return specs
+
+
 def _serve_options(fn):
-    for flag, typ, help_ in reversed(_ENGINE_FLAGS):
-        fn = click.option(flag, type=typ, default=None, help=help_)(fn)
-    fn = click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-                      help="Automatic prefix caching. [on]")(fn)
+    for decl, kwargs in reversed(engine_option_specs()):
+        fn = click.option(decl, **kwargs)(fn)
     fn = click.option("--model", default=None,
                       help="Hugging Face folder (safetensors). [bundled SmolLM2-135M-Instruct]")(fn)
     fn = click.option("--port", type=int, default=None, help="[8000; env SALTSERVE_PORT]")(fn)
@@ -128,7 +138,7 @@ def tenants_create(name: str, no_prefix_caching: bool, **opts: Any) -> None:
 
     repo = open_repository(_settings(**opts))
     try:
-        t = repo.create_tenant(name, enable_prefix_caching=not no_prefix_caching, actor="cli")
+        t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor="cli")
     except (DuplicateTenant, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} salt_version={t.current_salt_version}")
@@ -140,7 +150,7 @@ def tenants_list(**opts: Any) -> None:
     """List tenants."""
     from app.bootstrap import open_repository
 
-    for t in open_repository(_settings(**opts)).list_tenants():
+    for t in open_repository(_settings(**opts)).tenants.list_all():
         state = "disabled" if t.disabled else "active"
         click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}")
 
@@ -149,7 +159,7 @@ def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
     from app.bootstrap import open_repository
 
     repo = open_repository(_settings(**opts))
-    t = repo.update_tenant(_tenant_id(repo, tenant), disabled=disabled, actor="cli")
+    t = repo.tenants.update(_tenant_id(repo, tenant), disabled=disabled, actor="cli")
     click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
 
 
@@ -182,7 +192,7 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
 
     repo = open_repository(_settings(**opts))
     tenant_id = _tenant_id(repo, tenant)
-    version = repo.rotate_salt(tenant_id, actor="cli")
+    version = repo.tenants.rotate_salt(tenant_id, actor="cli")
     click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}")
 
 
@@ -192,15 +202,13 @@ def keys() -> None:
 
 
 def _tenant_id(repo, tenant: str) -> str:
+    """The id of the tenant named ``tenant``, else with id ``tenant`` (ClickException if none)."""
     from tenants.errors import TenantNotFound
 
     try:
-        return repo.get_tenant_by_name(tenant).id
-    except TenantNotFound:
-        try:
-            return repo.get_tenant(tenant).id
-        except TenantNotFound:
-            raise click.ClickException(f"no tenant named or with id {tenant!r}") from None
+        return repo.tenants.resolve(tenant).id
+    except TenantNotFound as e:
+        raise click.ClickException(str(e)) from None
 
 
 @keys.command("create")
@@ -214,7 +222,7 @@ def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **op
 
     repo = open_repository(_settings(**opts))
     expires = (datetime.now(UTC) + timedelta(days=expires_in_days)) if expires_in_days else None
-    key, info = repo.create_api_key(_tenant_id(repo, tenant), name, expires, actor="cli")
+    key, info = repo.keys.create(_tenant_id(repo, tenant), name, expires, actor="cli")
     click.echo(f"key id {info.id} for tenant {tenant} (shown once):", err=True)
     click.echo(key)
 
@@ -227,7 +235,7 @@ def keys_list(tenant: str, **opts: Any) -> None:
     from app.bootstrap import open_repository
 
     repo = open_repository(_settings(**opts))
-    for k in repo.list_api_keys(_tenant_id(repo, tenant)):
+    for k in repo.keys.list_for_tenant(_tenant_id(repo, tenant)):
         state = "revoked" if k.revoked_at else "active"
         click.echo(f"{k.id}  {k.display_prefix}-...{k.last4}  {state}  name={k.name}")
 
@@ -241,7 +249,7 @@ def keys_revoke(key_id: str, **opts: Any) -> None:
     from tenants.errors import TenantError
 
     try:
-        open_repository(_settings(**opts)).revoke_api_key(key_id, actor="cli")
+        open_repository(_settings(**opts)).keys.revoke(key_id, actor="cli")
     except TenantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"revoked {key_id}")
@@ -270,7 +278,7 @@ def keys_rotate_master(**opts: Any) -> None:
     new_text = generate_master_key()
     new_cipher = SaltCipher(decode_master_key(new_text))
     if settings.master_key:
-        n = repo.reencrypt_salts(new_cipher, actor="cli")
+        n = repo.tenants.reencrypt_salts(new_cipher, actor="cli")
         click.echo(f"re-encrypted {n} salts; set SALTSERVE_MASTER_KEY to the new key "
                    "(shown once) and restart servers:", err=True)
         click.echo(new_text)
@@ -279,7 +287,7 @@ def keys_rotate_master(**opts: Any) -> None:
     staged, backup = path.with_name(path.name + ".new"), path.with_name(path.name + ".bak")
     write_secret_file(staged, new_text)
     try:
-        n = repo.reencrypt_salts(new_cipher, actor="cli")
+        n = repo.tenants.reencrypt_salts(new_cipher, actor="cli")
     except BaseException:
         staged.unlink()
         raise

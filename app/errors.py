@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError
 from tenants.errors import (
     ApiKeyNotFound,
     DuplicateTenant,
@@ -57,10 +57,41 @@ def _validation_param(loc: tuple) -> str | None:
     return ".".join(parts) or ("body" if loc and loc[0] == "body" else None)
 
 
+# Domain errors with a fixed response: exception type -> (status, message, param, code, headers).
+# Their own messages may name internals, so the client gets these fixed texts instead.
+_FIXED: dict[type[Exception], tuple[int, str, str | None, str, dict[str, str] | None]] = {
+    InvalidToken: (401, "invalid or missing credentials (API key or JWT)", None,
+                   "invalid_api_key", {"WWW-Authenticate": "Bearer"}),
+    TenantDisabled: (403, "this tenant is disabled", None, "tenant_disabled", None),
+    TenantNotFound: (404, "tenant not found", None, "tenant_not_found", None),
+    ApiKeyNotFound: (404, "API key not found", None, "api_key_not_found", None),
+    DuplicateTenant: (409, "a tenant with this name already exists", "name", "tenant_exists",
+                      None),
+    EngineDeadError: (503, "the inference engine is not available", None, "engine_unavailable",
+                      None),
+}
+
+
+def _fixed_handler(status: int, message: str, param: str | None, code: str,
+                   headers: dict[str, str] | None):
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(status, message, param, code, headers)
+
+    return handler
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """Registers the handlers: ``APIError`` as raised, request validation as 400 with ``param``,
+    Starlette HTTP errors, the ``_FIXED`` table, engine ``InvalidRequestError`` as 400, and any
+    other exception as a logged 500 without details."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -80,33 +111,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), None, code,
                               getattr(exc, "headers", None))
 
-    @app.exception_handler(InvalidToken)
-    async def _invalid_token(_: Request, exc: InvalidToken) -> JSONResponse:
-        return error_response(401, "invalid or missing credentials (API key or JWT)", None,
-                              "invalid_api_key",
-                              {"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(TenantDisabled)
-    async def _disabled(_: Request, exc: TenantDisabled) -> JSONResponse:
-        return error_response(403, "this tenant is disabled", None, "tenant_disabled")
-
-    @app.exception_handler(TenantNotFound)
-    async def _not_found(_: Request, exc: TenantNotFound) -> JSONResponse:
-        return error_response(404, "tenant not found", None, "tenant_not_found")
-
-    @app.exception_handler(ApiKeyNotFound)
-    async def _key_not_found(_: Request, exc: ApiKeyNotFound) -> JSONResponse:
-        return error_response(404, "API key not found", None, "api_key_not_found")
-
-    @app.exception_handler(DuplicateTenant)
-    async def _duplicate(_: Request, exc: DuplicateTenant) -> JSONResponse:
-        return error_response(409, "a tenant with this name already exists", "name",
-                              "tenant_exists")
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, "the inference engine is not available", None,
-                              "engine_unavailable")
+    for exc_type, fixed in _FIXED.items():
+        app.add_exception_handler(exc_type, _fixed_handler(*fixed))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -19,7 +19,8 @@ from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
 from app.metrics import ServerMetrics
 from app.routes import admin, health, metrics, openai
-from engine.async_engine import AsyncLLM
+from app.services.completions import CompletionsService
+from engine.protocol import EngineClient
 from tenants.repository import TenantRepository
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_request_id
@@ -92,12 +93,12 @@ class BodySizeLimit:
         await resp(scope, receive, send)
 
 
-def create_app(engine: AsyncLLM, repo: TenantRepository,
+def create_app(engine: EngineClient, repo: TenantRepository,
                max_request_body_bytes: int = 4 << 20,
                metrics_token: str | None = None,
                jwt_verifier: JWTVerifier | None = None,
                last_used_flush_s: float = 60.0) -> FastAPI:
-    """Builds the app around a constructed engine and tenant repository.
+    """Builds the app around an engine client and a tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
     times are buffered in memory (no DB write per request) and written every
@@ -134,19 +135,17 @@ def create_app(engine: AsyncLLM, repo: TenantRepository,
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
     app = FastAPI(title="saltserve", version="0.1.0", lifespan=lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)
-    core = engine.engine
+    info = engine.model_info()
     app.state.engine = engine
     app.state.repo = repo
-    app.state.tokenizer = core.tokenizer
-    app.state.model_name = core.served_model_name
-    app.state.max_model_len = core.cache_info.max_model_len
-    app.state.vocab_size = core.model.config.vocab_size
     app.state.started_at = int(time.time())
-    app.state.metrics = ServerMetrics(core.served_model_name)
+    app.state.metrics = ServerMetrics(info.served_model_name)
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
-    app.state.salt_versions = {}  # tenant id -> last salt version seen (app.auth)
+    app.state.salt_versions = admin.SaltVersions()  # tenants.salt_versions; app.auth + admin
     app.state.limiter = RateLimiter()  # per-tenant rpm / tpm / concurrency (app/limits.py)
+    app.state.completions = CompletionsService(engine, repo.record_usage, app.state.metrics,
+                                               app.state.limiter)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)

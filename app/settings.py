@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any, get_type_hints
 
-from pydantic import Field
+from pydantic import Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
 from tenants.tokens import JWTConfig
 
 
-class Settings(BaseSettings):
+def engine_setting_fields() -> dict[str, Any]:
+    """``{name: (type, Field)}`` for every ``EngineConfig`` field but ``model``.
+
+    Type, default and description (the field's ``metadata["help"]``) come from ``EngineConfig``;
+    ``Settings.model`` is declared separately because its default (the bundled model) is
+    resolved by ``app.bootstrap``.
+    """
+    hints = get_type_hints(EngineConfig)  # resolves the string annotations of ``__future__``
+    out: dict[str, Any] = {}
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        if f.default is MISSING:
+            raise TypeError(f"EngineConfig.{f.name} needs a default to be a setting")
+        out[f.name] = (hints[f.name], Field(f.default, description=f.metadata["help"]))
+    return out
+
+
+# Engine settings (vLLM flag names), generated so that EngineConfig stays their one source.
+_EngineSettings = create_model("_EngineSettings", __base__=BaseSettings,
+                               **engine_setting_fields())
+
+
+# BaseSettings is listed again (no MRO change) so linters see a pydantic model.
+class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     """Everything the server reads at start-up. Env vars are ``SALTSERVE_<FIELD>`` (upper case).
 
     All state lives in ``data_dir``: the converted model, the SQLite database, the master key and
-    the demo API key file.
+    the demo API key file. The engine settings (``block_size``, ``max_model_len``, ...) are every
+    ``EngineConfig`` field but ``model``, with ``EngineConfig``'s types, defaults and help.
     """
 
     model_config = SettingsConfigDict(env_prefix="SALTSERVE_", extra="ignore")
@@ -25,7 +51,6 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     model: str | None = Field(None, description="HF folder; default: the bundled SmolLM2")
-    served_model_name: str | None = None
     database_url: str | None = Field(None, description="default: sqlite in data_dir")
     master_key: str | None = Field(None, repr=False, description="salt encryption key")
     create_demo_tenant: bool = True
@@ -43,20 +68,6 @@ class Settings(BaseSettings):
     jwt_tenant_claim: str = "tenant"
     jwt_role_claim: str = "role"
 
-    block_size: int = 16
-    max_model_len: int | None = 8192
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
-
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'saltserve.db').resolve()}"
 
@@ -70,6 +81,6 @@ class Settings(BaseSettings):
 
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
-        # Every EngineConfig field but ``model`` has a same-named setting (vLLM flag names).
+        # Every EngineConfig field but ``model`` is a same-named setting (engine_setting_fields).
         return EngineConfig(model=str(model_dir), **{
             f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "model"})

@@ -1,52 +1,69 @@
-"""Engine configuration (frozen; flag names follow vLLM) and runtime-derived cache sizing."""
+"""Engine configuration (frozen; flag names follow vLLM) and runtime-derived cache sizing.
+
+``EngineConfig`` is the one source for engine settings: ``app.settings.Settings`` (env vars
+``SALTSERVE_<FIELD>``) and ``saltserve serve`` flags (``--<field-with-dashes>``) are generated
+from its fields. Each field's ``metadata`` holds ``help`` (one line, with units and the vLLM flag
+when one exists), optionally ``choices`` (the allowed values) and ``unset`` (what the default
+None means).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_hash import HASH_ALGOS
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # names engine.model_runner.resolve_dtype maps
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Static engine settings.
+    """Static engine settings; per-field help, units and choices are in each field's metadata."""
 
-    Attributes:
-        model: Hugging Face folder with config.json, tokenizer and *.safetensors.
-        served_model_name: the id reported by /v1/models (defaults to the folder name).
-        block_size: tokens per KV block (vLLM ``--block-size``; Triton needs a multiple of 16).
-        max_model_len: prompt + output tokens per request (``--max-model-len``); None = model max.
-        max_num_seqs: running requests per step (``--max-num-seqs``).
-        max_num_batched_tokens: tokens per step, bounding chunked prefill
-            (``--max-num-batched-tokens``).
-        enable_prefix_caching: ``--enable-prefix-caching / --no-enable-prefix-caching``.
-        prefix_caching_hash_algo: ``sha256`` | ``sha256_cbor`` | ``xxhash``.
-        num_gpu_blocks_override: exact number of KV blocks (tests); overrides memory sizing.
-        kv_cache_memory_bytes: KV cache budget in bytes on CPU (and on GPU when set).
-        gpu_memory_utilization: fraction of free GPU memory for the KV cache when on CUDA.
-        dtype: "float32" | "bfloat16" | "float16" | "auto" (fp32 on CPU, bf16 on CUDA).
-        device: "cpu" | "cuda" | "auto".
-        attention_backend: ``auto`` (triton for CUDA tensors, torch otherwise) | torch | triton.
-        seed: global seed for unseeded sampling.
-    """
-
-    model: str
-    served_model_name: str | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
+    model: str = field(metadata={
+        "help": "Hugging Face folder with config.json, tokenizer and *.safetensors (vLLM --model)."})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "Model id reported by /v1/models (vLLM --served-model-name).",
+        "unset": "the model folder name"})
+    block_size: int = field(default=16, metadata={
+        "help": "Tokens per KV block, in [1, 256]; Triton needs a multiple of 16 "
+                "(vLLM --block-size)."})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "Prompt + output tokens per request (vLLM --max-model-len).",
+        "unset": "the model's max_position_embeddings"})
+    max_num_seqs: int = field(default=64, metadata={
+        "help": "Running requests per engine step (vLLM --max-num-seqs)."})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "Tokens per engine step, bounding chunked prefill (vLLM --max-num-batched-tokens)."})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Automatic prefix caching of KV blocks (vLLM --enable-prefix-caching)."})
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={
+        "help": "Block hash function (vLLM --prefix-caching-hash-algo).",
+        "choices": HASH_ALGOS})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "Exact number of KV blocks, overriding memory sizing; for tests "
+                "(vLLM --num-gpu-blocks-override).",
+        "unset": "sized from the KV budget"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV cache budget in bytes; on CUDA it replaces --gpu-memory-utilization "
+                "(vLLM --kv-cache-memory-bytes).",
+        "unset": "1 GiB on CPU, --gpu-memory-utilization on CUDA"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
+                "(vLLM --gpu-memory-utilization)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Model and KV cache dtype; auto = float32 on CPU, bfloat16 on CUDA (vLLM --dtype).",
+        "choices": DTYPES})
+    device: str = field(default="auto", metadata={
+        "help": "Device; auto = cuda when available, else cpu (vLLM --device).",
+        "choices": DEVICES})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "Attention implementation; auto = triton for CUDA tensors, torch otherwise.",
+        "choices": ATTENTION_BACKENDS})
+    seed: int = field(default=0, metadata={
+        "help": "Global seed for unseeded sampling (vLLM --seed)."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -55,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

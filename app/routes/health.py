@@ -5,11 +5,19 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from engine.errors import EngineDeadError
+from engine.protocol import EngineClient
+
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 while the engine loop runs, 503 once it has died."""
-    ok = request.app.state.engine.is_running
+    engine: EngineClient = request.app.state.engine
+    try:
+        await engine.check_health()
+        ok = True
+    except EngineDeadError:
+        ok = False
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)

@@ -6,15 +6,9 @@ from fastapi import APIRouter, Request, Response
 
 from app.auth import MetricsScraper
 from app.metrics import ServerMetrics
-from engine.async_engine import AsyncLLM
-from engine.llm_engine import LLMEngine
-from engine.stats import EngineStatsSnapshot
+from engine.protocol import EngineClient
 
 router = APIRouter(tags=["metrics"])
-
-
-def _snapshot(engine: LLMEngine) -> EngineStatsSnapshot:
-    return engine.stats_snapshot()
 
 
 @router.get("/metrics")
@@ -24,8 +18,8 @@ async def metrics(request: Request, _: MetricsScraper) -> Response:
     Text format 0.0.4, or OpenMetrics when the scraper's Accept header asks for it. A dead engine
     gives 503 (``EngineDeadError``), so the scrape fails visibly.
     """
-    engine: AsyncLLM = request.app.state.engine
-    snapshot = await engine.call(_snapshot)
+    engine: EngineClient = request.app.state.engine
+    snapshot = await engine.stats()
     server_metrics: ServerMetrics = request.app.state.metrics
     body, content_type = server_metrics.render(snapshot, request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

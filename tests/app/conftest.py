@@ -1,4 +1,7 @@
-"""A real app (engine on the bundled model + SQLite tenants) behind Starlette's TestClient."""
+"""A real app (SQLite or PostgreSQL tenants) behind Starlette's TestClient, over the real engine
+(scheduler, block pool, prefix cache, ``AsyncLLM`` thread) running either a deterministic fake
+model (``tests/fake_engine.py``: default, no weights, no torch forward) or the real bundled model
+(``real_model=True``: for tests of model outputs, timing and the engine's numerics)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
+from fake_engine import FakeExecutor, make_fake_llm_engine
 
 from app.server import create_app
 from engine.async_engine import AsyncLLM
@@ -33,6 +38,16 @@ class AppEnv:
     admin_token: str = field(default="", repr=False)
     data_dir: Path | None = None   # holds the platform JWT signing key
 
+    @property
+    def fake(self) -> FakeExecutor | None:
+        """The fake model (None on the real one): its ``fail``, ``steps``, ``tokens_computed``."""
+        runner = self.engine.engine.runner
+        return runner if isinstance(runner, FakeExecutor) else None
+
+    def on_engine_thread(self, fn: Callable):
+        """Runs ``fn(llm_engine)`` on the engine thread between steps; returns its result."""
+        return self.client.portal.call(self.engine._call, fn)
+
     def headers(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
@@ -53,14 +68,16 @@ def make_repo(tmp: Path, database_url: str | None = None) -> TenantRepository:
 
 
 @contextmanager
-def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
-                  database_url: str | None = None, last_used_flush_s: float = 60.0,
+def build_app_env(make_llm_engine, model_dir: Path, tokenizer, tmp: Path,
+                  metrics_token: str | None = None, database_url: str | None = None,
+                  last_used_flush_s: float = 60.0, real_model: bool = False,
                   **engine_overrides) -> Iterator[AppEnv]:
     """A running app over a fresh engine and database with tenants A and B (one key each).
 
     Args:
         metrics_token: passed to ``create_app`` (None: ``/metrics`` answers 403).
         database_url: tenants database (default: SQLite in ``tmp``).
+        real_model: the bundled model instead of the fake one.
         engine_overrides: ``EngineConfig`` fields; default max_model_len 512 and 128 KV blocks.
     """
     repo = make_repo(tmp, database_url)
@@ -68,8 +85,9 @@ def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
     b = repo.create_tenant("tenant-b")
     key_a, _ = repo.create_api_key(a.id)
     key_b, _ = repo.create_api_key(b.id)
-    core = make_llm_engine(**{"max_model_len": 512, "num_gpu_blocks_override": 128,
-                              **engine_overrides})
+    overrides = {"max_model_len": 512, "num_gpu_blocks_override": 128, **engine_overrides}
+    core = (make_llm_engine(**overrides) if real_model
+            else make_fake_llm_engine(model_dir, tokenizer, **overrides))
     engine = AsyncLLM(core)
     platform_key = load_or_create_platform_key(tmp)
     verifier = JWTVerifier(JWTConfig(), platform_key.public_key())
@@ -82,14 +100,16 @@ def build_app_env(make_llm_engine, tmp: Path, metrics_token: str | None = None,
                      admin, tmp)
 
 
-@pytest.fixture(scope="module")
-def app_env(make_llm_engine, tmp_path_factory) -> Iterator[AppEnv]:
-    with build_app_env(make_llm_engine, tmp_path_factory.mktemp("app")) as env:
-        yield env
-
-
 @pytest.fixture(scope="session")
-def app_env_builder(make_llm_engine) -> Callable[..., AbstractContextManager[AppEnv]]:
-    """``build_app_env`` bound to the bundled model, for test modules that need their own app:
-    ``with app_env_builder(tmp, metrics_token="t", num_gpu_blocks_override=20) as env: ...``."""
-    return partial(build_app_env, make_llm_engine)
+def app_env_builder(make_llm_engine, model_dir, tokenizer
+                    ) -> Callable[..., AbstractContextManager[AppEnv]]:
+    """``build_app_env`` bound to the bundled model's files, for test modules that need their own
+    app: ``with app_env_builder(tmp, metrics_token="t", num_gpu_blocks_override=20) as env:``."""
+    return partial(build_app_env, make_llm_engine, model_dir, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def app_env(app_env_builder, tmp_path_factory) -> Iterator[AppEnv]:
+    """An app over the fake model."""
+    with app_env_builder(tmp_path_factory.mktemp("app")) as env:
+        yield env

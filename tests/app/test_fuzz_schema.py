@@ -149,5 +149,5 @@ def test_block_pool_is_intact_after_fuzzing(env):
         pool.check_integrity()
         return pool.get_num_free_blocks(), pool.num_blocks, core.has_unfinished_requests()
 
-    free, total, busy = env.client.portal.call(env.engine.call, probe)
+    free, total, busy = env.client.portal.call(env.engine._call, probe)
     assert (total - free, busy) == (0, False)

@@ -61,7 +61,7 @@ def complete(env, key: str, prompt: list[int], **kw) -> dict:
 
 def on_engine(env, fn):
     """Runs ``fn(LLMEngine)`` on the engine thread and returns its result."""
-    return env.client.portal.call(env.engine.call, fn)
+    return env.client.portal.call(env.engine._call, fn)
 
 
 def reset(env) -> None:

@@ -26,7 +26,7 @@ def _engine_state(env) -> tuple[int, int]:
         pool = core.block_pool
         return pool.get_num_free_blocks(), pool.num_blocks
 
-    return env.client.portal.call(env.engine.call, probe)
+    return env.client.portal.call(env.engine._call, probe)
 
 
 @pytest.mark.parametrize("n", [15, 16, 17, 31, 32, 33, 64, 65])

@@ -8,6 +8,8 @@ import threading
 import pytest
 
 from engine.async_engine import AsyncLLM, EngineDeadError
+from engine.errors import InvalidRequestError
+from engine.protocol import ModelInfo
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -15,14 +17,13 @@ from engine.sampling_params import SamplingParams
 class FakeEngine:
     """Has work once a request is added; ``step`` raises when ``fail`` is set."""
 
+    model_info = ModelInfo("fake", max_model_len=16, vocab_size=100, block_size=4, num_blocks=8)
+
     def __init__(self) -> None:
         self.requests: list[str] = []
         self.fail = False
 
-    def validate_request(self, req: EngineRequest) -> None:
-        pass
-
-    def add_request(self, req: EngineRequest) -> None:
+    def enqueue(self, req: EngineRequest) -> None:
         self.requests.append(req.request_id)
 
     def abort_request(self, ids: list[str]) -> list:
@@ -48,14 +49,14 @@ def test_cancelled_call_does_not_kill_the_engine_thread():
     gate = threading.Event()
 
     async def scenario() -> int:
-        blocker = asyncio.ensure_future(llm.call(lambda e: gate.wait(5)))
+        blocker = asyncio.ensure_future(llm._call(lambda e: gate.wait(5)))
         await asyncio.sleep(0.05)                      # the engine thread is inside blocker
-        doomed = asyncio.ensure_future(llm.call(lambda e: 1))
+        doomed = asyncio.ensure_future(llm._call(lambda e: 1))
         await asyncio.sleep(0.05)
         doomed.cancel()                                # cancelled while still queued
         gate.set()
         await blocker
-        return await asyncio.wait_for(llm.call(lambda e: 42), 5)
+        return await asyncio.wait_for(llm._call(lambda e: 42), 5)
 
     try:
         assert asyncio.run(scenario()) == 42
@@ -79,10 +80,36 @@ def test_engine_failure_fails_streams_and_queued_calls_instead_of_hanging():
             async for _ in llm.generate(_req("r2")):
                 pass
         with pytest.raises(EngineDeadError):
-            await llm.call(lambda e: 1)
+            await llm._call(lambda e: 1)
 
     try:
         asyncio.run(asyncio.wait_for(scenario(), 10))
     finally:
         llm.shutdown()
-    assert isinstance(llm.errored, RuntimeError)
+    assert llm.errored and isinstance(llm.dead_error, RuntimeError)
+
+
+def test_invalid_request_is_refused_on_the_callers_thread_before_anything_is_queued():
+    engine = FakeEngine()
+    llm = AsyncLLM(engine)
+    llm.start()
+
+    async def scenario() -> list[tuple[str | None, str]]:
+        errors = []
+        for ids in [(), tuple(range(16)), (1, 100), (-1, 2)]:
+            with pytest.raises(InvalidRequestError) as e:
+                llm.add_request(EngineRequest("bad", ids, SamplingParams(max_tokens=1)))
+            errors.append((e.value.param, e.value.code))
+        stream = llm.add_request(_req("ok"))  # a valid one is queued
+        await llm._call(lambda e: None)       # the engine thread has drained its commands
+        stream.close()                        # closing early aborts it
+        await llm._call(lambda e: None)
+        return errors
+
+    try:
+        errors = asyncio.run(asyncio.wait_for(scenario(), 10))
+    finally:
+        llm.shutdown()
+    assert errors == [("prompt", "invalid_value"), ("prompt", "context_length_exceeded"),
+                      ("prompt", "invalid_value"), ("prompt", "invalid_value")]
+    assert engine.requests == []  # "ok" was added then aborted; "bad" never reached the engine

@@ -111,7 +111,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
                                                              model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from engine import attention
+    from engine.attention import torch_backend as attention
 
     calls = []
     real = attention._decode_cascade

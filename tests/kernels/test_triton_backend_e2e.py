@@ -18,8 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from kernels.backend import triton_attention
-from kernels.store_kv_cache import store_kv_cache
+from engine.attention.triton_backend import TritonAttentionBackend
 
 VOCAB = 1024
 MAX_NEW = 5
@@ -114,9 +113,7 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
     waves[2] = [waves[0][0]]
 
     triton_engine = _engine(tiny_llama, "triton")
-    assert triton_engine.model.attn_fn is triton_attention
-    assert triton_engine.model.kv_write_fn is store_kv_cache
-    assert not triton_engine.model.uses_token_slots
+    assert isinstance(triton_engine.model.attn, TritonAttentionBackend)
     assert triton_engine.cache_info.attention_backend == "triton"
     got = _run(triton_engine, waves)
     expected = _run(_engine(tiny_llama, "torch"), waves)

@@ -1,0 +1,478 @@
+"""The completions service: everything between an authenticated OpenAI request and its response.
+
+One API call (``CompletionCall``) goes through::
+
+    preprocess: chat template / tokenise -> model, sampling, cache_salt and max_tokens checks
+      -> admit (per-tenant limits: a lease) -> submit n engine requests (validated once by
+      ``EngineClient.add_request``) -> stream SSE chunks, or collect one JSON body
+      -> finalise: release the lease, record usage, count metrics
+
+Finalisation happens exactly once per call, in one place: the ``finally`` of ``_run`` for JSON
+responses and for calls refused before a response exists, or the ``finally`` of
+``_FinalizingStreamingResponse.__call__`` once a stream response has been handed to Starlette
+(also when the client leaves before the first byte). ``CompletionCall.finalize`` refuses a second
+run (it would double-count usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from app.errors import APIError, error_body
+from app.limits import Lease, RateLimiter, RateLimitExceeded, TenantLimits
+from app.metrics import ServerMetrics
+from app.protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.protocol import EngineClient, RequestStreamLike
+from engine.request import EngineRequest, RequestOutput
+from engine.sampling_params import SamplingParams
+from tenants.records import AuthContext, UsageRecord
+
+logger = logging.getLogger(__name__)
+
+Endpoint = Literal["chat.completions", "completions"]
+UsageSink = Callable[[UsageRecord], None]
+
+
+@dataclass
+class ChoiceState:
+    """One of the call's n completions, as accumulated from engine outputs."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionCall:
+    """One API call: n engine requests over the same prompt, and what it used.
+
+    ``status`` is ``"error"`` until the call completes (``"ok"``) or is abandoned
+    (``"aborted"``: client disconnect or cancellation).
+    """
+
+    request_id: str
+    endpoint: Endpoint
+    model: str
+    auth: AuthContext
+    created: int = field(default_factory=lambda: int(time.time()))
+    start: float = field(default_factory=time.monotonic)
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    params: SamplingParams | None = None
+    cache_salt: bytes | None = field(default=None, repr=False)
+    first_token_time: float | None = None
+    choices: list[ChoiceState] = field(default_factory=list)
+    status: str = "error"
+    lease: Lease | None = None
+    finalized: bool = False
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat.completions"
+
+    def limit_headers(self) -> dict[str, str]:
+        return dict(self.lease.headers) if self.lease is not None else {}
+
+    def engine_requests(self) -> list[EngineRequest]:
+        """The n engine requests; with n > 1 and a seed, choice i uses seed + i."""
+        assert self.params is not None
+        reqs = []
+        for i in range(self.params.n):
+            params = self.params
+            if params.n > 1 and params.seed is not None:
+                params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            reqs.append(EngineRequest(
+                request_id=f"{self.request_id}-{i}", prompt_token_ids=tuple(self.prompt_ids),
+                sampling_params=params, tenant_id=self.auth.tenant_id,
+                cache_salt=self.cache_salt,
+                enable_prefix_caching=self.auth.enable_prefix_caching))
+        return reqs
+
+    def apply(self, i: int, out: RequestOutput) -> None:
+        """Folds one engine output of choice ``i`` into the call."""
+        if self.first_token_time is None and out.new_token_ids:
+            self.first_token_time = time.monotonic()
+        c = self.choices[i]
+        c.text += out.new_text
+        c.num_tokens = out.num_output_tokens
+        c.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            c.finish_reason = out.finish_reason
+
+    def usage(self) -> UsageInfo:
+        """OpenAI ``usage``: cached tokens are choice 0's (all n share the prompt)."""
+        completion = sum(c.num_tokens for c in self.choices)
+        prompt = len(self.prompt_ids)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=self.choices[0].num_cached_tokens if self.choices
+                             else 0))
+
+    def usage_record(self) -> UsageRecord:
+        u = self.usage()
+        return UsageRecord(
+            request_id=self.request_id, tenant_id=self.auth.tenant_id, key_id=self.auth.key_id,
+            model=self.model, endpoint=self.endpoint, status=self.status,
+            prompt_tokens=u.prompt_tokens,
+            cached_tokens=u.prompt_tokens_details.cached_tokens,
+            completion_tokens=u.completion_tokens,
+            ttft_s=None if self.first_token_time is None else self.first_token_time - self.start,
+            latency_s=time.monotonic() - self.start)
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    body = obj.model_dump_json() if isinstance(obj, BaseModel) else _json(obj)
+    return f"data: {body}\n\n"
+
+
+def _json(obj: dict) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+async def merge_streams(streams: Sequence[RequestStreamLike]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves the outputs of several engine requests as they arrive, as (choice, output).
+
+    Closing the iterator (or an error in one stream) closes every stream, aborting the requests
+    that have not finished.
+    """
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStreamLike) -> None:
+        try:
+            async for out in stream:
+                await q.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer, re-raised there
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+class _FinalizingStreamingResponse(StreamingResponse):
+    """SSE response that owns its call's finalisation from the moment Starlette gets it: the
+    body generator is closed and the call finalised on every path, also when the client went
+    away before the body started."""
+
+    def __init__(self, body: AsyncGenerator[str, None], call: CompletionCall,
+                 finalize: Callable[[CompletionCall], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **call.limit_headers()})
+        self._body, self._call, self._finalize = body, call, finalize
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._call.status != "ok":
+                self._call.status = "aborted"
+            await self._body.aclose()  # closes the engine streams if the body started
+            self._finalize(self._call)
+
+
+class CompletionsService:
+    """Serves ``/v1/chat/completions`` and ``/v1/completions`` over an ``EngineClient``.
+
+    Args:
+        engine: the engine (``engine.protocol.EngineClient``).
+        record_usage: stores one usage record; called from a worker thread, may block.
+        metrics: request-level Prometheus metrics.
+        limiter: per-tenant rpm / tpm / concurrency limits.
+    """
+
+    def __init__(self, engine: EngineClient, record_usage: UsageSink, metrics: ServerMetrics,
+                 limiter: RateLimiter) -> None:
+        self.engine = engine
+        self.info = engine.model_info()
+        self.record_usage = record_usage
+        self.metrics = metrics
+        self.limiter = limiter
+
+    # -- entry points --------------------------------------------------------------------------
+    async def create_chat_completion(
+            self, body: ChatCompletionRequest, auth: AuthContext,
+            is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
+        """OpenAI chat completions over the tokenizer's chat template.
+
+        Raises:
+            APIError: 400 (bad model, sampling values, cache_salt, template, lengths, token
+                ids; ``param`` set), 429 over a tenant limit; every refusal is recorded as usage.
+            EngineDeadError: the engine is not running (503).
+        """
+        return await self._run("chat.completions", "chatcmpl", body, auth, is_disconnected)
+
+    async def create_completion(
+            self, body: CompletionRequest, auth: AuthContext,
+            is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
+        """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids.
+
+        Raises:
+            APIError, EngineDeadError: as ``create_chat_completion``.
+        """
+        return await self._run("completions", "cmpl", body, auth, is_disconnected)
+
+    # -- one call ------------------------------------------------------------------------------
+    async def _run(self, endpoint: Endpoint, prefix: str,
+                   body: ChatCompletionRequest | CompletionRequest, auth: AuthContext,
+                   is_disconnected: Callable[[], Awaitable[bool]]
+                   ) -> JSONResponse | StreamingResponse:
+        call = CompletionCall(f"{prefix}-{uuid.uuid4().hex}", endpoint,
+                              self.info.served_model_name, auth)
+        handed_off = False  # True once a streaming response owns finalisation
+        try:
+            streams = self._submit(call, body)
+            if body.stream:
+                include = bool(body.stream_options and body.stream_options.include_usage)
+                response = _FinalizingStreamingResponse(self._stream(call, streams, include),
+                                                        call, self._finalize)
+                handed_off = True
+                return response
+            await self._collect(call, streams, is_disconnected)
+            call.status = "ok"
+            return JSONResponse(self._full_response(call).model_dump(mode="json"),
+                                headers=call.limit_headers())
+        except asyncio.CancelledError:
+            call.status = "aborted"
+            raise
+        finally:
+            if not handed_off:
+                self._finalize(call)
+
+    def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
+                ) -> list[RequestStreamLike]:
+        """Preprocesses, admits and submits the call; returns its n engine streams.
+
+        Raises:
+            APIError: 400 / 429 (nothing reaches the engine, the lease is undone).
+            EngineDeadError: the engine is not running.
+        """
+        prompt_param = "messages" if call.chat else "prompt"
+        call.prompt_ids = self._tokenize(body, prompt_param)
+        if body.model != self.info.served_model_name:
+            raise APIError(400, f"model {body.model!r} does not exist; this server serves "
+                           f"{self.info.served_model_name!r}", "model", "model_not_found")
+        try:
+            call.params = body.sampling_params()
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, e.param, e.code) from None
+        try:
+            call.cache_salt = call.auth.effective_salt(body.cache_salt)
+        except ValueError as e:
+            raise APIError(400, str(e), "cache_salt", "invalid_value") from None
+        n, limit, max_tokens = len(call.prompt_ids), self.info.max_model_len, call.params.max_tokens
+        if max_tokens is not None and n < limit and n + max_tokens > limit:  # OpenAI API rule
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
+                           f"requested {n + max_tokens} tokens ({n} in the prompt, "
+                           f"{max_tokens} in the completion)", "max_tokens",
+                           "context_length_exceeded")
+        call.lease = self._admit(call)
+        streams: list[RequestStreamLike] = []
+        try:
+            for req in call.engine_requests():
+                streams.append(self.engine.add_request(req))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if call.lease is not None:
+                call.lease.cancel()  # refused before any work: counts nothing
+                call.lease = None
+            if isinstance(e, InvalidRequestError):
+                param = prompt_param if e.param == "prompt" else e.param
+                raise APIError(400, e.message, param, e.code) from None
+            raise
+        call.choices = [ChoiceState(i) for i in range(call.params.n)]
+        return streams
+
+    def _tokenize(self, body: ChatCompletionRequest | CompletionRequest,
+                  prompt_param: str) -> list[int]:
+        tokenizer = self.info.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - any template error is a bad request
+                raise APIError(400, "messages could not be rendered with the model's chat "
+                               "template", "messages", "invalid_value") from None
+            return self._encode(text, prompt_param, add_special_tokens=False)
+        if isinstance(body.prompt, str):
+            return self._encode(body.prompt, prompt_param)
+        return list(body.prompt)
+
+    def _encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Text the tokenizer cannot take (e.g. a lone UTF-16 surrogate from JSON ``"\\ud800"``)
+        is a 400, not a 500."""
+        try:
+            return self.info.tokenizer.encode(text, **kwargs)
+        except Exception:  # noqa: BLE001 - tokenizers raises TypeError/ValueError/Exception
+            raise APIError(400, "the text could not be tokenized (invalid Unicode?)", param,
+                           "invalid_value") from None
+
+    def _admit(self, call: CompletionCall) -> Lease | None:
+        """Takes a lease on the tenant's limits, reserving prompt + n * max_tokens tokens.
+
+        Returns:
+            The lease, or None when the tenant has no limits.
+
+        Raises:
+            APIError: 429 ``rate_limit_exceeded`` with ``x-ratelimit-*`` and ``Retry-After``.
+        """
+        auth, params = call.auth, call.params
+        assert params is not None
+        limits = TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
+        if not limits.any:
+            return None
+        n_prompt = len(call.prompt_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.info.max_model_len - n_prompt
+        try:
+            return self.limiter.acquire(auth.tenant_id, limits, n_prompt + params.n * max_tokens)
+        except RateLimitExceeded as e:
+            raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
+
+    def _finalize(self, call: CompletionCall) -> None:
+        """Releases the lease (corrected to the tokens really used), counts metrics and stores
+        usage without awaiting (so it also happens when the client has gone away)."""
+        if call.finalized:
+            logger.error("call %s finalised twice; ignoring the second time", call.request_id)
+            return
+        call.finalized = True
+        if call.lease is not None:
+            call.lease.release(call.usage().total_tokens)
+        self.metrics.observe_request(call)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, self.record_usage, call.usage_record())
+        fut.add_done_callback(lambda f: f.exception() and logger.error(
+            "failed to record usage: %s", type(f.exception()).__name__))
+
+    # -- responses -----------------------------------------------------------------------------
+    async def _collect(self, call: CompletionCall, streams: list[RequestStreamLike],
+                       is_disconnected: Callable[[], Awaitable[bool]]) -> None:
+        """Runs the call to completion; aborts it when the client disconnects (polled every
+        second)."""
+
+        async def run() -> None:
+            async for i, out in merge_streams(streams):
+                call.apply(i, out)
+
+        task = asyncio.create_task(run())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=1.0)
+                if not task.done() and await is_disconnected():
+                    task.cancel()
+                    call.status = "aborted"
+            await task
+        finally:
+            if not task.done():
+                task.cancel()
+            for s in streams:
+                s.close()
+
+    def _full_response(self, call: CompletionCall) -> ChatCompletionResponse | CompletionResponse:
+        if call.chat:
+            return ChatCompletionResponse(
+                id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
+                choices=[ChatCompletionChoice(index=c.index,
+                                              message=AssistantMessage(content=c.text),
+                                              finish_reason=c.finish_reason)
+                         for c in call.choices])
+        return CompletionResponse(
+            id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
+            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
+                     for c in call.choices])
+
+    def _chunk(self, call: CompletionCall, include_usage: bool, i: int, text: str | None,
+               finish_reason: str | None, role: bool = False) -> BaseModel:
+        if call.chat:
+            delta = DeltaMessage(role="assistant" if role else None, content=text)
+            return ChatCompletionStreamResponse(
+                id=call.request_id, created=call.created, model=call.model,
+                include_usage=include_usage,
+                choices=[ChatCompletionStreamChoice(index=i, delta=delta,
+                                                    finish_reason=finish_reason)])
+        return CompletionStreamResponse(
+            id=call.request_id, created=call.created, model=call.model,
+            include_usage=include_usage,
+            choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish_reason)])
+
+    async def _stream(self, call: CompletionCall, streams: list[RequestStreamLike],
+                      include_usage: bool) -> AsyncGenerator[str, None]:
+        """SSE body: role chunk (chat), one chunk per text delta or finish, the usage chunk
+        (``stream_options.include_usage``), ``[DONE]``. Engine errors mid-stream are sent
+        in-band in the OpenAI error shape."""
+        try:
+            if call.chat:
+                for c in call.choices:
+                    yield _sse(self._chunk(call, include_usage, c.index, "", None, role=True))
+            async for i, out in merge_streams(streams):
+                call.apply(i, out)
+                if not out.new_text and not out.finished:
+                    continue
+                yield _sse(self._chunk(call, include_usage, i, out.new_text or None,
+                                       out.finish_reason if out.finished else None))
+            call.status = "ok"
+            if include_usage:
+                cls = ChatCompletionStreamResponse if call.chat else CompletionStreamResponse
+                yield _sse(cls(id=call.request_id, created=call.created, model=call.model,
+                               choices=[], usage=call.usage(), include_usage=True))
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            call.status = "aborted"
+            raise
+        except EngineDeadError:
+            yield _sse(error_body(503, "the inference engine is not available", None,
+                                  "engine_unavailable"))
+        except Exception as e:  # noqa: BLE001 - never a stack trace to the client
+            logger.error("stream failed: %s", type(e).__name__)
+            yield _sse(error_body(500, "internal server error", None, "internal_error"))
+        finally:
+            for s in streams:
+                s.close()
