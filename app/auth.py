@@ -35,8 +35,10 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import APIError
 from tenants.api_keys import looks_like_api_key
+from tenants.authenticator import Authenticator
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
-from tenants.repository import AuthContext, TenantRepository
+from tenants.records import AuthContext
+from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,10 @@ def bearer_token(request: Request) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _authenticate_sync(repo: TenantRepository, verifier: JWTVerifier | None,
+def _authenticate_sync(authenticator: Authenticator, verifier: JWTVerifier | None,
                        token: str) -> Principal:
     if looks_like_api_key(token):
-        ctx = repo.authenticate_api_key(token)
+        ctx = authenticator.authenticate_api_key(token)
         return Principal(f"key:{ctx.key_id}", "tenant", "api_key", ctx)
     if verifier is None:
         raise InvalidToken("bad_jwt")
@@ -84,7 +86,7 @@ def _authenticate_sync(repo: TenantRepository, verifier: JWTVerifier | None,
     ctx, disabled = None, False
     if claims.tenant_id is not None:
         try:
-            ctx = repo.get_auth_context(claims.tenant_id)
+            ctx = authenticator.context_for_tenant(claims.tenant_id)
         except TenantNotFound:
             raise InvalidToken("unknown_tenant") from None
         except TenantDisabled:
@@ -109,21 +111,19 @@ async def authenticate(request: Request) -> Principal:
     if token is None:
         raise _missing()
     state = request.app.state
-    principal = await run_in_threadpool(_authenticate_sync, state.repo,
+    principal = await run_in_threadpool(_authenticate_sync, state.repo.authenticator,
                                         getattr(state, "jwt_verifier", None), token)
     request.state.principal = principal
     return principal
 
 
 async def _note_salt_version(request: Request, ctx: AuthContext) -> None:
-    """Evicts a tenant's cached blocks once when its salt version moved on behind our back."""
-    seen: dict[str, int] = request.app.state.salt_versions
-    last = seen.get(ctx.tenant_id)
-    if last is not None and ctx.salt_version <= last:
-        return
-    seen[ctx.tenant_id] = ctx.salt_version  # before the await: exactly one request evicts
+    """Evicts a tenant's cached blocks once when its salt version moved on behind our back
+    (``SaltVersions.note_seen`` hands the old version to exactly one request)."""
+    versions: SaltVersions = request.app.state.salt_versions
+    last = versions.note_seen(ctx.tenant_id, ctx.salt_version)
     if last is None:
-        return  # first sight since start: nothing of this tenant can be cached yet
+        return  # first sight since start, or not newer: nothing to evict
     tenant_id = ctx.tenant_id
     dropped = await request.app.state.engine.evict_tenant_cache(tenant_id, "salt_rotation")
     logger.info("tenant %s salt version %d -> %d: dropped %d cached blocks", tenant_id, last,
@@ -153,8 +153,9 @@ CurrentTenant = Annotated[AuthContext, Depends(current_tenant)]
 
 def _deny_admin(request: Request, actor: str, reason: str) -> None:
     try:
-        request.app.state.repo.audit(actor, "auth.admin_denied", None,
-                                     f"reason={reason} {request.method} {request.url.path}")
+        request.app.state.repo.usage.audit(
+            actor, "auth.admin_denied", None,
+            f"reason={reason} {request.method} {request.url.path}")
     except Exception as e:  # noqa: BLE001 - a failing audit write must not turn 401 into 500
         logger.error("could not write auth.admin_denied audit row: %s", type(e).__name__)
 

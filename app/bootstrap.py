@@ -70,8 +70,8 @@ def bootstrap(settings: Settings) -> Bootstrapped:
     model_dir = Path(settings.model) if settings.model else ensure_default_model(settings.data_dir)
     demo_key = None
     key_file = settings.data_dir / DEMO_KEY_FILE
-    if settings.create_demo_tenant and not repo.list_tenants():
-        tenant = repo.create_tenant(DEMO_TENANT, actor="bootstrap")
-        demo_key, _info = repo.create_api_key(tenant.id, name="demo", actor="bootstrap")
+    if settings.create_demo_tenant and not repo.tenants.list_all():
+        tenant = repo.tenants.create(DEMO_TENANT, actor="bootstrap")
+        demo_key, _info = repo.keys.create(tenant.id, name="demo", actor="bootstrap")
         write_secret_file(key_file, demo_key)
     return Bootstrapped(repo, model_dir, demo_key, key_file if key_file.exists() else None)

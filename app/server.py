@@ -22,6 +22,7 @@ from app.routes import admin, health, metrics, openai
 from app.services.completions import CompletionsService
 from engine.protocol import EngineClient
 from tenants.repository import TenantRepository
+from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_request_id
 
@@ -142,9 +143,9 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.metrics = ServerMetrics(info.served_model_name)
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
-    app.state.salt_versions = admin.SaltVersions()  # tenants.salt_versions; app.auth + admin
+    app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation
     app.state.limiter = RateLimiter()  # per-tenant rpm / tpm / concurrency (app/limits.py)
-    app.state.completions = CompletionsService(engine, repo.record_usage, app.state.metrics,
+    app.state.completions = CompletionsService(engine, repo.usage.record_usage, app.state.metrics,
                                                app.state.limiter)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)

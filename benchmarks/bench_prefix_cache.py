@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -58,29 +59,20 @@ def build_prompts(tok, n: int, target_system_tokens: int = 1000) -> tuple[list[l
 def ttft(engine: LLMEngine, ids: list[int], salt: bytes, tag: str) -> tuple[float, int]:
     """Seconds from submission to the first token, and cached tokens; drains the request."""
     params = SamplingParams(max_tokens=1, temperature=0)
-    t0 = time.perf_counter()
-    engine.add_request(EngineRequest(tag, tuple(ids), params, tenant_id="bench", cache_salt=salt))
-    first, cached = None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if first is None and out.new_token_ids:
-                first = time.perf_counter() - t0
-            cached = out.num_cached_tokens
-    assert first is not None
-    return first, cached
+    [r] = run_to_completion(engine, [EngineRequest(tag, tuple(ids), params, tenant_id="bench",
+                                                   cache_salt=salt)])
+    assert r.ttft_s is not None
+    return r.ttft_s, r.num_cached_tokens
 
 
 def ours_batch(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
                salt: bytes) -> tuple[float, int]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"batch-{salt.hex()[:6]}-{i}", tuple(ids), params,
-                                         tenant_id="bench", cache_salt=salt))
-    n = 0
-    while engine.has_unfinished_requests():
-        n += sum(len(o.new_token_ids) for o in engine.step())
-    return time.perf_counter() - t0, n
+    done = run_to_completion(engine, [EngineRequest(f"batch-{salt.hex()[:6]}-{i}", tuple(ids),
+                                                    params, tenant_id="bench", cache_salt=salt)
+                                      for i, ids in enumerate(prompts)])
+    return time.perf_counter() - t0, sum(len(r.token_ids) for r in done)
 
 
 def hf_batch(hf, tok, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
@@ -96,13 +88,11 @@ def hf_batch(hf, tok, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 
 def ours_decode_rate(engine: LLMEngine, ids: list[int], new_tokens: int) -> float:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    engine.add_request(EngineRequest(f"single-{secrets.token_hex(4)}", tuple(ids), params,
-                                     tenant_id="bench",
-                                     cache_salt=secrets.token_bytes(32)))
-    times = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            times.append(time.perf_counter())
+    times: list[float] = []
+    run_to_completion(engine, [EngineRequest(f"single-{secrets.token_hex(4)}", tuple(ids), params,
+                                             tenant_id="bench",
+                                             cache_salt=secrets.token_bytes(32))],
+                      on_step=lambda outs: times.extend(time.perf_counter() for _ in outs))
     return (len(times) - 1) / (times[-1] - times[0])
 
 

@@ -145,21 +145,15 @@ def _engine(model_dir: Path, device: str, dtype: str, tokenizer=None, **override
 def _generate(engine, prompts: list[list[int]], max_new: int, tag: str,
               salt: bytes | None = None) -> tuple[list[list[int]], list[int]]:
     """Greedy, stopping at eos like HF ``generate``. Returns (tokens, cached tokens)."""
+    from engine.llm import run_to_completion
     from engine.request import EngineRequest
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new, temperature=0)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(EngineRequest(rid, tuple(p), params, tenant_id="gpu-check",
-                                         cache_salt=salt))
-    tokens = {rid: [] for rid in ids}
-    cached = {rid: 0 for rid in ids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            cached[out.request_id] = out.num_cached_tokens
-    return [tokens[r] for r in ids], [cached[r] for r in ids]
+    done = run_to_completion(engine, [EngineRequest(f"{tag}-{i}", tuple(p), params,
+                                                    tenant_id="gpu-check", cache_salt=salt)
+                                      for i, p in enumerate(prompts)])
+    return [r.token_ids for r in done], [r.num_cached_tokens for r in done]
 
 
 def _hf_generate(model_dir: Path, prompts: list[list[int]], max_new: int, device: str):
@@ -401,7 +395,7 @@ def part_ttft(args) -> dict:
     engine = _engine(model_dir, device, dtype, tokenizer, max_model_len=prefix_len + 256,
                      max_num_batched_tokens=prefix_len + 256,
                      num_gpu_blocks_override=4 * (prefix_len + 256) // 16)
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model_info.vocab_size
     gen = torch.Generator().manual_seed(3)
 
     def rand(n: int) -> list[int]:
@@ -410,21 +404,15 @@ def part_ttft(args) -> dict:
     prefix = rand(prefix_len)
 
     def ttft(salt: bytes) -> tuple[float, int]:
+        from engine.llm import run_to_completion
         from engine.request import EngineRequest
         from engine.sampling_params import SamplingParams
 
-        rid = secrets.token_hex(4)
-        t0 = time.perf_counter()
-        engine.add_request(EngineRequest(rid, tuple(prefix + rand(suffix_len)),
-                                         SamplingParams(max_tokens=1, temperature=0),
-                                         tenant_id="gpu-check", cache_salt=salt))
-        first, cached = None, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.new_token_ids and first is None:
-                    first = time.perf_counter() - t0
-                    cached = out.num_cached_tokens
-        return first * 1e3, cached
+        [r] = run_to_completion(engine, [EngineRequest(
+            secrets.token_hex(4), tuple(prefix + rand(suffix_len)),
+            SamplingParams(max_tokens=1, temperature=0), tenant_id="gpu-check",
+            cache_salt=salt)])
+        return r.ttft_s * 1e3, r.num_cached_tokens
 
     warm_salt = secrets.token_bytes(16)
     ttft(secrets.token_bytes(16))          # JIT-compile the kernels for these shapes

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest
+from engine.request import EngineRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -22,6 +23,50 @@ class GenerationResult:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
+    ttft_s: float | None = None  # seconds from submission to the first token
+
+
+def run_to_completion(engine: LLMEngine, requests: Sequence[EngineRequest],
+                      on_step: Callable[[list[RequestOutput]], None] | None = None,
+                      max_steps: int | None = None) -> list[GenerationResult]:
+    """Adds ``requests`` (continuous batching) and steps ``engine`` until it is idle.
+
+    Args:
+        on_step: called after every step with its outputs (e.g. an integrity check).
+        max_steps: raise RuntimeError after this many steps (a hang guard for tests).
+
+    Returns:
+        One result per request, in order.
+
+    Raises:
+        InvalidRequestError: a request is invalid (the ones before it are queued).
+    """
+    results: dict[str, GenerationResult] = {}
+    t0 = time.perf_counter()
+    for req in requests:
+        engine.add_request(req)
+        results[req.request_id] = GenerationResult(req.request_id, list(req.prompt_token_ids),
+                                                   [], "", None, 0)
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            r = results.get(out.request_id)
+            if r is None:
+                continue
+            if r.ttft_s is None and out.new_token_ids:
+                r.ttft_s = time.perf_counter() - t0
+            r.token_ids.extend(out.new_token_ids)
+            r.text += out.new_text
+            r.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                r.finish_reason = out.finish_reason
+        if on_step is not None:
+            on_step(outputs)
+        steps += 1
+        if max_steps is not None and steps >= max_steps:
+            raise RuntimeError(f"not idle after {max_steps} steps")
+    return [results[req.request_id] for req in requests]
 
 
 class LLM:
@@ -46,22 +91,11 @@ class LLM:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        results: dict[str, GenerationResult] = {}
-        order = []
+        requests = []
         for prompt in prompts:
             ids = (self.engine.tokenizer.encode(prompt) if isinstance(prompt, str)
                    else list(prompt))
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(EngineRequest(rid, tuple(ids), params, tenant_id=tenant_id,
-                                                  cache_salt=cache_salt))
-            results[rid] = GenerationResult(rid, ids, [], "", None, 0)
-            order.append(rid)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                r = results[out.request_id]
-                r.token_ids.extend(out.new_token_ids)
-                r.text += out.new_text
-                r.num_cached_tokens = out.num_cached_tokens
-                if out.finished:
-                    r.finish_reason = out.finish_reason
-        return [results[rid] for rid in order]
+            requests.append(EngineRequest(f"offline-{next(self._ids)}", tuple(ids), params,
+                                          tenant_id=tenant_id, cache_salt=cache_salt))
+        return run_to_completion(self.engine, requests)
+

@@ -1,6 +1,7 @@
 """Plain frozen dataclasses that cross the ``tenants`` boundary (never ORM objects).
 
-``AuthContext`` carries a tenant's secret salt: its ``repr`` redacts it.
+``AuthContext`` carries a tenant's secret salt, sealed (``tenants.salts.SealedSalt``): it can
+derive effective salts but never hand the salt out.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from tenants.salts import effective_salt
+from tenants.salts import SealedSalt
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,18 @@ class ApiKeyInfo:
 class AuthContext:
     """Who a request is from, and the secret it needs to key the prefix cache.
 
-    ``key_id`` is None for JWT-authenticated requests. ``tenant_salt`` is secret: the ``repr``
-    redacts it; pass it only to ``effective_salt``.
+    ``key_id`` is None for JWT-authenticated requests. The tenant salt is held sealed (``_salt``,
+    a ``tenants.salts.SealedSalt``): there is no way to read it back, only ``effective_salt``.
+    It is left out of ``repr`` and of equality (two contexts of the same tenant, key and salt
+    version compare equal). Built only by ``tenants.authenticator``.
     """
 
     tenant_id: str
     tenant_name: str
     key_id: str | None
     salt_version: int
-    tenant_salt: bytes = field(repr=False)
     enable_prefix_caching: bool
+    _salt: SealedSalt = field(repr=False, compare=False)
     # Per-tenant limits (enforced in app/limits.py); None = unlimited.
     rpm_limit: int | None = None
     tpm_limit: int | None = None
@@ -63,17 +66,22 @@ class AuthContext:
     def __repr__(self) -> str:
         return (
             f"AuthContext(tenant_id={self.tenant_id!r}, key_id={self.key_id!r}, "
-            f"salt_version={self.salt_version}, tenant_salt=<redacted>, "
+            f"salt_version={self.salt_version}, salt=<redacted>, "
             f"enable_prefix_caching={self.enable_prefix_caching})"
         )
 
     def effective_salt(self, client_cache_salt: str | None = None) -> bytes:
-        """Returns this request's effective salt (see ``tenants.salts.effective_salt``).
+        """Returns this request's effective salt, 32 bytes (see ``tenants.salts``).
 
         Raises:
             ValueError: if ``client_cache_salt`` is empty or longer than 128 chars.
         """
-        return effective_salt(self.tenant_salt, self.salt_version, client_cache_salt)
+        return self._salt.derive(self.salt_version, client_cache_salt)
+
+    def salt_occurs_in(self, text: str | bytes) -> bool:
+        """True if ``text`` contains the tenant salt in a common encoding (leak checks only;
+        see ``SealedSalt.occurs_in``)."""
+        return self._salt.occurs_in(text)
 
 
 @dataclass(frozen=True)

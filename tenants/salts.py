@@ -18,10 +18,12 @@ Test vector: ``effective_salt(bytes(range(32)), 7, None).hex()`` ==
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
 import struct
+from typing import NoReturn
 
 SALT_BYTES = 32
 EFFECTIVE_SALT_DOMAIN = b"saltserve/effective-salt/v1"
@@ -85,3 +87,54 @@ def effective_salt(tenant_salt: bytes, version: int, client_cache_salt: str | No
         client = validate_client_cache_salt(client_cache_salt).encode("utf-8")
         msg += b"\x01" + struct.pack(">I", len(client)) + client
     return hmac.new(tenant_salt, msg, hashlib.sha256).digest()
+
+
+class SealedSalt:
+    """A decrypted tenant salt that can only be used, never read back.
+
+    The bytes stay inside this object: it has no accessor, its ``repr`` is redacted, it refuses
+    to be pickled (copies return the same object), and equality is identity (sealed salts are
+    never compared by value). ``tenants`` constructs it; everything else only calls ``derive``
+    (through ``AuthContext.effective_salt``) or ``occurs_in`` (leak checks).
+
+    Raises:
+        ValueError: (constructor) if ``salt`` is empty or not bytes.
+    """
+
+    __slots__ = ("__salt",)
+
+    def __init__(self, salt: bytes) -> None:
+        if not isinstance(salt, bytes) or not salt:
+            raise ValueError("a tenant salt must be non-empty bytes")
+        self.__salt = salt
+
+    def __repr__(self) -> str:
+        return "SealedSalt(<redacted>)"
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a SealedSalt cannot be pickled")
+
+    def __copy__(self) -> SealedSalt:
+        return self  # immutable: copies share the one sealed value
+
+    def __deepcopy__(self, memo: dict) -> SealedSalt:
+        return self
+
+    def derive(self, version: int, client_cache_salt: str | None = None) -> bytes:
+        """Returns ``effective_salt(<this salt>, version, client_cache_salt)`` (32 bytes).
+
+        Raises:
+            ValueError: if ``version`` is out of range or ``client_cache_salt`` is invalid.
+        """
+        return effective_salt(self.__salt, version, client_cache_salt)
+
+    def occurs_in(self, text: str | bytes) -> bool:
+        """True if ``text`` contains this salt raw (bytes only), as hex, base64, URL-safe base64
+        or its Python ``repr``. For leak checks (tests, audits); reveals nothing else.
+        """
+        salt = self.__salt
+        forms = [salt.hex(), base64.b64encode(salt).decode(),
+                 base64.urlsafe_b64encode(salt).decode(), repr(salt)]
+        if isinstance(text, bytes):
+            return salt in text or any(f.encode() in text for f in forms)
+        return any(f in text for f in forms) or salt.hex().upper() in text

@@ -1,9 +1,10 @@
-"""Persistence of usage records and audit entries, inside a caller's session.
+"""Persistence of usage records and audit entries.
 
-``TenantRepository`` exposes these as ``record_usage`` / ``list_usage`` / ``audit`` /
-``list_audit``; other writers (tenant, key and salt changes) call ``add_audit`` inside their own
-transaction so the audit row commits or rolls back with the change. Audit ``detail`` never holds a
-salt, key secret or key hash: salt changes record the version only.
+``UsageStore`` (``TenantRepository.usage``) writes and reads them in its own short sessions:
+``record_usage`` / ``list_usage`` / ``audit`` / ``list_audit``. The session-level functions
+below are its building blocks; other writers (tenant, key and salt changes) call ``add_audit``
+inside their own transaction so the audit row commits or rolls back with the change. Audit
+``detail`` never holds a salt, key secret or key hash: salt changes record the version only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from contextvars import ContextVar
 from datetime import datetime
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from tenants.models import USAGE_STATUSES, AuditLogRow, UsageRecordRow, require_aware, utcnow
 from tenants.records import AuditEntry, UsageRecord
@@ -157,3 +158,66 @@ def select_audit(
         )
         for r in session.scalars(stmt)
     ]
+
+
+class UsageStore:
+    """Usage records and the audit log, each call in its own short session (thread-safe).
+
+    Args:
+        session_factory: from ``tenants.db.make_session_factory``.
+    """
+
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self._session_factory = session_factory
+
+    def __repr__(self) -> str:
+        return "UsageStore()"
+
+    def record_usage(self, record: UsageRecord) -> None:
+        """Stores one request's usage (see ``add_usage_record``; token counts in tokens, times
+        in seconds).
+
+        Raises:
+            ValueError: if ``status`` is not "ok", "error" or "aborted", a token count is
+                negative, or ``created_at`` is naive.
+            sqlalchemy.exc.IntegrityError: if ``tenant_id`` does not exist.
+        """
+        with self._session_factory.begin() as session:
+            add_usage_record(session, record)
+
+    def list_usage(
+        self,
+        tenant_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int | None = None,
+    ) -> list[UsageRecord]:
+        """Returns usage records, oldest first; ``since`` inclusive, ``until`` exclusive.
+
+        Raises:
+            ValueError: if ``since`` or ``until`` is naive.
+        """
+        with self._session_factory() as session:
+            return select_usage(session, tenant_id, since, until, limit)
+
+    def audit(
+        self,
+        actor: str,
+        action: str,
+        tenant_id: str | None = None,
+        detail: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """Appends an audit record (see ``add_audit``). Never pass a salt, key secret or key
+        hash in ``detail``.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: if the write fails.
+        """
+        with self._session_factory.begin() as session:
+            add_audit(session, actor, action, tenant_id, detail, request_id)
+
+    def list_audit(self, tenant_id: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        """Returns the newest audit records first (at most ``limit``), optionally one tenant's."""
+        with self._session_factory() as session:
+            return select_audit(session, tenant_id, limit)

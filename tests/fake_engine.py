@@ -10,6 +10,7 @@ gives the same completion and different prompts give different ones. Block accou
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ class FakeExecutor:
 
     Attributes:
         fail: when True the next ``execute`` raises (a failed forward kills the engine loop).
+        step_delay_s: seconds each ``execute`` sleeps (to keep requests in flight in a test).
         steps / tokens_computed: batches run and tokens "computed" (prefill + decode), so tests
             can tell a prefix hit (fewer tokens computed) from a miss.
     """
@@ -41,6 +43,7 @@ class FakeExecutor:
     def __init__(self, tokenizer: Any) -> None:
         self.words: list[int] = tokenizer.encode(_WORDS, add_special_tokens=False)
         self.fail = False
+        self.step_delay_s = 0.0
         self.steps = 0
         self.tokens_computed = 0
 
@@ -60,6 +63,8 @@ class FakeExecutor:
     def execute(self, scheduled: SchedulerOutput) -> dict[str, int]:
         if self.fail:
             raise RuntimeError("fake forward failed")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         self.steps += 1
         sampled = {}
         for s in scheduled.scheduled:

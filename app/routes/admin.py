@@ -21,8 +21,11 @@ from starlette.concurrency import run_in_threadpool
 from app.auth import AdminPrincipal
 from app.errors import APIError
 from engine.protocol import EngineClient
+from tenants.api_key_store import ApiKeyStore
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
-from tenants.repository import TenantRepository
+from tenants.salt_versions import SaltVersions
+from tenants.tenant_store import TenantStore
+from tenants.usage import UsageStore
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 schema_router = APIRouter(tags=["admin"])
@@ -53,8 +56,16 @@ class KeyCreate(BaseModel):
     expires_at: datetime | None = Field(None, description="timezone-aware ISO 8601")
 
 
-def _repo(request: Request) -> TenantRepository:
-    return request.app.state.repo
+def _tenants(request: Request) -> TenantStore:
+    return request.app.state.repo.tenants
+
+
+def _keys(request: Request) -> ApiKeyStore:
+    return request.app.state.repo.keys
+
+
+def _usage(request: Request) -> UsageStore:
+    return request.app.state.repo.usage
 
 
 async def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -82,21 +93,21 @@ async def _evict(request: Request, tenant_id: str | None, reason: str) -> int:
 # -- tenants --------------------------------------------------------------------------------------
 @router.get("/tenants")
 async def list_tenants(request: Request, _: AdminPrincipal) -> dict:
-    tenants = await _in_thread(_repo(request).list_tenants)
+    tenants = await _in_thread(_tenants(request).list_all)
     return {"object": "list", "data": [_tenant_out(t) for t in tenants]}
 
 
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrincipal) -> dict:
     """Creates a tenant (salt version 1). 409 when the name is taken."""
-    t = await _in_thread(_repo(request).create_tenant, body.name,
+    t = await _in_thread(_tenants(request).create, body.name,
                          enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject)
     return _tenant_out(t)
 
 
 @router.get("/tenants/{tenant_id}")
 async def get_tenant(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
-    return _tenant_out(await _in_thread(_repo(request).get_tenant, tenant_id))
+    return _tenant_out(await _in_thread(_tenants(request).get, tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}")
@@ -104,15 +115,15 @@ async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
                         admin: AdminPrincipal) -> dict:
     """Changes flags and limits. Turning prefix caching off also drops the tenant's cached
     blocks (reason ``reset``), so nothing of theirs stays cached."""
-    repo = _repo(request)
+    tenants = _tenants(request)
     limits = {k: getattr(body, k) for k in _LIMIT_FIELDS if k in body.model_fields_set}
-    before = await _in_thread(repo.get_tenant, tenant_id)
-    t = await _in_thread(repo.update_tenant, tenant_id, disabled=body.disabled,
+    before = await _in_thread(tenants.get, tenant_id)
+    t = await _in_thread(tenants.update, tenant_id, disabled=body.disabled,
                          enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject,
                          **limits)
     if before.enable_prefix_caching and not t.enable_prefix_caching:
         dropped = await _evict(request, tenant_id, "reset")
-        await _in_thread(repo.audit, admin.subject, "cache.reset", tenant_id,
+        await _in_thread(_usage(request).audit, admin.subject, "cache.reset", tenant_id,
                          f"blocks={dropped} salt_version={t.current_salt_version} "
                          "cause=prefix_caching_off")
     return _tenant_out(t)
@@ -122,9 +133,9 @@ async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
 async def rotate_salt(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
     """New salt version, current at once; the tenant's cached blocks are dropped (reason
     ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
-    version = await _in_thread(_repo(request).rotate_salt, tenant_id, actor=admin.subject)
-    seen: dict[str, int] = request.app.state.salt_versions
-    seen[tenant_id] = max(version, seen.get(tenant_id, 0))  # no second eviction on next auth
+    version = await _in_thread(_tenants(request).rotate_salt, tenant_id, actor=admin.subject)
+    versions: SaltVersions = request.app.state.salt_versions
+    versions.note_rotated(tenant_id, version)  # evicted here: no second eviction on next auth
     dropped = await _evict(request, tenant_id, "salt_rotation")
     return {"tenant_id": tenant_id, "salt_version": version, "blocks_dropped": dropped}
 
@@ -132,9 +143,9 @@ async def rotate_salt(tenant_id: str, request: Request, admin: AdminPrincipal) -
 @router.post("/tenants/{tenant_id}/cache/reset")
 async def reset_tenant_cache(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
     """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
-    t = await _in_thread(_repo(request).get_tenant, tenant_id)
+    t = await _in_thread(_tenants(request).get, tenant_id)
     dropped = await _evict(request, tenant_id, "reset")
-    await _in_thread(_repo(request).audit, admin.subject, "cache.reset", tenant_id,
+    await _in_thread(_usage(request).audit, admin.subject, "cache.reset", tenant_id,
                      f"blocks={dropped} salt_version={t.current_salt_version}")
     return {"tenant_id": tenant_id, "blocks_dropped": dropped}
 
@@ -143,7 +154,7 @@ async def reset_tenant_cache(tenant_id: str, request: Request, admin: AdminPrinc
 async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
     """Drops every cached block of every tenant; running requests unharmed."""
     dropped = await _evict(request, None, "reset")
-    await _in_thread(_repo(request).audit, admin.subject, "cache.reset_all", None,
+    await _in_thread(_usage(request).audit, admin.subject, "cache.reset_all", None,
                      f"blocks={dropped}")
     return {"blocks_dropped": dropped}
 
@@ -151,7 +162,7 @@ async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
 # -- API keys -------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/keys")
 async def list_keys(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
-    keys = await _in_thread(_repo(request).list_api_keys, tenant_id)
+    keys = await _in_thread(_keys(request).list_for_tenant, tenant_id)
     return {"object": "list", "data": [_key_out(k) for k in keys]}
 
 
@@ -159,7 +170,7 @@ async def list_keys(tenant_id: str, request: Request, _: AdminPrincipal) -> dict
 async def create_key(tenant_id: str, body: KeyCreate, request: Request,
                      admin: AdminPrincipal) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
-    token, info = await _in_thread(_repo(request).create_api_key, tenant_id, body.name,
+    token, info = await _in_thread(_keys(request).create, tenant_id, body.name,
                                    body.expires_at, actor=admin.subject)
     return {**_key_out(info), "key": token}
 
@@ -167,7 +178,7 @@ async def create_key(tenant_id: str, body: KeyCreate, request: Request,
 @router.post("/keys/{key_id}/revoke")
 async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> dict:
     """Revokes a key (idempotent); refused from the next request on."""
-    return _key_out(await _in_thread(_repo(request).revoke_api_key, key_id, actor=admin.subject))
+    return _key_out(await _in_thread(_keys(request).revoke, key_id, actor=admin.subject))
 
 
 # -- audit and usage ------------------------------------------------------------------------------
@@ -175,7 +186,7 @@ async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> di
 async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = None,
                     limit: int = Query(100, ge=1, le=1000)) -> dict:
     """Newest first. Rows hold salt versions and key ids, never salts or secrets."""
-    rows = await _in_thread(_repo(request).list_audit, tenant, limit)
+    rows = await _in_thread(_usage(request).list_audit, tenant, limit)
     return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
 
 
@@ -208,7 +219,7 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
                 format: Literal["json", "csv"] = "json") -> dict | Response:
     """Usage records (oldest first) or, with ``bucket_s``, per-tenant per-bucket sums
     (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone."""
-    records = await _in_thread(_repo(request).list_usage, tenant, since, until, limit)
+    records = await _in_thread(_usage(request).list_usage, tenant, since, until, limit)
     if bucket_s:
         rows, columns = _buckets(records, bucket_s), _BUCKET_COLUMNS
     else:

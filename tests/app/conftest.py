@@ -12,9 +12,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
-
 from fake_engine import FakeExecutor, make_fake_llm_engine
+from fastapi.testclient import TestClient
 
 from app.server import create_app
 from engine.async_engine import AsyncLLM
@@ -112,4 +111,11 @@ def app_env_builder(make_llm_engine, model_dir, tokenizer
 def app_env(app_env_builder, tmp_path_factory) -> Iterator[AppEnv]:
     """An app over the fake model."""
     with app_env_builder(tmp_path_factory.mktemp("app")) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def real_app_env(app_env_builder, tmp_path_factory) -> Iterator[AppEnv]:
+    """An app over the real bundled model (end-to-end tests of model output)."""
+    with app_env_builder(tmp_path_factory.mktemp("real-app"), real_model=True) as env:
         yield env

@@ -148,7 +148,9 @@ def env(app_env_builder, tmp_path_factory):
 def clock(env):
     """A fresh fake-clock limiter per test; limits of both tenants reset afterwards."""
     clock = FakeClock()
-    env.client.app.state.limiter = RateLimiter(clock)
+    limiter = RateLimiter(clock)
+    env.client.app.state.limiter = limiter            # what the tests read
+    env.client.app.state.completions.limiter = limiter  # what the service admits with
     yield clock
     for tenant in (env.tenant_a, env.tenant_b):
         env.repo.update_tenant(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
@@ -160,7 +162,7 @@ def _engine_state(env) -> tuple[int, int, bool]:
         pool = core.block_pool
         return pool.get_num_free_blocks(), pool.num_blocks, core.has_unfinished_requests()
 
-    return env.client.portal.call(env.engine.call, probe)
+    return env.client.portal.call(env.engine._call, probe)
 
 
 def _post(env, key, **kw):

@@ -1,4 +1,4 @@
-"""``GET /metrics`` on a real app (bundled model, 20 KV blocks): auth, exposition, exact deltas.
+"""``GET /metrics`` on a real app (fake model, real engine, 20 KV blocks): exact deltas.
 
 Counters are read back from the exposition text with prometheus_client's parser. Scenarios that
 depend on the pool's state start with a global prefix-cache reset, which leaves every block free
@@ -304,9 +304,11 @@ def test_preemption_with_unique_prompts_counts_recompute_not_hits(env):
     # growing to 160 tokens need 3 x 10 = 30 blocks of the pool's 20.
     prompts = [prompt_of(100 + i, 80) for i in range(3)]
     before = scrape(env)
+    env.fake.step_delay_s = 0.005  # the three requests overlap
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda p: complete(env, env.key_a, p, max_tokens=80,
                                                 ignore_eos=True), prompts))
+    env.fake.step_delay_s = 0.0
     after = scrape(env)
 
     def d(name: str, **labels: str) -> float:

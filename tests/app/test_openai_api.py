@@ -1,4 +1,5 @@
-"""OpenAI routes on the real bundled model: hit arithmetic, isolation, streaming, errors."""
+"""OpenAI routes: hit arithmetic, isolation, streaming, errors (fake model: real engine, block pool
+and prefix cache), and model output end to end on the real bundled model (``real_app_env``)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_chat_completion_and_stream_agree(app_env):
                                                                     // 16)
 
 
-def test_stop_string_n_and_seed(app_env):
+def test_stop_string_n_and_seed(real_app_env):
+    app_env = real_app_env
     h = app_env.headers(app_env.key_a)
     body = {"model": app_env.model, "prompt": "Count: 1, 2, 3, 4,", "max_tokens": 20,
             "temperature": 0}

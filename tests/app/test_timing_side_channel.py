@@ -22,7 +22,7 @@ ROUNDS = 5
 
 @pytest.fixture(scope="module")
 def env(app_env_builder, tmp_path_factory):
-    with app_env_builder(tmp_path_factory.mktemp("timing"), max_model_len=512,
+    with app_env_builder(tmp_path_factory.mktemp("timing"), real_model=True, max_model_len=512,
                          num_gpu_blocks_override=256) as env:
         yield env
 

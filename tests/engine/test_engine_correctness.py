@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.llm import run_to_completion
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -45,22 +46,13 @@ def hf_outputs(model_dir, prompt_ids) -> list[list[int]]:
 def run(engine, prompt_ids, tag: str) -> tuple[list[list[int]], list[int]]:
     """Runs all prompts concurrently (continuous batching). Returns (tokens, cached tokens)."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
-    for i, ids in enumerate(prompt_ids):
-        engine.add_request(EngineRequest(f"{tag}-{i}", tuple(ids), params, tenant_id="t"))
-    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompt_ids))}
-    cached: dict[str, int] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            cached[out.request_id] = out.num_cached_tokens
-        engine.kv_cache_manager.check_integrity()
-        steps += 1
-        assert steps < 10_000
+    results = run_to_completion(
+        engine, [EngineRequest(f"{tag}-{i}", tuple(ids), params, tenant_id="t")
+                 for i, ids in enumerate(prompt_ids)],
+        on_step=lambda _: engine.kv_cache_manager.check_integrity(), max_steps=10_000)
     pool = engine.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks, "idle engine must hold no blocks"
-    keys = [f"{tag}-{i}" for i in range(len(prompt_ids))]
-    return [tokens[k] for k in keys], [cached[k] for k in keys]
+    return [r.token_ids for r in results], [r.num_cached_tokens for r in results]
 
 
 def test_cold_and_warm_match_hf(make_llm_engine, prompt_ids, hf_outputs):
@@ -132,11 +124,8 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
             expected.append(o[0, len(ids):].tolist())
     engine = make_llm_engine()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"cascade-{i}", tuple(ids), params, tenant_id="t"))
-    got: dict[str, list[int]] = {f"cascade-{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-    assert [got[f"cascade-{i}"] for i in range(len(prompts))] == expected
+    got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
+                                                   tenant_id="t")
+                                     for i, ids in enumerate(prompts)])
+    assert [r.token_ids for r in got] == expected
     assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step used the cascade

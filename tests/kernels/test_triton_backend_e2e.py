@@ -14,11 +14,12 @@ import pytest
 import torch
 from kernel_utils import DEVICE
 
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import EngineConfig
+from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from engine.attention.triton_backend import TritonAttentionBackend
 
 VOCAB = 1024
 MAX_NEW = 5
@@ -85,16 +86,10 @@ def _run(engine: LLMEngine, waves: list[list[list[int]]]) -> list[tuple[list[int
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     results = []
     for w, prompts in enumerate(waves):
-        ids = [f"w{w}-{i}" for i in range(len(prompts))]
-        for rid, p in zip(ids, prompts):
-            engine.add_request(EngineRequest(rid, tuple(p), params, tenant_id="t"))
-        tokens = {rid: [] for rid in ids}
-        cached = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-                cached[out.request_id] = out.num_cached_tokens
-        results.extend((tokens[rid], cached[rid]) for rid in ids)
+        done = run_to_completion(engine, [EngineRequest(f"w{w}-{i}", tuple(p), params,
+                                                        tenant_id="t")
+                                          for i, p in enumerate(prompts)])
+        results.extend((r.token_ids, r.num_cached_tokens) for r in done)
     return results
 
 

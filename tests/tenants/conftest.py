@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 from tenants.crypto import SaltCipher
 from tenants.db import make_engine, make_session_factory, run_migrations
 from tenants.repository import TenantRepository
+from tenants.salts import new_salt
 
 
 @pytest.fixture
@@ -42,3 +43,20 @@ def cipher(master_key: bytes) -> SaltCipher:
 @pytest.fixture
 def repo(engine: Engine, cipher: SaltCipher) -> TenantRepository:
     return TenantRepository(make_session_factory(engine), cipher)
+
+
+@pytest.fixture
+def known_salts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every tenant salt generated during the test, in order (creation, then rotations).
+
+    Salts never leave ``tenants`` (``AuthContext`` holds them sealed), so tests that must know
+    one (leak checks, ciphertext checks) record them as ``TenantStore`` generates them.
+    """
+    made: list[bytes] = []
+
+    def recording_new_salt() -> bytes:
+        made.append(new_salt())
+        return made[-1]
+
+    monkeypatch.setattr("tenants.tenant_store.new_salt", recording_new_salt)
+    return made

@@ -78,7 +78,8 @@ def test_create_key_and_authenticate(repo: TenantRepository) -> None:
     assert isinstance(ctx, AuthContext)
     assert ctx.tenant_id == acme.id and ctx.tenant_name == "acme"
     assert ctx.key_id == info.id and ctx.salt_version == 1
-    assert len(ctx.tenant_salt) == 32 and ctx.enable_prefix_caching
+    assert len(ctx.effective_salt()) == 32 and ctx.enable_prefix_caching
+    assert not hasattr(ctx, "tenant_salt")  # the salt is sealed, never an attribute
     assert repo.list_api_keys(acme.id) == [info]
     with pytest.raises(TenantNotFound):
         repo.create_api_key("0" * 32)
@@ -86,13 +87,16 @@ def test_create_key_and_authenticate(repo: TenantRepository) -> None:
         repo.list_api_keys("0" * 32)
 
 
-def test_auth_context_repr_hides_salt(repo: TenantRepository) -> None:
+def test_auth_context_repr_hides_salt(repo: TenantRepository, known_salts: list[bytes]) -> None:
     t = repo.create_tenant("acme")
     token, _ = repo.create_api_key(t.id)
     ctx = repo.authenticate_api_key(token)
-    text_repr = repr(ctx) + str(ctx)
+    (salt,) = known_salts
+    text_repr = repr(ctx) + str(ctx) + repr(vars(ctx))
     assert "<redacted>" in text_repr
-    assert ctx.tenant_salt.hex() not in text_repr and repr(ctx.tenant_salt) not in text_repr
+    assert salt.hex() not in text_repr and repr(salt) not in text_repr
+    assert not ctx.salt_occurs_in(text_repr)
+    assert ctx.salt_occurs_in(f"oops {salt.hex()} leaked")  # the leak check does detect it
 
 
 def test_bad_tokens_raise_invalid_token(repo: TenantRepository) -> None:
@@ -182,12 +186,13 @@ def test_db_holds_only_the_hash(repo: TenantRepository, engine: Engine) -> None:
 
 
 def test_stored_salt_is_encrypted_and_bound(
-    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher, known_salts: list[bytes]
 ) -> None:
     a = repo.create_tenant("a")
     b = repo.create_tenant("b")
     token, _ = repo.create_api_key(a.id)
-    salt = repo.authenticate_api_key(token).tenant_salt
+    salt = known_salts[0]  # tenant a's version 1
+    assert repo.authenticate_api_key(token).effective_salt() == effective_salt(salt, 1, None)
     with make_session_factory(engine)() as session:
         blob_a = session.scalars(
             select(TenantSalt.encrypted_salt).where(TenantSalt.tenant_id == a.id)
@@ -224,9 +229,9 @@ def test_salt_is_stable_across_repository_instances(
     ctx1 = repo.authenticate_api_key(token)
     fresh = TenantRepository(make_session_factory(engine), cipher)
     ctx2 = fresh.authenticate_api_key(token)
-    assert ctx2.tenant_salt == ctx1.tenant_salt
+    assert ctx2.effective_salt(None) == ctx1.effective_salt(None)  # same salt, same version
     assert ctx2.effective_salt("u") == ctx1.effective_salt("u")
-    assert fresh.get_auth_context(t.id).tenant_salt == ctx1.tenant_salt
+    assert fresh.get_auth_context(t.id).effective_salt("u") == ctx1.effective_salt("u")
     wrong_key = TenantRepository(make_session_factory(engine), SaltCipher(b"\x00" * 32))
     with pytest.raises(SaltDecryptionError):
         wrong_key.authenticate_api_key(token)
@@ -239,18 +244,19 @@ def test_rotate_salt(repo: TenantRepository, engine: Engine, cipher: SaltCipher)
     assert repo.rotate_salt(t.id) == 2
     after = repo.authenticate_api_key(token)  # the same key keeps working
     assert after.salt_version == 2 and repo.get_tenant(t.id).current_salt_version == 2
-    assert after.tenant_salt != before.tenant_salt
     assert after.effective_salt(None) != before.effective_salt(None)
     assert after.effective_salt("u") != before.effective_salt("u")
     # other processes (fresh cache) see the new version too
     fresh = TenantRepository(make_session_factory(engine), cipher)
-    assert fresh.authenticate_api_key(token).tenant_salt == after.tenant_salt
+    assert fresh.authenticate_api_key(token).effective_salt("u") == after.effective_salt("u")
     assert repo.rotate_salt(t.id) == 3
     with pytest.raises(TenantNotFound):
         repo.rotate_salt("0" * 32)
 
 
-def test_effective_salt_differs_between_tenants(repo: TenantRepository) -> None:
+def test_effective_salt_differs_between_tenants(
+    repo: TenantRepository, known_salts: list[bytes]
+) -> None:
     a = repo.create_tenant("a")
     b = repo.create_tenant("b")
     ctx_a = repo.authenticate_api_key(repo.create_api_key(a.id)[0])
@@ -258,7 +264,8 @@ def test_effective_salt_differs_between_tenants(repo: TenantRepository) -> None:
     assert ctx_a.salt_version == ctx_b.salt_version == 1
     assert ctx_a.effective_salt("same") != ctx_b.effective_salt("same")
     assert ctx_a.effective_salt(None) != ctx_b.effective_salt(None)
-    assert ctx_a.effective_salt("same") == effective_salt(ctx_a.tenant_salt, 1, "same")
+    assert ctx_a.effective_salt("same") == effective_salt(known_salts[0], 1, "same")
+    assert ctx_b.effective_salt(None) == effective_salt(known_salts[1], 1, None)
     with pytest.raises(ValueError):
         ctx_a.effective_salt("")
 
@@ -330,13 +337,15 @@ def test_usage_record_round_trip(repo: TenantRepository) -> None:
 
 
 def test_audit_rows_contain_no_salt(
-    repo: TenantRepository, engine: Engine, cipher: SaltCipher
+    repo: TenantRepository, engine: Engine, cipher: SaltCipher, known_salts: list[bytes]
 ) -> None:
     t = repo.create_tenant("acme")
     token, info = repo.create_api_key(t.id, actor="admin:alice")
-    salts = [repo.authenticate_api_key(token).tenant_salt]
+    repo.authenticate_api_key(token)
     repo.rotate_salt(t.id, actor="admin:alice")
-    salts.append(repo.authenticate_api_key(token).tenant_salt)
+    repo.authenticate_api_key(token)
+    salts = list(known_salts)
+    assert len(salts) == 2
     repo.revoke_api_key(info.id)
     repo.audit("admin:bob", "cache.reset", tenant_id=t.id, detail="blocks=3", request_id="r-1")
 
@@ -369,11 +378,13 @@ def test_reencrypt_salts_under_new_master_key(repo: TenantRepository, engine: En
     t = repo.create_tenant("acme")
     repo.rotate_salt(t.id)
     token, _ = repo.create_api_key(t.id)
-    salt = repo.authenticate_api_key(token).tenant_salt
+    before = repo.authenticate_api_key(token)
     new_cipher = SaltCipher(b"\x07" * 32)
     assert repo.reencrypt_salts(new_cipher) == 2
     fresh = TenantRepository(make_session_factory(engine), new_cipher)
-    assert fresh.authenticate_api_key(token).tenant_salt == salt
+    after = fresh.authenticate_api_key(token)
+    assert after.salt_version == before.salt_version == 2
+    assert after.effective_salt("u") == before.effective_salt("u")  # the salt is unchanged
 
 
 def test_concurrent_authentication(repo: TenantRepository) -> None:
@@ -385,7 +396,7 @@ def test_concurrent_authentication(repo: TenantRepository) -> None:
 
     def auth(i: int) -> tuple[str, bytes]:
         ctx = repo.authenticate_api_key(tokens[i % 3])
-        return ctx.tenant_id, ctx.tenant_salt
+        return ctx.tenant_id, ctx.effective_salt()
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(auth, range(60)))

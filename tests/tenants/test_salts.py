@@ -1,13 +1,16 @@
-"""tenants/salts.py: effective salt derivation and client cache_salt validation."""
+"""tenants/salts.py: effective salt derivation, client cache_salt validation, ``SealedSalt``."""
 
 from __future__ import annotations
 
+import base64
+import copy
 import hashlib
 import hmac
+import pickle
 
 import pytest
 
-from tenants.salts import effective_salt, new_salt, validate_client_cache_salt
+from tenants.salts import SealedSalt, effective_salt, new_salt, validate_client_cache_salt
 
 
 def test_new_salt_is_32_random_bytes() -> None:
@@ -85,3 +88,36 @@ def test_effective_salt_rejects_bad_inputs() -> None:
         effective_salt(salt, -1, None)
     with pytest.raises(ValueError):
         effective_salt(salt, 2**32, None)
+
+
+def test_sealed_salt_derives_but_never_reveals() -> None:
+    raw = bytes(range(32))
+    sealed = SealedSalt(raw)
+    assert sealed.derive(7) == effective_salt(raw, 7, None)
+    assert sealed.derive(7, "ü-1") == effective_salt(raw, 7, "ü-1")
+    assert sealed.derive(7).hex() == (
+        "37414221e5a067415eadc7eeb90e5967a3b59f13b1124841f627e2c989079ca4"
+    )
+    text = repr(sealed) + str(sealed) + repr([sealed]) + f"{sealed!r}"
+    assert "<redacted>" in text and raw.hex() not in text and repr(raw) not in text
+    assert not any(isinstance(getattr(sealed, n, None), bytes) for n in dir(sealed)
+                   if not n.startswith("_SealedSalt__"))  # no public or plain-private bytes
+    with pytest.raises(TypeError):
+        pickle.dumps(sealed)
+    assert copy.copy(sealed) is sealed and copy.deepcopy(sealed) is sealed
+    assert sealed != SealedSalt(raw)  # no comparison by value
+    with pytest.raises(ValueError):
+        sealed.derive(7, "")
+    for bad in (b"", "not bytes"):
+        with pytest.raises(ValueError):
+            SealedSalt(bad)  # type: ignore[arg-type]
+
+
+def test_sealed_salt_leak_check() -> None:
+    raw = new_salt()
+    sealed = SealedSalt(raw)
+    for form in (raw.hex(), raw.hex().upper(), base64.b64encode(raw).decode(),
+                 base64.urlsafe_b64encode(raw).decode(), repr(raw)):
+        assert sealed.occurs_in(f"x{form}y")
+    assert sealed.occurs_in(b"x" + raw + b"y") and sealed.occurs_in(raw.hex().encode())
+    assert not sealed.occurs_in("nothing here") and not sealed.occurs_in(new_salt().hex())

@@ -1,0 +1,288 @@
+"""``TenantStore``: tenant rows and their salt rows (create, read, update, rotate, re-encrypt).
+
+Salts are generated and encrypted here and never returned: a new or rotated salt is handed,
+sealed (``tenants.salts.SealedSalt``), to the optional ``SaltObserver`` (the ``Authenticator``,
+which caches it), and a master-key rotation hands it the new cipher. Audit rows record salt
+versions only.
+
+Thread-safe: every method opens its own short session; the cipher swap is a single assignment.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from tenants.crypto import SaltCipher
+from tenants.errors import DuplicateTenant, TenantNotFound
+from tenants.models import Tenant, TenantSalt, new_tenant_id, utcnow
+from tenants.records import TenantInfo
+from tenants.salts import SealedSalt, new_salt
+from tenants.usage import add_audit
+
+__all__ = ["MAX_TENANT_NAME_CHARS", "UNCHANGED", "SaltObserver", "TenantStore", "tenant_info"]
+
+MAX_TENANT_NAME_CHARS = 255
+
+
+class _Unchanged:
+    """Type of ``UNCHANGED``: "keep the current value" where None means "unlimited"."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED = _Unchanged()
+_LIMIT_NAMES = ("rpm_limit", "tpm_limit", "max_concurrent")
+
+
+def tenant_info(row: Tenant) -> TenantInfo:
+    """The ``TenantInfo`` of a tenant row (the one row-to-record copy for tenants)."""
+    return TenantInfo(
+        id=row.id,
+        name=row.name,
+        disabled=row.disabled,
+        current_salt_version=row.current_salt_version,
+        enable_prefix_caching=row.enable_prefix_caching,
+        created_at=row.created_at,
+        rpm_limit=row.rpm_limit,
+        tpm_limit=row.tpm_limit,
+        max_concurrent=row.max_concurrent,
+    )
+
+
+class SaltObserver(Protocol):
+    """Told about salt changes once they are committed (implemented by ``Authenticator``)."""
+
+    def salt_created(self, tenant_id: str, version: int, salt: SealedSalt) -> None:
+        """A tenant got salt ``version`` (creation or rotation); it is current from now on."""
+
+    def cipher_replaced(self, cipher: SaltCipher) -> None:
+        """Every stored salt is now encrypted under ``cipher`` (master-key rotation)."""
+
+
+class TenantStore:
+    """Tenant CRUD and salt rows.
+
+    Args:
+        session_factory: from ``tenants.db.make_session_factory``.
+        cipher: encrypts (and, for re-encryption, decrypts) salts at rest.
+        observer: told about new salts and cipher changes (usually the ``Authenticator``).
+    """
+
+    def __init__(self, session_factory: sessionmaker[Session], cipher: SaltCipher,
+                 observer: SaltObserver | None = None) -> None:
+        self._session_factory = session_factory
+        self._cipher = cipher
+        self._observer = observer
+
+    def __repr__(self) -> str:
+        return "TenantStore(<redacted>)"
+
+    def _salt_row(self, tenant_id: str, version: int, salt: bytes) -> TenantSalt:
+        return TenantSalt(
+            tenant_id=tenant_id,
+            version=version,
+            encrypted_salt=self._cipher.encrypt(tenant_id, version, salt),
+            created_at=utcnow(),
+        )
+
+    def _notify(self, tenant_id: str, version: int, salt: bytes) -> None:
+        if self._observer is not None:
+            self._observer.salt_created(tenant_id, version, SealedSalt(salt))
+
+    def create(
+        self, name: str, *, enable_prefix_caching: bool = True, actor: str = "system"
+    ) -> TenantInfo:
+        """Creates a tenant with salt version 1.
+
+        Args:
+            name: unique display name, 1..255 chars after stripping whitespace.
+            enable_prefix_caching: whether the tenant's requests use the prefix cache.
+            actor: who did it, for the audit log.
+
+        Returns:
+            The new tenant.
+
+        Raises:
+            ValueError: if ``name`` is empty or too long.
+            DuplicateTenant: if a tenant with this name exists.
+        """
+        name = name.strip() if isinstance(name, str) else ""
+        if not 1 <= len(name) <= MAX_TENANT_NAME_CHARS:
+            raise ValueError(f"tenant name must be 1 to {MAX_TENANT_NAME_CHARS} characters")
+        tenant_id = new_tenant_id()
+        salt = new_salt()
+        try:
+            with self._session_factory.begin() as session:
+                if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+                    raise DuplicateTenant(f"tenant {name!r} already exists")
+                tenant = Tenant(
+                    id=tenant_id,
+                    name=name,
+                    created_at=utcnow(),
+                    disabled=False,
+                    current_salt_version=1,
+                    enable_prefix_caching=enable_prefix_caching,
+                )
+                session.add(tenant)
+                session.flush()  # tenant row before its FK children
+                session.add(self._salt_row(tenant_id, 1, salt))
+                add_audit(session, actor, "tenant.create", tenant_id, "salt_version=1")
+                info = tenant_info(tenant)
+        except IntegrityError:  # lost a race with a concurrent create of the same name
+            raise DuplicateTenant(f"tenant {name!r} already exists") from None
+        self._notify(tenant_id, 1, salt)
+        return info
+
+    def get(self, tenant_id: str) -> TenantInfo:
+        """Returns a tenant by id.
+
+        Raises:
+            TenantNotFound: if there is no such tenant.
+        """
+        with self._session_factory() as session:
+            row = session.get(Tenant, tenant_id)
+            if row is None:
+                raise TenantNotFound(f"tenant {tenant_id!r} not found")
+            return tenant_info(row)
+
+    def get_by_name(self, name: str) -> TenantInfo:
+        """Returns a tenant by its unique name.
+
+        Raises:
+            TenantNotFound: if there is no such tenant.
+        """
+        with self._session_factory() as session:
+            row = session.scalar(select(Tenant).where(Tenant.name == name))
+            if row is None:
+                raise TenantNotFound(f"tenant {name!r} not found")
+            return tenant_info(row)
+
+    def resolve(self, name_or_id: str) -> TenantInfo:
+        """Returns the tenant with this name, else the one with this id.
+
+        Raises:
+            TenantNotFound: if neither exists.
+        """
+        try:
+            return self.get_by_name(name_or_id)
+        except TenantNotFound:
+            try:
+                return self.get(name_or_id)
+            except TenantNotFound:
+                raise TenantNotFound(f"no tenant named or with id {name_or_id!r}") from None
+
+    def list_all(self) -> list[TenantInfo]:
+        """Returns all tenants, oldest first."""
+        with self._session_factory() as session:
+            rows = session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
+            return [tenant_info(r) for r in rows]
+
+    def update(
+        self,
+        tenant_id: str,
+        *,
+        disabled: bool | None = None,
+        enable_prefix_caching: bool | None = None,
+        rpm_limit: int | None | _Unchanged = UNCHANGED,
+        tpm_limit: int | None | _Unchanged = UNCHANGED,
+        max_concurrent: int | None | _Unchanged = UNCHANGED,
+        actor: str = "system",
+    ) -> TenantInfo:
+        """Changes a tenant's flags; None leaves a flag as it is.
+
+        A disabled tenant's keys are refused (``TenantDisabled``) until it is enabled again.
+        Limits (requests / tokens per minute, concurrent requests; enforced by ``app.limits``)
+        take ``UNCHANGED`` (the default) to keep, None for unlimited, or an int >= 1; they apply
+        from the tenant's next authenticated request. Changes are audited (only real changes).
+
+        Returns:
+            The tenant after the change.
+
+        Raises:
+            TenantNotFound: if there is no such tenant.
+            ValueError: if a limit is not None, UNCHANGED or an int >= 1.
+        """
+        limits = dict(zip(_LIMIT_NAMES, (rpm_limit, tpm_limit, max_concurrent), strict=True))
+        for name, value in limits.items():
+            if value is not UNCHANGED and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None (unlimited) or an integer >= 1")
+        with self._session_factory.begin() as session:
+            row = session.get(Tenant, tenant_id, with_for_update=True)
+            if row is None:
+                raise TenantNotFound(f"tenant {tenant_id!r} not found")
+            changes = []
+            if disabled is not None and disabled != row.disabled:
+                row.disabled = disabled
+                changes.append(f"disabled={disabled}")
+            if (
+                enable_prefix_caching is not None
+                and enable_prefix_caching != row.enable_prefix_caching
+            ):
+                row.enable_prefix_caching = enable_prefix_caching
+                changes.append(f"enable_prefix_caching={enable_prefix_caching}")
+            for name, value in limits.items():
+                if value is not UNCHANGED and value != getattr(row, name):
+                    setattr(row, name, value)
+                    changes.append(f"{name}={value}")
+            if changes:
+                add_audit(session, actor, "tenant.update", tenant_id, " ".join(changes))
+            return tenant_info(row)
+
+    def rotate_salt(self, tenant_id: str, *, actor: str = "system") -> int:
+        """Creates a new salt version and makes it current at once.
+
+        Blocks cached under older versions become unreachable: new requests derive a different
+        effective salt. Older salt rows are kept (encrypted) for the audit trail. The observer
+        (the ``Authenticator``) drops the older decrypted salt from its cache.
+
+        Args:
+            tenant_id: the tenant.
+            actor: who did it, for the audit log (which records the version, never the salt).
+
+        Returns:
+            The new current salt version.
+
+        Raises:
+            TenantNotFound: if there is no such tenant.
+        """
+        salt = new_salt()
+        with self._session_factory.begin() as session:
+            row = session.get(Tenant, tenant_id, with_for_update=True)
+            if row is None:
+                raise TenantNotFound(f"tenant {tenant_id!r} not found")
+            version = row.current_salt_version + 1
+            session.add(self._salt_row(tenant_id, version, salt))
+            row.current_salt_version = version
+            add_audit(session, actor, "tenant.rotate_salt", tenant_id, f"salt_version={version}")
+        self._notify(tenant_id, version, salt)
+        return version
+
+    def reencrypt_salts(self, new_cipher: SaltCipher, *, actor: str = "system") -> int:
+        """Re-encrypts every stored salt under a new master key (master-key rotation).
+
+        Runs in one transaction; afterwards this store and its observer use ``new_cipher``.
+        Restart other processes with the new master key once this returns.
+
+        Returns:
+            The number of salt rows re-encrypted.
+
+        Raises:
+            SaltDecryptionError: if a stored salt does not decrypt with the current key
+                (nothing is changed).
+        """
+        with self._session_factory.begin() as session:
+            rows = session.scalars(select(TenantSalt).with_for_update()).all()
+            for row in rows:
+                plain = self._cipher.decrypt(row.tenant_id, row.version, row.encrypted_salt)
+                row.encrypted_salt = new_cipher.encrypt(row.tenant_id, row.version, plain)
+            add_audit(session, actor, "master_key.rotate", None, f"salts={len(rows)}")
+        self._cipher = new_cipher
+        if self._observer is not None:
+            self._observer.cipher_replaced(new_cipher)
+        return len(rows)

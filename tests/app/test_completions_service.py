@@ -1,0 +1,228 @@
+"""``app.services.completions``: every call is finalised exactly once (one usage record, lease
+released, metrics counted once) on every path: success, bad request, client disconnect,
+cancellation, engine failure; streaming and not. Runs on the fake model."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import time
+
+import pytest
+
+from app.limits import RateLimiter
+from app.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class Recorder:
+    """Stands in for the usage store: records every call (from worker threads)."""
+
+    def __init__(self) -> None:
+        self.records = []
+        self.lock = threading.Lock()
+
+    def __call__(self, record) -> None:
+        with self.lock:
+            self.records.append(record)
+
+    def settled(self, n: int, timeout: float = 5.0) -> list:
+        """The records once there are ``n`` of them (and no more arrive for 0.2 s)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline and len(self.records) < n:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        return list(self.records)
+
+
+@pytest.fixture(scope="module")
+def env(app_env_builder, tmp_path_factory):
+    with app_env_builder(tmp_path_factory.mktemp("service")) as env:
+        yield env
+
+
+@pytest.fixture
+def service(env):
+    svc = env.client.app.state.completions
+    svc.record_usage = Recorder()
+    svc.limiter = RateLimiter()
+    env.repo.update_tenant(env.tenant_a, rpm_limit=100, tpm_limit=100_000, max_concurrent=4)
+    yield svc
+    env.fake.step_delay_s = 0.0
+    env.repo.update_tenant(env.tenant_a, rpm_limit=None, tpm_limit=None, max_concurrent=None)
+
+
+def _auth(env):
+    return env.repo.authenticate_api_key(env.key_a)
+
+
+def _engine_idle(env) -> tuple[int, int, bool]:
+    def probe(core):
+        core.kv_cache_manager.check_integrity()
+        return (core.block_pool.get_num_free_blocks(), core.block_pool.num_blocks,
+                core.has_unfinished_requests())
+
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        state = env.on_engine_thread(probe)
+        if not state[2]:
+            return state
+        time.sleep(0.02)
+    return state
+
+
+def _requests_total(env, status: str) -> float:
+    metric = env.client.app.state.metrics.requests
+    return metric.labels(env.model, env.tenant_a, status)._value.get()
+
+
+def _in_flight(service, env) -> int:
+    return service.limiter.in_flight(env.tenant_a)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_success_is_recorded_once(env, service, stream):
+    ok_before = _requests_total(env, "ok")
+    r = env.client.post("/v1/chat/completions", headers=env.headers(env.key_a), json={
+        "model": env.model, "max_tokens": 5, "stream": stream, "n": 2,
+        "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    records = service.record_usage.settled(1)
+    assert [(x.status, x.completion_tokens, x.endpoint) for x in records] == [
+        ("ok", 10, "chat.completions")]
+    assert records[0].prompt_tokens > 0 and records[0].ttft_s is not None
+    assert _requests_total(env, "ok") == ok_before + 1
+    assert _in_flight(service, env) == 0
+    assert _engine_idle(env)[2] is False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, service, stream):
+    """A token id outside the vocabulary passes the API checks and the lease, then the engine's
+    single validation refuses it: 400 with param, one error record, the admission undone."""
+    r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
+        "model": env.model, "prompt": [1, 2, 10**9], "max_tokens": 3, "stream": stream})
+    assert r.status_code == 400
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt", "invalid_value")
+    records = service.record_usage.settled(1)
+    assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [
+        ("error", 3, 0)]
+    assert _in_flight(service, env) == 0
+    window = service.limiter._tenants[env.tenant_a]
+    assert (len(window.requests), window.tokens_used) == (0, 0)  # cancelled, not counted
+    assert _engine_idle(env) == (128, 128, False)
+
+
+def test_bad_request_before_admission_is_recorded_once(env, service):
+    r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
+        "model": "nope", "prompt": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert [x.status for x in service.record_usage.settled(1)] == ["error"]
+    assert _in_flight(service, env) == 0
+
+
+def test_disconnect_during_a_non_streaming_call_aborts_and_records_once(env, service):
+    body = CompletionRequest(model=env.model, prompt=list(range(300, 340)), max_tokens=400,
+                             ignore_eos=True)
+    polls = []
+    env.fake.step_delay_s = 0.01  # 400 tokens take 4 s; the service polls every second
+
+    async def gone() -> bool:
+        polls.append(1)
+        return True
+
+    async def run():
+        return await service.create_completion(body, _auth(env), gone)
+
+    with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+        env.client.portal.call(run)
+    assert polls  # the service noticed through is_disconnected
+    records = service.record_usage.settled(1)
+    assert [x.status for x in records] == ["aborted"]
+    assert records[0].completion_tokens < 400
+    assert _in_flight(service, env) == 0
+    assert _engine_idle(env) == (128, 128, False)
+
+
+def test_cancellation_of_the_handler_records_once(env, service):
+    body = ChatCompletionRequest(model=env.model, max_tokens=400, ignore_eos=True,
+                                 messages=[{"role": "user", "content": "a long answer please"}])
+    env.fake.step_delay_s = 0.01
+
+    async def never() -> bool:
+        return False
+
+    async def run() -> None:
+        task = asyncio.create_task(service.create_chat_completion(body, _auth(env), never))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    env.client.portal.call(run)
+    assert [x.status for x in service.record_usage.settled(1)] == ["aborted"]
+    assert _in_flight(service, env) == 0
+    assert _engine_idle(env) == (128, 128, False)
+
+
+def test_stream_client_gone_before_the_first_byte_records_once(env, service):
+    """Drives the ASGI app directly: the client disconnects before the body is read."""
+    body = json.dumps({"model": env.model, "prompt": "hello there", "max_tokens": 400,
+                       "ignore_eos": True, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"authorization", f"Bearer {env.key_a}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+    env.fake.step_delay_s = 0.01
+
+    async def receive() -> dict:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: dict) -> None:
+        pass
+
+    env.client.portal.call(lambda: asyncio.wait_for(env.client.app(scope, receive, send), 10))
+    records = service.record_usage.settled(1)
+    assert [x.status for x in records] == ["aborted"]
+    assert _in_flight(service, env) == 0
+    assert _engine_idle(env) == (128, 128, False)
+
+
+def test_finalize_refuses_a_second_run(env, service, caplog):
+    from app.services.completions import CompletionCall
+
+    call = CompletionCall("cmpl-x", "completions", env.model, _auth(env))
+
+    async def twice() -> None:
+        service._finalize(call)
+        service._finalize(call)
+
+    env.client.portal.call(twice)
+    assert len(service.record_usage.settled(1)) == 1
+    assert "finalised twice" in caplog.text
+
+
+def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder, tmp_path):
+    with app_env_builder(tmp_path) as env:
+        svc = env.client.app.state.completions
+        svc.record_usage = recorder = Recorder()
+        env.fake.fail = True
+        r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
+            "model": env.model, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert [x.status for x in recorder.settled(1)] == ["error"]
+        assert env.client.get("/health").status_code == 503
+        r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
+            "model": env.model, "prompt": "hi", "max_tokens": 3, "stream": True})
+        assert r.status_code == 503
+        assert [x.status for x in recorder.settled(2)] == ["error", "error"]
