@@ -52,9 +52,9 @@ class _Choice(Protocol):
 
 
 class RecordedCall(Protocol):
-    """What ``observe_request`` reads from an API call (``app.routes.openai._Job``)."""
+    """What ``observe_request`` reads from an API call (``app.services.completions.CompletionCall``)."""
 
-    status: str
+    status: str | None
     choices: Sequence[_Choice]
 
     def usage_record(self) -> UsageRecord: ...

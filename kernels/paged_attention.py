@@ -1,7 +1,7 @@
 """Triton unified paged attention: prefill, cached-prefix prefill, chunked prefill and decode in one
 kernel over a variable-length batch (after vLLM's Triton "unified attention").
 
-Layouts (see ``engine/attention.py``)::
+Layouts (see ``engine/attention/metadata.py``)::
 
     query:              [num_tokens, num_heads, head_dim]
     key/value_cache:    [num_blocks, block_size, num_kv_heads, head_dim]

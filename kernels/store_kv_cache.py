@@ -1,6 +1,6 @@
 """Triton KV cache write ("reshape and cache"): new K/V rows into the paged cache.
 
-Layouts (see ``engine/attention.py``)::
+Layouts (see ``engine/attention/metadata.py``)::
 
     key, value:              [num_tokens, num_kv_heads, head_dim]
     key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]

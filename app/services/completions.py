@@ -73,8 +73,9 @@ class ChoiceState:
 class CompletionCall:
     """One API call: n engine requests over the same prompt, and what it used.
 
-    ``status`` is ``"error"`` until the call completes (``"ok"``) or is abandoned
-    (``"aborted"``: client disconnect or cancellation).
+    ``status`` is None while the outcome is open; then ``"ok"`` (completed), ``"error"`` (refused
+    or failed) or ``"aborted"`` (client disconnect or cancellation). A call finalised while
+    still open is recorded as ``"error"``.
     """
 
     request_id: str
@@ -88,7 +89,7 @@ class CompletionCall:
     cache_salt: bytes | None = field(default=None, repr=False)
     first_token_time: float | None = None
     choices: list[ChoiceState] = field(default_factory=list)
-    status: str = "error"
+    status: str | None = None
     lease: Lease | None = None
     finalized: bool = False
 
@@ -139,7 +140,7 @@ class CompletionCall:
         u = self.usage()
         return UsageRecord(
             request_id=self.request_id, tenant_id=self.auth.tenant_id, key_id=self.auth.key_id,
-            model=self.model, endpoint=self.endpoint, status=self.status,
+            model=self.model, endpoint=self.endpoint, status=self.status or "error",
             prompt_tokens=u.prompt_tokens,
             cached_tokens=u.prompt_tokens_details.cached_tokens,
             completion_tokens=u.completion_tokens,
@@ -210,7 +211,7 @@ class _FinalizingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self._call.status != "ok":
+            if self._call.status is None:  # the body never got to its end: the client left
                 self._call.status = "aborted"
             await self._body.aclose()  # closes the engine streams if the body started
             self._finalize(self._call)
@@ -468,9 +469,11 @@ class CompletionsService:
             call.status = "aborted"
             raise
         except EngineDeadError:
+            call.status = "error"
             yield _sse(error_body(503, "the inference engine is not available", None,
                                   "engine_unavailable"))
         except Exception as e:  # noqa: BLE001 - never a stack trace to the client
+            call.status = "error"
             logger.error("stream failed: %s", type(e).__name__)
             yield _sse(error_body(500, "internal server error", None, "internal_error"))
         finally:

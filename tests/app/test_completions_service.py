@@ -226,3 +226,26 @@ def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder,
             "model": env.model, "prompt": "hi", "max_tokens": 3, "stream": True})
         assert r.status_code == 503
         assert [x.status for x in recorder.settled(2)] == ["error", "error"]
+
+
+def test_engine_death_mid_stream_is_an_in_band_error_recorded_once(app_env_builder, tmp_path):
+    with app_env_builder(tmp_path) as env:
+        svc = env.client.app.state.completions
+        svc.record_usage = recorder = Recorder()
+        env.fake.step_delay_s = 0.01
+        lines = []
+        with env.client.stream("POST", "/v1/completions", headers=env.headers(env.key_b), json={
+                "model": env.model, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 3:
+                        env.fake.fail = True  # the next forward raises: the engine loop dies
+        last = json.loads(lines[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "engine_unavailable"
+        assert 3 <= len(lines) < 200
+        records = recorder.settled(1)
+        assert [x.status for x in records] == ["error"]
+        assert 2 <= records[0].completion_tokens < 200

@@ -32,7 +32,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @dataclass
 class PagedBatch:
-    """One variable-length batch over a paged cache, in the layouts of ``engine/attention.py``."""
+    """One variable-length batch over a paged cache, in the layouts of ``engine/attention/metadata.py``."""
 
     query: torch.Tensor            # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
