@@ -199,9 +199,11 @@ class _StreamChunk(BaseModel):
     @model_serializer(mode="wrap")
     def _usage_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict:
         body = handler(self)
-        if not self.include_usage:
-            body.pop("usage", None)
-        return body
+        usage = body.pop("usage", None)
+        ordered = {k: body[k] for k in ("id", "object", "created", "model", "choices")}
+        if self.include_usage:
+            ordered["usage"] = usage
+        return ordered
 
 
 class ChatCompletionStreamResponse(_StreamChunk):

@@ -249,3 +249,45 @@ def test_engine_death_mid_stream_is_an_in_band_error_recorded_once(app_env_build
         records = recorder.settled(1)
         assert [x.status for x in records] == ["error"]
         assert 2 <= records[0].completion_tokens < 200
+
+
+def test_a_tenant_flooding_bad_requests_does_not_harm_another(env, service):
+    """Tenant A floods requests the engine refuses (bad token ids, over-long prompts, bad
+    templates) while B works: B is served and keeps its cache hits, nothing of A's is queued,
+    leased or leaked, and every refused call of A is recorded once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad_bodies = [
+        ("/v1/completions", {"prompt": [5, 6, 10**9], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": list(range(1, 600)), "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}),
+    ] * 10
+    b_prompt = list(range(1000, 1040))
+
+    def bad(i: int) -> int:
+        path, body = bad_bodies[i]
+        return env.client.post(path, content=json.dumps({"model": env.model, **body}),
+                               headers={**env.headers(env.key_a),
+                                        "Content-Type": "application/json"}).status_code
+
+    def good(_: int) -> dict:
+        r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
+            "model": env.model, "prompt": b_prompt, "max_tokens": 4})
+        assert r.status_code == 200
+        return r.json()
+
+    first = good(0)
+    with ThreadPoolExecutor(4) as pool:
+        bad_codes = pool.map(bad, range(len(bad_bodies)))
+        b_results = list(pool.map(good, range(6)))
+    assert set(bad_codes) == {400}
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert {r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in b_results} == {32}
+    assert {r["choices"][0]["text"] for r in b_results} == {first["choices"][0]["text"]}
+    records = service.record_usage.settled(len(bad_bodies) + 7)
+    a = [x for x in records if x.tenant_id == env.tenant_a]
+    assert len(a) == len(bad_bodies) and {x.status for x in a} == {"error"}
+    assert {x.status for x in records if x.tenant_id == env.tenant_b} == {"ok"}
+    assert _in_flight(service, env) == 0
+    assert len(service.limiter._tenants[env.tenant_a].requests) == 0
+    assert _engine_idle(env) == (128, 128, False)
