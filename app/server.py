@@ -144,9 +144,9 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
     app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation
-    app.state.limiter = RateLimiter()  # per-tenant rpm / tpm / concurrency (app/limits.py)
+    # Owns the per-tenant rpm / tpm / concurrency limiter (``.limiter``, app/limits.py).
     app.state.completions = CompletionsService(engine, repo.usage.record_usage, app.state.metrics,
-                                               app.state.limiter)
+                                               RateLimiter())
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)

@@ -3,10 +3,11 @@
 Modelled on vLLM's ``vllm/engine/protocol.py``. ``app`` holds an ``EngineClient`` and nothing
 else of the engine: it submits ``EngineRequest`` records, streams ``RequestOutput`` records back,
 and manages the prefix cache through typed methods. This module imports no torch, so ``app`` and
-its tests can run against a fake engine (``engine.fake``).
+its tests run the real ``AsyncLLM`` over a fake model (``tests/fake_engine.py``).
 
-``validate_request`` is the single place where a request is checked against the model (prompt
-length, vocabulary); clients call it once, on the caller's thread, before anything is queued.
+``validate_request`` is the single implementation of the checks of a request against the model
+(prompt length, vocabulary). ``add_request`` runs it on the caller's thread before anything is
+queued; an API layer may run it earlier (before its rate limits), the engine thread never does.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     def add_request(self, request: EngineRequest) -> RequestStreamLike:
-        """Validates ``request`` (``validate_request``, once, on the caller's thread), queues it
+        """Validates ``request`` (``validate_request``, on the caller's thread), queues it
         and returns the stream of its outputs (vLLM ``AsyncLLM.add_request``).
 
         The stream ends after the finished output; closing it earlier aborts the request and

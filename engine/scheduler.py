@@ -74,6 +74,7 @@ class Scheduler:
         vocabulary are not re-checked here). Raises ValueError for a duplicate id."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        assert request.num_tokens < self.max_model_len, "unvalidated request (validate_request)"
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,7 +48,7 @@ from app.protocol import (
     UsageInfo,
 )
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.protocol import EngineClient, RequestStreamLike
+from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 from tenants.records import AuthContext, UsageRecord
@@ -202,10 +203,11 @@ class _FinalizingStreamingResponse(StreamingResponse):
     away before the body started."""
 
     def __init__(self, body: AsyncGenerator[str, None], call: CompletionCall,
+                 streams: list[RequestStreamLike],
                  finalize: Callable[[CompletionCall], None]) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", **call.limit_headers()})
-        self._body, self._call, self._finalize = body, call, finalize
+        self._body, self._call, self._streams, self._finalize = body, call, streams, finalize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -213,7 +215,9 @@ class _FinalizingStreamingResponse(StreamingResponse):
         finally:
             if self._call.status is None:  # the body never got to its end: the client left
                 self._call.status = "aborted"
-            await self._body.aclose()  # closes the engine streams if the body started
+            await self._body.aclose()
+            for s in self._streams:  # also when the body never started: abort, free blocks
+                s.close()
             self._finalize(self._call)
 
 
@@ -271,7 +275,7 @@ class CompletionsService:
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 response = _FinalizingStreamingResponse(self._stream(call, streams, include),
-                                                        call, self._finalize)
+                                                        call, streams, self._finalize)
                 handed_off = True
                 return response
             await self._collect(call, streams, is_disconnected)
@@ -312,10 +316,16 @@ class CompletionsService:
                            f"requested {n + max_tokens} tokens ({n} in the prompt, "
                            f"{max_tokens} in the completion)", "max_tokens",
                            "context_length_exceeded")
+        requests = call.engine_requests()
+        try:  # the engine's own check, before the lease: a bad prompt is a 400, never a 429
+            validate_request(requests[0], self.info)  # the n requests share the prompt
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, prompt_param if e.param == "prompt" else e.param,
+                           e.code) from None
         call.lease = self._admit(call)
         streams: list[RequestStreamLike] = []
         try:
-            for req in call.engine_requests():
+            for req in requests:
                 streams.append(self.engine.add_request(req))
         except BaseException as e:
             for s in streams:
@@ -400,8 +410,9 @@ class CompletionsService:
         second)."""
 
         async def run() -> None:
-            async for i, out in merge_streams(streams):
-                call.apply(i, out)
+            async with aclosing(merge_streams(streams)) as outputs:
+                async for i, out in outputs:
+                    call.apply(i, out)
 
         task = asyncio.create_task(run())
         try:
@@ -453,12 +464,13 @@ class CompletionsService:
             if call.chat:
                 for c in call.choices:
                     yield _sse(self._chunk(call, include_usage, c.index, "", None, role=True))
-            async for i, out in merge_streams(streams):
-                call.apply(i, out)
-                if not out.new_text and not out.finished:
-                    continue
-                yield _sse(self._chunk(call, include_usage, i, out.new_text or None,
-                                       out.finish_reason if out.finished else None))
+            async with aclosing(merge_streams(streams)) as outputs:
+                async for i, out in outputs:
+                    call.apply(i, out)
+                    if not out.new_text and not out.finished:
+                        continue
+                    yield _sse(self._chunk(call, include_usage, i, out.new_text or None,
+                                           out.finish_reason if out.finished else None))
             call.status = "ok"
             if include_usage:
                 cls = ChatCompletionStreamResponse if call.chat else CompletionStreamResponse

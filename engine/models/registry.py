@@ -17,7 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
 }
-# config.json without ``architectures``: fall back on ``model_type``.
+# No implemented ``architectures`` entry: fall back on ``model_type``.
 _MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                 "qwen2": "Qwen2ForCausalLM"}
 
@@ -34,7 +34,9 @@ def supported_architectures() -> tuple[str, ...]:
 def resolve_architecture(hf_config: dict) -> str:
     """The registry key for a Hugging Face ``config.json`` dict.
 
-    Uses the first of ``architectures`` that we implement, else ``model_type``.
+    The first of ``architectures`` that we implement; else the Llama-family class of
+    ``model_type`` (default ``llama``, as transformers' ``LlamaConfig``), so a Llama-family
+    checkpoint with a custom ``architectures`` name still loads.
 
     Raises:
         UnsupportedArchitectureError: nothing matches; the message names the supported ones.
@@ -43,11 +45,12 @@ def resolve_architecture(hf_config: dict) -> str:
     for arch in archs:
         if arch in _MODELS:
             return arch
-    if not archs and hf_config.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[hf_config["model_type"]]
-    named = archs[0] if archs else hf_config.get("model_type")
+    model_type = hf_config.get("model_type", "llama")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    named = archs[0] if archs else model_type
     raise UnsupportedArchitectureError(
-        f"unsupported model architecture {named!r}; supported: "
+        f"unsupported model architecture {named!r} (model_type {model_type!r}); supported: "
         f"{', '.join(supported_architectures())}")
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from starlette.requests import ClientDisconnect
 
 from app.limits import RateLimiter
 from app.protocol import ChatCompletionRequest, CompletionRequest
@@ -77,6 +78,12 @@ def _requests_total(env, status: str) -> float:
     return metric.labels(env.model, env.tenant_a, status)._value.get()
 
 
+def _window_requests(service, tenant: str) -> int:
+    """Calls of ``tenant`` counted in the limiter's rpm window."""
+    window = service.limiter._tenants.get(tenant)
+    return 0 if window is None else len(window.requests)
+
+
 def _in_flight(service, env) -> int:
     return service.limiter.in_flight(env.tenant_a)
 
@@ -113,8 +120,7 @@ def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, se
     assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [
         ("error", 3, 0)]
     assert _in_flight(service, env) == 0
-    window = service.limiter._tenants[env.tenant_a]
-    assert (len(window.requests), window.tokens_used) == (0, 0)  # cancelled, not counted
+    assert _window_requests(service, env.tenant_a) == 0  # refused before admission
     assert _engine_idle(env) == (128, 128, False)
 
 
@@ -170,11 +176,15 @@ def test_cancellation_of_the_handler_records_once(env, service):
     assert _engine_idle(env) == (128, 128, False)
 
 
-def test_stream_client_gone_before_the_first_byte_records_once(env, service):
-    """Drives the ASGI app directly: the client disconnects before the body is read."""
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_stream_client_gone_before_the_first_byte_records_once(env, service, spec):
+    """Drives the ASGI app directly: the client disconnects before the body is read (2.3), or
+    the first send fails (2.4: Starlette then never starts the body). Either way the engine
+    requests are aborted at once (no 400-token run to the end), the stream is unregistered and
+    the call recorded once as aborted."""
     body = json.dumps({"model": env.model, "prompt": "hello there", "max_tokens": 400,
                        "ignore_eos": True, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec},
              "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
              "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
              "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
@@ -188,13 +198,23 @@ def test_stream_client_gone_before_the_first_byte_records_once(env, service):
         return next(messages, {"type": "http.disconnect"})
 
     async def send(message: dict) -> None:
-        pass
+        if spec == "2.4":
+            raise OSError("client gone")
 
-    env.client.portal.call(lambda: asyncio.wait_for(env.client.app(scope, receive, send), 10))
+    async def run() -> None:
+        try:
+            await asyncio.wait_for(env.client.app(scope, receive, send), 10)
+        except ClientDisconnect:  # 2.4: Starlette turns the failed send into this; the server
+            pass                  # (uvicorn) swallows it
+
+    env.client.portal.call(run)
+    assert env.engine._streams == {}
+    state = _engine_idle(env)
     records = service.record_usage.settled(1)
     assert [x.status for x in records] == ["aborted"]
+    assert records[0].completion_tokens < 100  # aborted early, not run to max_tokens
     assert _in_flight(service, env) == 0
-    assert _engine_idle(env) == (128, 128, False)
+    assert state == (128, 128, False)
 
 
 def test_finalize_refuses_a_second_run(env, service, caplog):
@@ -289,5 +309,5 @@ def test_a_tenant_flooding_bad_requests_does_not_harm_another(env, service):
     assert len(a) == len(bad_bodies) and {x.status for x in a} == {"error"}
     assert {x.status for x in records if x.tenant_id == env.tenant_b} == {"ok"}
     assert _in_flight(service, env) == 0
-    assert len(service.limiter._tenants[env.tenant_a].requests) == 0
+    assert _window_requests(service, env.tenant_a) == 0
     assert _engine_idle(env) == (128, 128, False)

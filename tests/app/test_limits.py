@@ -59,6 +59,24 @@ def test_tpm_reserves_then_corrects_to_actual_usage() -> None:
     assert lim.acquire("t", limits, 45).headers["x-ratelimit-remaining-tokens"] == "0"
 
 
+def test_cancel_undoes_an_admission_as_if_it_never_happened() -> None:
+    """The engine refused the call before any work (e.g. it died): nothing stays counted."""
+    clock = FakeClock()
+    lim = RateLimiter(clock)
+    limits = TenantLimits(rpm=2, tpm=100, max_concurrent=1)
+    kept = lim.acquire("t", limits, 30)
+    kept.release(30)
+    cancelled = lim.acquire("t", limits, 70)
+    assert lim.in_flight("t") == 1
+    cancelled.cancel()
+    cancelled.cancel()    # idempotent
+    cancelled.release(0)  # and a release after it changes nothing
+    assert lim.in_flight("t") == 0
+    again = lim.acquire("t", limits, 70)  # the rpm slot and the 70 tokens are free again
+    assert again.headers["x-ratelimit-remaining-requests"] == "0"
+    assert again.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
 def test_tpm_retry_after_waits_for_enough_tokens_and_oversized_calls_say_so() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
@@ -148,9 +166,7 @@ def env(app_env_builder, tmp_path_factory):
 def clock(env):
     """A fresh fake-clock limiter per test; limits of both tenants reset afterwards."""
     clock = FakeClock()
-    limiter = RateLimiter(clock)
-    env.client.app.state.limiter = limiter            # what the tests read
-    env.client.app.state.completions.limiter = limiter  # what the service admits with
+    env.client.app.state.completions.limiter = RateLimiter(clock)
     yield clock
     for tenant in (env.tenant_a, env.tenant_b):
         env.repo.update_tenant(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
@@ -227,7 +243,7 @@ def test_tpm_counts_actual_usage_and_rejects_oversized_max_tokens(env, clock):
 
 def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock):
     env.repo.update_tenant(env.tenant_b, max_concurrent=1)
-    limiter = env.client.app.state.limiter
+    limiter = env.client.app.state.completions.limiter
     body = {"model": env.model, "prompt": [21, 22, 23], "max_tokens": 3, "temperature": 0,
             "stream": True}
     h = env.headers(env.key_b)
@@ -251,7 +267,7 @@ def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock)
 
 def test_lease_released_on_engine_rejection_and_bad_request(env, clock):
     env.repo.update_tenant(env.tenant_b, max_concurrent=1, rpm_limit=100)
-    limiter = env.client.app.state.limiter
+    limiter = env.client.app.state.completions.limiter
     assert _post(env, env.key_b, model="nope").status_code == 400  # before admission
     assert limiter.in_flight(env.tenant_b) == 0
     r = _post(env, env.key_b, stream=True, max_tokens=2)
@@ -263,7 +279,7 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     import asyncio
 
     env.repo.update_tenant(env.tenant_a, max_concurrent=1, tpm_limit=5000)
-    limiter = env.client.app.state.limiter
+    limiter = env.client.app.state.completions.limiter
     body = json.dumps({"model": env.model, "prompt": list(range(300, 360)), "max_tokens": 300,
                        "ignore_eos": True, "temperature": 0, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},

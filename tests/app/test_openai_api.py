@@ -233,4 +233,4 @@ def test_abandoned_stream_is_aborted_and_frees_its_blocks(app_env):
             break
         time.sleep(0.05)
     assert free == total
-    assert not app_env.engine.engine.has_unfinished_requests()
+    assert not app_env.on_engine_thread(lambda e: e.has_unfinished_requests())

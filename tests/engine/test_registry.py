@@ -30,6 +30,8 @@ def test_supported_architectures():
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2ForCausalLM"),
     ({"architectures": ["SomethingElse", "MistralForCausalLM"]}, "MistralForCausalLM"),
     ({"model_type": "mistral"}, "MistralForCausalLM"),
+    ({"architectures": ["MyLlamaVariant"], "model_type": "llama"}, "LlamaForCausalLM"),
+    ({}, "LlamaForCausalLM"),  # transformers' LlamaConfig defaults
 ])
 def test_resolve_architecture(cfg, arch):
     assert resolve_architecture(cfg) == arch
@@ -67,8 +69,9 @@ def test_get_model_class():
 
 
 def test_engine_refuses_an_unknown_architecture_before_loading_anything(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["BertModel"]}))
-    with pytest.raises(ValueError, match="unsupported model architecture 'BertModel'; "
-                                         "supported: LlamaForCausalLM, MistralForCausalLM, "
-                                         "Qwen2ForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["BertModel"],
+                                                      "model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"unsupported model architecture 'BertModel' "
+                                         r"\(model_type 'bert'\); supported: LlamaForCausalLM, "
+                                         "MistralForCausalLM, Qwen2ForCausalLM"):
         LLMEngine(EngineConfig(model=str(tmp_path), device="cpu"), tokenizer=object())
