@@ -28,17 +28,39 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(model_dir, prompt_ids) -> list[list[int]]:
+def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, tokenizer, prompts: list[list[int]], max_new: int,
+              min_new: int = 0) -> list[list[int]]:
+    """Hugging Face ``generate`` (greedy, fp32) for all prompts in one left-padded batch.
+
+    Each row is cut after its first eos, as a one-prompt ``generate`` stops there. One batch
+    takes a third of the time of one call per prompt; both give the same tokens here (checked
+    when this replaced the per-prompt loop: all 5 x 40 reference tokens identical).
+    """
+    eos = set(hf.generation_config.eos_token_id if isinstance(
+        hf.generation_config.eos_token_id, list) else [hf.generation_config.eos_token_id])
+    width = max(map(len, prompts))
+    pad = tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            o = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
-                            do_sample=False)
-            outs.append(o[0, len(ids):].tolist())
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                          min_new_tokens=min_new, do_sample=False, pad_token_id=pad)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, tokenizer, prompt_ids) -> list[list[int]]:
+    outs = hf_greedy(hf_model, tokenizer, prompt_ids, MAX_NEW)
     assert all(len(o) >= 32 for o in outs), "reference prompts must yield >= 32 new tokens"
     return outs
 
@@ -100,9 +122,7 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
 
 
 def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
-                                                             model_dir, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
+                                                             hf_model, monkeypatch):
     from engine.attention import torch_backend as attention
 
     calls = []
@@ -114,14 +134,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
                (" Summary:", " Question: which rule is first?", " The most important rule is",
                 " In short,")]
     assert min(map(len, prompts)) > 280
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            o = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
-                            min_new_tokens=8, do_sample=False)
-            expected.append(o[0, len(ids):].tolist())
+    expected = hf_greedy(hf_model, tokenizer, prompts, 8, min_new=8)
     engine = make_llm_engine()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
