@@ -126,7 +126,8 @@ class AsyncLLM(EngineClient):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self._dead_error is None:
+            self._stop = False  # a clean shutdown() may be followed by start()
             self._thread = threading.Thread(target=self._loop, name="saltserve-engine",
                                             daemon=True)
             self._thread.start()
@@ -140,8 +141,9 @@ class AsyncLLM(EngineClient):
 
     @property
     def is_running(self) -> bool:
+        """True while the loop runs, has not failed and is not shutting down."""
         return (self._thread is not None and self._thread.is_alive()
-                and self._dead_error is None)
+                and self._dead_error is None and not self._stop)
 
     @property
     def dead_error(self) -> BaseException | None:

@@ -113,3 +113,25 @@ def test_invalid_request_is_refused_on_the_callers_thread_before_anything_is_que
     assert errors == [("prompt", "invalid_value"), ("prompt", "context_length_exceeded"),
                       ("prompt", "invalid_value"), ("prompt", "invalid_value")]
     assert engine.requests == []  # "ok" was added then aborted; "bad" never reached the engine
+
+
+def test_requests_after_shutdown_are_refused_instead_of_hanging():
+    engine = FakeEngine()
+    llm = AsyncLLM(engine)
+    llm.start()
+    assert llm.is_running
+    llm.shutdown()
+
+    async def scenario() -> None:
+        with pytest.raises(EngineDeadError):
+            llm.add_request(_req("late"))
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert not llm.is_running and engine.requests == []
+    llm.start()  # a clean shutdown can be followed by a start (an app's lifespan run again)
+    try:
+        assert llm.is_running
+    finally:
+        llm.shutdown()
