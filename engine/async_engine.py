@@ -24,7 +24,7 @@ from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.protocol import EngineClient, ModelInfo, OutputObserver, validate_request
 from engine.request import EngineRequest, RequestOutput
-from engine.stats import EXPLICIT_EVICTION_REASONS, EngineStatsSnapshot
+from engine.stats import EngineStatsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +184,6 @@ class AsyncLLM(EngineClient):
         self._send(_Abort(tuple(request_ids)))
 
     async def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
-        if reason not in EXPLICIT_EVICTION_REASONS:  # checked here too: fail before the hop
-            raise ValueError(f"reason must be one of {EXPLICIT_EVICTION_REASONS}, got {reason!r}")
         return await self._call(lambda e: e.evict_tenant_cache(tenant_id, reason))
 
     async def reset_prefix_cache(self) -> int:

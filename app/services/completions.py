@@ -17,6 +17,7 @@ run (it would double-count usage).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -150,14 +151,9 @@ class CompletionCall:
 
 
 def _sse(obj: BaseModel | dict) -> str:
-    body = obj.model_dump_json() if isinstance(obj, BaseModel) else _json(obj)
+    body = (obj.model_dump_json() if isinstance(obj, BaseModel)
+            else json.dumps(obj, separators=(",", ":")))
     return f"data: {body}\n\n"
-
-
-def _json(obj: dict) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))
 
 
 async def merge_streams(streams: Sequence[RequestStreamLike]
@@ -327,15 +323,12 @@ class CompletionsService:
         try:
             for req in requests:
                 streams.append(self.engine.add_request(req))
-        except BaseException as e:
+        except BaseException:  # e.g. EngineDeadError (the prompt was validated above)
             for s in streams:
                 s.close()
             if call.lease is not None:
                 call.lease.cancel()  # refused before any work: counts nothing
                 call.lease = None
-            if isinstance(e, InvalidRequestError):
-                param = prompt_param if e.param == "prompt" else e.param
-                raise APIError(400, e.message, param, e.code) from None
             raise
         call.choices = [ChoiceState(i) for i in range(call.params.n)]
         return streams

@@ -47,6 +47,17 @@ class AppEnv:
         """Runs ``fn(llm_engine)`` on the engine thread between steps; returns its result."""
         return self.client.portal.call(self.engine._call, fn)
 
+    def engine_state(self) -> tuple[int, int, bool]:
+        """(free blocks, total blocks, has unfinished requests), read on the engine thread after
+        checking the KV cache manager's and the block pool's integrity."""
+        def probe(core):
+            core.kv_cache_manager.check_integrity()
+            core.block_pool.check_integrity()
+            pool = core.block_pool
+            return pool.get_num_free_blocks(), pool.num_blocks, core.has_unfinished_requests()
+
+        return self.on_engine_thread(probe)
+
     def headers(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 

@@ -59,14 +59,9 @@ def _auth(env):
 
 
 def _engine_idle(env) -> tuple[int, int, bool]:
-    def probe(core):
-        core.kv_cache_manager.check_integrity()
-        return (core.block_pool.get_num_free_blocks(), core.block_pool.num_blocks,
-                core.has_unfinished_requests())
-
     deadline = time.time() + 5
     while time.time() < deadline:
-        state = env.on_engine_thread(probe)
+        state = env.engine_state()
         if not state[2]:
             return state
         time.sleep(0.02)

@@ -143,11 +143,5 @@ def test_denormal_top_p_does_not_kill_the_engine(env):
 
 def test_block_pool_is_intact_after_fuzzing(env):
     """Runs after the fuzz test (file order): nothing leaked, every block is free."""
-    def probe(core):
-        core.kv_cache_manager.check_integrity()
-        pool = core.block_pool
-        pool.check_integrity()
-        return pool.get_num_free_blocks(), pool.num_blocks, core.has_unfinished_requests()
-
-    free, total, busy = env.client.portal.call(env.engine._call, probe)
+    free, total, busy = env.engine_state()
     assert (total - free, busy) == (0, False)

@@ -172,15 +172,6 @@ def clock(env):
         env.repo.update_tenant(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
 
 
-def _engine_state(env) -> tuple[int, int, bool]:
-    def probe(core):
-        core.kv_cache_manager.check_integrity()
-        pool = core.block_pool
-        return pool.get_num_free_blocks(), pool.num_blocks, core.has_unfinished_requests()
-
-    return env.client.portal.call(env.engine._call, probe)
-
-
 def _post(env, key, **kw):
     body = {"model": env.model, "prompt": [11, 12, 13, 14], "max_tokens": 2, "temperature": 0,
             **kw}
@@ -217,7 +208,7 @@ def test_rpm_429_in_openai_shape_with_headers_and_no_engine_state(env, clock):
         assert f"x-ratelimit-{name}" in r.headers
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
     assert r.headers["retry-after"] == "60"
-    assert _engine_state(env) == (128, 128, False)
+    assert env.engine_state() == (128, 128, False)
     rows = _error_rows(env, env.tenant_a, errors_before + 1)
     assert len(rows) == errors_before + 1 and rows[-1].prompt_tokens == 4
     # Tenant B is not affected by A's limit; A is admitted again once the window slides.
@@ -320,9 +311,9 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     assert headers[b"x-ratelimit-limit-tokens"] == b"5000"
     assert limiter.in_flight(env.tenant_a) == 0
     deadline = time.time() + 10
-    while time.time() < deadline and _engine_state(env) != (128, 128, False):
+    while time.time() < deadline and env.engine_state() != (128, 128, False):
         time.sleep(0.05)
-    assert _engine_state(env) == (128, 128, False)
+    assert env.engine_state() == (128, 128, False)
     # The slot is free again: the next call is admitted.
     assert _post(env, env.key_a).status_code == 200
 
@@ -350,7 +341,7 @@ def test_token_limits_get_400_with_param(env, clock, endpoint, body, param, code
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
-    assert _engine_state(env) == (128, 128, False)
+    assert env.engine_state() == (128, 128, False)
 
 
 def test_prompt_plus_max_tokens_exactly_max_model_len_is_accepted(env, clock):
@@ -373,4 +364,4 @@ def test_body_over_4_mib_gets_413(env, clock, chunked):
     err = r.json()["error"]
     assert err["message"] == f"request body exceeds {4 << 20} bytes"
     assert err["type"] == "invalid_request_error"
-    assert _engine_state(env) == (128, 128, False)
+    assert env.engine_state() == (128, 128, False)

@@ -22,12 +22,8 @@ def _cached(resp: dict) -> int:
 
 def _engine_state(env) -> tuple[int, int]:
     """(free blocks, total blocks) read on the engine thread after checking pool integrity."""
-    def probe(core):
-        core.kv_cache_manager.check_integrity()
-        pool = core.block_pool
-        return pool.get_num_free_blocks(), pool.num_blocks
-
-    return env.client.portal.call(env.engine._call, probe)
+    free, total, _busy = env.engine_state()
+    return free, total
 
 
 @pytest.mark.parametrize("n", [15, 16, 17, 31, 32, 33, 64, 65])
