@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.block_hash import HashFn, hash_prompt_blocks
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.faults import fire
 from engine.request import Request
 
 
@@ -85,6 +86,7 @@ class KVCacheManager:
             nothing changes (no ref counts, no free queue order, no request state) and the caller
             retries later or preempts.
         """
+        fire("allocate", request.request_id)
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_tokens
@@ -121,6 +123,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks in the request's block table (0 when it has none)."""
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

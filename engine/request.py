@@ -17,11 +17,38 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"          # eos, stop token or stop string
     FINISHED_LENGTH = "length"         # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"           # a fault attributable to this request (or its step)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant's claim on shared capacity (DESIGN "Multi-tenant capacity").
+
+    Attributes:
+        weight: integer >= 1; the tenant's share of each step's token budget and of the cached
+            blocks is proportional to it (weighted fair queuing).
+        min_cache_blocks: cached blocks the tenant keeps before any share-based eviction takes
+            them (None: no floor).
+        max_cache_blocks: above this many cached blocks the tenant is always over its share
+            (None: no cap).
+    """
+
+    weight: int = 1
+    min_cache_blocks: int | None = None
+    max_cache_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 1:
+            raise ValueError(f"weight must be an integer >= 1, got {self.weight!r}")
+        for name in ("min_cache_blocks", "max_cache_blocks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -35,6 +62,7 @@ class EngineRequest:
     cache_salt: bytes | None = field(default=None, repr=False)
     enable_prefix_caching: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
+    tenant_share: TenantShare = field(default_factory=TenantShare)
 
     def __repr__(self) -> str:  # redacted: no token ids, no salt
         return (f"EngineRequest(id={self.request_id!r}, tenant={self.tenant_id!r}, "
@@ -56,6 +84,7 @@ class Request:
         self.tenant_id = req.tenant_id
         self.cache_salt = req.cache_salt
         self.enable_prefix_caching = req.enable_prefix_caching
+        self.tenant_share = req.tenant_share
         self.sampling_params = req.sampling_params
         self.arrival_time = req.arrival_time
         self.prompt_token_ids = list(req.prompt_token_ids)
@@ -96,8 +125,10 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     new_text: str
     finished: bool
-    finish_reason: str | None        # "stop" | "length" | "abort" | None
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error" | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
     stop_reason: int | str | None = None
+    # Set with finish_reason "error": what failed, client-safe (no prompt, no token ids).
+    error: str | None = None

@@ -1,22 +1,48 @@
-"""Continuous-batching scheduler with chunked prefill and preemption by recompute (pure Python).
+"""Continuous-batching scheduler with chunked prefill, fair sharing between tenants and
+preemption by recompute (pure Python).
 
 Each ``schedule()`` call builds one step under a token budget (``max_num_batched_tokens``), like
-vLLM v1: running requests first (decodes and unfinished prefill chunks, FCFS), then waiting
-requests as budget, ``max_num_seqs`` and free blocks allow, in per-tenant fair order (the tenant
-with the fewest running requests first; FCFS within a tenant). When a running request cannot get a
-block, the most recently admitted running request is preempted: its blocks are freed and it goes
-back to the head of the waiting queue to be recomputed later (recompute is never a cache hit).
+vLLM v1, but the budget is shared between tenants by weighted fair queuing (DESIGN "Multi-tenant
+capacity"; start-time fair queuing, Goyal et al. 1996):
+
+- Every tenant with unfinished requests has a virtual time: the tokens scheduled for it so far
+  divided by its ``TenantShare.weight``. The budget is handed out in slices of at most
+  ``fair_quantum_tokens`` to the tenant with the lowest virtual time, so over a step (and over
+  time) each tenant with runnable work gets a share proportional to its weight. Decodes and
+  prefill chunks draw on the same budget.
+- Within a tenant the order is FCFS: its running requests (in admission order), then its waiting
+  requests (queue order). A slice goes to the tenant's first request that still needs tokens.
+- A tenant alone gets the whole budget, in exactly the order of plain FCFS.
+- A tenant that was idle starts level with the least-served active tenant (it cannot bank
+  credit), and no tenant lags more than one step's budget behind the most-served one.
+- A waiting request that does not fit (no free blocks) stops admission for this step: nothing
+  jumps ahead of it, so a large request cannot be starved by a stream of small ones.
+- When a running request cannot get a block, a victim is preempted from the tenant holding the
+  most KV blocks per unit of weight (its most recently admitted request): its blocks are freed
+  and it goes back to the head of the waiting queue. A preempted request is admitted again before
+  any fresh request (it already waited). Recompute is never a cache hit.
+- One step with a preemption admits nothing new.
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+TenantId = str | None
+
+# Largest slice of the token budget handed to one tenant at a time when several compete.
+DEFAULT_FAIR_QUANTUM_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -51,22 +77,33 @@ class Scheduler:
         max_num_batched_tokens: tokens per step at most (vLLM ``--max-num-batched-tokens``).
         max_model_len: prompt + output tokens per request at most.
         eos_token_ids: ids that finish a request unless ``ignore_eos``.
+        fair_quantum_tokens: largest budget slice per turn when tenants compete (tokens).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+                 eos_token_ids: Iterable[int] = (),
+                 fair_quantum_tokens: int = DEFAULT_FAIR_QUANTUM_TOKENS) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or fair_quantum_tokens < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and fair_quantum_tokens "
+                             "must be at least 1")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.fair_quantum_tokens = fair_quantum_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # Per tenant with unfinished requests (dropped with its last request):
+        self.vtime: dict[TenantId, float] = {}   # tokens scheduled / weight
+        self.weights: dict[TenantId, int] = {}
+        self.num_unfinished: dict[TenantId, int] = {}
+        # Requests failed by a fault of their own in ``schedule``/``update_from_output``, with a
+        # client-safe reason; the engine drains this into error outputs.
+        self.failed: list[tuple[Request, str]] = []
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -75,11 +112,18 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         assert request.num_tokens < self.max_model_len, "unvalidated request (validate_request)"
+        t = request.tenant_id
+        if t not in self.num_unfinished:  # (re)activated: level with the least-served tenant
+            self.vtime[t] = min(self.vtime.values(), default=0.0)
+            self.num_unfinished[t] = 0
+        self.num_unfinished[t] += 1
+        self.weights[t] = request.tenant_share.weight  # the latest request's weight applies
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finishes (e.g. aborts) requests wherever they are and frees their blocks."""
+        """Finishes (e.g. aborts) requests wherever they are and frees their blocks. Unknown or
+        already finished ids are skipped."""
         assert status.finished
         done = []
         for rid in request_ids:
@@ -92,80 +136,235 @@ class Scheduler:
                 self.waiting.remove(req)
             self.kv.free(req)
             req.status = status
+            t = req.tenant_id
+            self.num_unfinished[t] -= 1
+            if not self.num_unfinished[t]:
+                del self.num_unfinished[t], self.vtime[t], self.weights[t]
             done.append(req)
         return done
+
+    def fail_request(self, req: Request, reason: str) -> None:
+        """Finishes ``req`` with status ``FINISHED_ERROR`` (blocks freed) and queues it for the
+        engine's error output. ``reason`` must be client-safe (no tokens, no prompt text)."""
+        if self.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR):
+            self.failed.append((req, reason))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Builds one step: which requests compute which tokens (see the module docstring).
+
+        Three phases: (1) plan: divide the token budget between tenants by weighted fair
+        queuing, pure arithmetic; (2) running requests, in admission order, allocate their
+        planned tokens, preempting when the pool is short; (3) waiting requests are admitted in
+        plan order. Tokens a request cannot use (a victim's plan, cache hits found at admission)
+        are spare and go to the requests after it, so a lone tenant uses the whole budget.
+        """
+        plan = self._plan()
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        planned_left = sum(plan.values())  # plans not yet used
+        granted: dict[str, int] = {}  # request id -> tokens this step, in batch order
+        used = 0  # sum of granted
         preempted: list[Request] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert num_new > 0, f"{req} running with nothing to compute"
-            while (new_blocks := self.kv.allocate_slots(req, num_new)) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if new_blocks is None:
+        def grow(req: Request, num_new: int) -> bool:
+            """Running ``req`` computes ``num_new`` tokens this step (preempting while the
+            pool is short); False when it was preempted or failed."""
+            nonlocal used, planned_left
+            victims: list[Request] = []
+            gone = victims
+            try:
+                fits = self._allocate_running(req, num_new, victims)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                self._fail_in_step(req, e)
+                fits, gone = False, [*victims, req]
+            preempted.extend(victims)
+            for r in gone:  # their tokens this step go back to the budget
+                n = granted.pop(r.request_id, 0)
+                used -= n
+                self._charge(r.tenant_id, -n)
+                planned_left -= plan.pop(r.request_id, 0)
+            if not fits:
+                return False
+            n = num_new - granted.get(req.request_id, 0)
+            granted[req.request_id] = num_new
+            used += n
+            self._charge(req.tenant_id, n)
+            return True
+
+        # Phase 2: running requests, in admission order: their plan plus what the plans after
+        # them leave unused.
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted above
+            planned_left -= plan.pop(req.request_id, 0)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget - planned_left - used)
+            if num_new > 0:
+                grow(req, num_new)
+
+        # Phase 3: admissions in plan order (preempted requests first), none after a preemption.
+        for rid, share in list(plan.items()):
+            planned_left -= share
+            if preempted:
                 break
-            scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
-            i += 1
+            req = self.requests.get(rid)
+            room = budget - planned_left - used
+            if req is None or room <= 0 or len(self.running) >= self.max_num_seqs:
+                continue
+            try:
+                num_new = self._admit(req, room)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                self._fail_in_step(req, e)
+                continue
+            if num_new == 0:
+                break  # FCFS across the pool: nothing jumps ahead of a request that waits
+            granted[rid] = num_new
+            used += num_new
+            self._charge(req.tenant_id, num_new)
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            req = self._next_waiting()
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
-            req.num_computed_tokens = num_hit_tokens
-            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
-                req.num_computed_tokens = 0
-                break  # FCFS: later requests wait behind this one
-            self.waiting.remove(req)
-            self.running.append(req)
-            if req.num_cached_tokens < 0:  # first admission: the only time hits count
-                req.num_cached_tokens = num_hit_tokens
-                if self.kv.uses_prefix_cache(req):
-                    self.stats.record_first_admission(req.tenant_id, req.num_tokens,
-                                                      num_hit_tokens)
-            else:  # re-admission after preemption: recompute, never a hit
-                self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
-            req.status = RequestStatus.RUNNING
-            scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
+        # Phase 4: budget a failed admission left unused goes to running requests (progress).
+        for req in list(self.running):
+            if used >= budget:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            done = granted.get(req.request_id, 0)
+            more = min(req.num_tokens - req.num_computed_tokens - done, budget - used)
+            if more > 0:
+                grow(req, done + more)
 
-        return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted))
+        scheduled = tuple(
+            ScheduledRequest(self.requests[rid], self.requests[rid].num_computed_tokens, n,
+                             tuple(self.kv.get_block_ids(rid)))
+            for rid, n in granted.items())
+        return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted))
 
-    def _next_waiting(self) -> Request:
-        """Per-tenant fair admission order.
+    def _plan(self) -> dict[str, int]:
+        """Divides this step's token budget between requests by weighted fair queuing.
 
-        A preempted request at the head goes first (it already waited). Otherwise the oldest
-        waiting request of the tenant with the fewest running requests is next, so one tenant's
-        backlog cannot starve the others; within a tenant the order stays FCFS. If that request
-        does not fit, admission stops for this step (no smaller request jumps ahead of it).
+        Returns:
+            request id -> planned tokens, running requests first, then waiting requests in the
+            order they are to be admitted. Waiting requests are planned only while seats
+            (``max_num_seqs``) remain.
         """
-        head = self.waiting[0]
-        if head.status == RequestStatus.PREEMPTED or len(self.waiting) == 1:
-            return head
-        running: dict[str | None, int] = {}
+        queues: dict[TenantId, deque[Request]] = {}
         for r in self.running:
-            running[r.tenant_id] = running.get(r.tenant_id, 0) + 1
-        return min(self.waiting, key=lambda r: running.get(r.tenant_id, 0))  # min is stable
+            queues.setdefault(r.tenant_id, deque()).append(r)
+        for r in self.waiting:
+            queues.setdefault(r.tenant_id, deque()).append(r)
+        if not queues:
+            return {}
+        lead = max(self.vtime[t] for t in queues)
+        for t in queues:  # bounded lag: no tenant banks more than one step of credit
+            self.vtime[t] = max(self.vtime[t], lead - self.max_num_batched_tokens)
+        vtime = {t: self.vtime[t] for t in queues}
+        need: dict[str, int] = {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        seats = self.max_num_seqs - len(self.running)
+        budget = self.max_num_batched_tokens
+        heap: list[tuple[int, float, int, TenantId]] = []
+        for seq, t in enumerate(queues):
+            heapq.heappush(heap, (self._rank(queues[t][0], waiting), vtime[t], seq, t))
+        seq = len(queues)
+        while heap and budget > 0:
+            t = heapq.heappop(heap)[3]
+            q = queues[t]
+            req = q[0]
+            rid = req.request_id
+            if rid not in need:
+                if req.status == RequestStatus.RUNNING:
+                    need[rid] = req.num_tokens - req.num_computed_tokens
+                else:
+                    if seats <= 0:
+                        continue  # only waiting requests are left in this tenant's queue
+                    seats -= 1
+                    # An upper bound: cache hits are looked up at admission (blocks may be
+                    # cached or evicted earlier in this step); what hits save is spare.
+                    need[rid] = req.num_tokens
+            into = running if req.status == RequestStatus.RUNNING else waiting
+            give = need[rid] - into.get(rid, 0)
+            if heap:  # competing: one slice per turn
+                give = min(give, self.fair_quantum_tokens)
+            give = min(give, budget)
+            into[rid] = into.get(rid, 0) + give
+            budget -= give
+            vtime[t] += give / self.weights[t]
+            if into[rid] == need[rid]:
+                q.popleft()
+            if q:
+                heapq.heappush(heap, (self._rank(q[0], waiting), vtime[t], seq, t))
+                seq += 1
+        return {**running, **waiting}
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, num_new,
-                                tuple(self.kv.get_block_ids(req.request_id)))
+    @staticmethod
+    def _rank(head: Request, planned: dict[str, int]) -> int:
+        """0 for a preempted request waiting to be re-admitted: its first slice goes before
+        everything else (it already waited); then it is served like any other."""
+        return 0 if head.status == RequestStatus.PREEMPTED and head.request_id not in planned \
+            else 1
+
+    def _charge(self, tenant: TenantId, num_tokens: int) -> None:
+        """Adds ``num_tokens`` (negative: a refund) to the tenant's service this step."""
+        if tenant in self.vtime:  # gone when its last request just failed
+            self.vtime[tenant] += num_tokens / self.weights[tenant]
+
+    def _allocate_running(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Allocates slots for ``num_new`` more tokens of running ``req``, preempting victims
+        (appended to ``preempted``) while the pool is short. Returns False when ``req`` itself
+        was preempted."""
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self._pick_victim()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, room: int) -> int:
+        """Admits waiting ``req`` with up to ``room`` tokens. Returns the tokens granted, or 0
+        when the pool cannot fit them (nothing changed)."""
+        hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - num_hit_tokens, room)
+        req.num_computed_tokens = num_hit_tokens
+        if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+            req.num_computed_tokens = 0
+            return 0
+        self.waiting.remove(req)
+        self.running.append(req)
+        if req.num_cached_tokens < 0:  # first admission: the only time hits count
+            req.num_cached_tokens = num_hit_tokens
+            if self.kv.uses_prefix_cache(req):
+                self.stats.record_first_admission(req.tenant_id, req.num_tokens, num_hit_tokens)
+        else:  # re-admission after preemption: recompute, never a hit
+            self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
+        req.status = RequestStatus.RUNNING
+        return num_new
+
+    def _fail_in_step(self, req: Request, error: Exception) -> None:
+        """Fails ``req`` after a fault in its own scheduling (e.g. its block allocation)."""
+        logger.error("request %s failed while scheduling: %s", req.request_id,
+                     type(error).__name__)
+        if req.status != RequestStatus.RUNNING:
+            req.num_computed_tokens = 0
+        self.fail_request(req, "the request failed while its KV blocks were allocated")
+
+    def _pick_victim(self) -> Request:
+        """The most recently admitted running request of the tenant holding the most KV blocks
+        per unit of weight (the tenant most over its share); with one tenant, plain
+        last-admitted-first (vLLM)."""
+        held: dict[TenantId, int] = {}
+        last: dict[TenantId, int] = {}  # position of the tenant's last-admitted request
+        for i, r in enumerate(self.running):
+            held[r.tenant_id] = held.get(r.tenant_id, 0) + self.kv.num_blocks_of(r.request_id)
+            last[r.tenant_id] = i
+        t = max(held, key=lambda t: (held[t] / self.weights[t], last[t]))  # ties: latest
+        return self.running[last[t]]
 
     def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -176,6 +375,8 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, applies token-level stop rules.
+
+        A fault in one request's stop checks fails that request alone (``failed``).
 
         Args:
             output: the step that ran.
@@ -188,22 +389,32 @@ class Scheduler:
         for s in output.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted or failed while the step ran
             req.num_computed_tokens += s.num_new_tokens
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.append_output_token(token)
-            params = req.sampling_params
-            if (token in self.eos_token_ids and not params.ignore_eos) \
-                    or token in params.stop_token_ids:
-                req.stop_reason = token if token in params.stop_token_ids else None
-                self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) \
-                    or req.num_tokens >= self.max_model_len:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            try:
+                self._check_stop(req, token)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                logger.error("request %s failed in its stop checks: %s", req.request_id,
+                             type(e).__name__)
+                self.fail_request(req, "the request failed in its stop checks")
+                continue
             updated.append(req)
         return updated
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        fire("stop", req.request_id)
+        params = req.sampling_params
+        if (token in self.eos_token_ids and not params.ignore_eos) \
+                or token in params.stop_token_ids:
+            req.stop_reason = token if token in params.stop_token_ids else None
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) \
+                or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.finish_requests([req.request_id], status)
