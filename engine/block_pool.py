@@ -11,14 +11,31 @@ Free queue order (head is popped first)::
 
 A finished request frees its blocks tail block first, so the tail of a prompt is evicted before the
 shared head of the prefix (vLLM v1 ``KVCacheManager.free``).
+
+Fair cache share (DESIGN "Multi-tenant capacity"): each tenant with resident cached blocks has a
+guaranteed share of the pool, ``num_blocks * weight / (sum of the weights of tenants with
+resident blocks)``, raised to its ``min_cache_blocks`` and lowered to its ``max_cache_blocks``
+(``engine.request.TenantShare``). When a cached block must be reused, it is the LRU free block of
+the tenant furthest over its share: a tenant over its ``max_cache_blocks`` first, then the one
+with the most resident blocks per unit of weight; a tenant at or under its ``min_cache_blocks``
+is never chosen. When no tenant with a free cached block is over its share (always the case with
+one tenant), it is the head of the free queue: exactly plain LRU. Each tenant's free cached
+blocks are kept in their own LRU list and tenants in a lazy max-heap, so picking a victim costs
+O(log tenants) per block, never a scan.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from engine.block_hash import BlockHash
+from engine.request import TenantShare
 from engine.stats import EXPLICIT_EVICTION_REASONS, BlockPoolStats
+
+TenantId = str | None
+_DEFAULT_SHARE = TenantShare()
 
 
 class KVCacheBlock:
@@ -51,6 +68,11 @@ class FreeBlockQueue:
         self.num_free_blocks = 0
         for block in blocks:
             self.append(block)
+
+    def peek(self) -> KVCacheBlock | None:
+        """The head block (next to be reused), or None when empty."""
+        block = self._head.next_free
+        return None if block is self._tail else block
 
     def popleft(self) -> KVCacheBlock:
         """Removes and returns the head block. Raises: IndexError when empty."""
@@ -123,6 +145,14 @@ class BlockPool:
         self.on_evict = on_evict
         self.stats = BlockPoolStats()
         self.num_used_blocks = 0
+        # Fair share: each owner's free cached blocks in LRU order (a sub-sequence of the free
+        # queue), owners' shares, the summed weight of owners with resident blocks, and a lazy
+        # max-heap of (-over-max class, -resident per weight, version, owner).
+        self.evictable: dict[TenantId, OrderedDict[int, KVCacheBlock]] = {}
+        self.shares: dict[TenantId, TenantShare] = {}
+        self.resident_weight = 0
+        self._heap: list[tuple[int, float, int, TenantId]] = []
+        self._version: dict[TenantId, int] = {}
 
     # -- queries -------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -158,20 +188,38 @@ class BlockPool:
                              f"{self.get_num_free_blocks()} free")
         out = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            if block.block_hash is not None:
-                self._drop_hash(block, "capacity", tenant)
+            block = self._pop_free_block(tenant)
             assert block.ref_cnt == 0, f"{block} in free queue with refs"
             block.ref_cnt = 1
             self.num_used_blocks += 1
             out.append(block)
         return out
 
+    def _pop_free_block(self, tenant: TenantId) -> KVCacheBlock:
+        """Takes the next free block to reuse: an unhashed one, else the LRU cached block of the
+        owner furthest over its share, else the LRU cached block (plain LRU)."""
+        head = self.free_block_queue.peek()
+        if head is None:
+            raise IndexError("no free blocks")
+        if head.block_hash is None:
+            return self.free_block_queue.popleft()
+        owner = self._furthest_over_share()
+        over_share = owner is not None
+        if not over_share:
+            block = head
+        else:
+            block = next(iter(self.evictable[owner].values()))
+        self.free_block_queue.remove(block)
+        self._drop_hash(block, "capacity", tenant, over_share)
+        return block
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Pins cache-hit blocks: ref_cnt += 1, leaving the free queue when it was 0."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                if block.block_hash is not None:
+                    del self.evictable[block.owner][block.block_id]
                 self.num_used_blocks += 1
             block.ref_cnt += 1
 
@@ -186,10 +234,12 @@ class BlockPool:
             return
         if block_hash in self.cached_block_hash_to_block:
             return
+        assert block.ref_cnt > 0, "only blocks being computed are cached"
         block.block_hash = block_hash
         block.owner = owner
         self.cached_block_hash_to_block[block_hash] = block
         self.stats.record_cached(owner)
+        self._resident_changed(owner, +1)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Unpins blocks in the given order (callers pass a request's blocks tail first).
@@ -204,6 +254,7 @@ class BlockPool:
                 self.num_used_blocks -= 1
                 if block.block_hash is not None:
                     self.free_block_queue.append(block)
+                    self.evictable.setdefault(block.owner, OrderedDict())[block.block_id] = block
                 else:
                     self.free_block_queue.appendleft(block)
 
@@ -233,8 +284,9 @@ class BlockPool:
         victims = [b for b in self.cached_block_hash_to_block.values()
                    if predicate is None or predicate(b)]
         for block in victims:
+            free = block.ref_cnt == 0
             self._drop_hash(block, reason, None)
-            if block.ref_cnt == 0:
+            if free:
                 self.free_block_queue.remove(block)
                 self.free_block_queue.appendleft(block)
         return len(victims)
@@ -243,14 +295,89 @@ class BlockPool:
         """Drops every cached block (vLLM ``/reset_prefix_cache``). Returns blocks dropped."""
         return self.evict_cached_blocks(None, "reset")
 
-    def _drop_hash(self, block: KVCacheBlock, reason: str, evicted_by: str | None) -> None:
+    def _drop_hash(self, block: KVCacheBlock, reason: str, evicted_by: str | None,
+                   over_share: bool = False) -> None:
         assert block.block_hash is not None
+        owner = block.owner
         del self.cached_block_hash_to_block[block.block_hash]
-        self.stats.record_eviction(block.owner, reason, evicted_by)
+        if block.ref_cnt == 0:
+            del self.evictable[owner][block.block_id]
+        self.stats.record_eviction(owner, reason, evicted_by, over_share)
         if self.on_evict is not None:
             self.on_evict(block, reason, evicted_by)
         block.block_hash = None
         block.owner = None
+        self._resident_changed(owner, -1)
+
+    # -- fair cache share ----------------------------------------------------------------------
+    def set_tenant_share(self, tenant: TenantId, share: TenantShare) -> None:
+        """Sets a tenant's weight and cache bounds (from its latest request). O(log tenants)."""
+        old = self.shares.get(tenant, _DEFAULT_SHARE)
+        if share == old:
+            return
+        self.shares[tenant] = share
+        if self.stats.resident_blocks.get(tenant, 0) > 0:
+            self.resident_weight += share.weight - old.weight
+        self._resident_changed(tenant, 0)
+
+    def cache_share(self, tenant: TenantId) -> int:
+        """The tenant's guaranteed share of the pool now, in blocks (see the module docstring);
+        for a tenant without resident blocks, as if it had some."""
+        share = self.shares.get(tenant, _DEFAULT_SHARE)
+        total = self.resident_weight
+        if self.stats.resident_blocks.get(tenant, 0) == 0:
+            total += share.weight
+        blocks = self.num_blocks * share.weight // total
+        if share.max_cache_blocks is not None:
+            blocks = min(blocks, share.max_cache_blocks)
+        if share.min_cache_blocks is not None:
+            blocks = max(blocks, share.min_cache_blocks)
+        return blocks
+
+    def _resident_changed(self, tenant: TenantId, delta: int) -> None:
+        resident = self.stats.resident_blocks.get(tenant, 0)
+        share = self.shares.get(tenant, _DEFAULT_SHARE)
+        if delta > 0 and resident == delta:
+            self.resident_weight += share.weight
+        elif delta < 0 and resident == 0:
+            self.resident_weight -= share.weight
+        version = self._version.get(tenant, 0) + 1
+        self._version[tenant] = version
+        if resident > 0:
+            over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
+            heapq.heappush(self._heap, (-int(over_max), -resident / share.weight, version,
+                                        tenant))
+        if len(self._heap) > 2 * len(self._version) + 64:  # drop stale entries, amortised
+            self._heap = [e for e in self._heap if e[2] == self._version[e[3]]]
+            heapq.heapify(self._heap)
+
+    def _is_over_share(self, tenant: TenantId) -> bool:
+        resident = self.stats.resident_blocks.get(tenant, 0)
+        share = self.shares.get(tenant, _DEFAULT_SHARE)
+        if share.max_cache_blocks is not None and resident > share.max_cache_blocks:
+            return True
+        if share.min_cache_blocks is not None and resident <= share.min_cache_blocks:
+            return False
+        return resident * self.resident_weight > self.num_blocks * share.weight
+
+    def _furthest_over_share(self) -> TenantId | None:
+        """The owner with a free cached block that is furthest over its share, or None when no
+        such owner is over its share. O(log tenants) amortised."""
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            neg_over_max, neg_density, version, tenant = heap[0]
+            if version != self._version.get(tenant):
+                heapq.heappop(heap)  # stale
+                continue
+            if not neg_over_max and not (-neg_density * self.resident_weight > self.num_blocks):
+                break  # the densest remaining owner is within its share: so is everyone after
+            if self.evictable.get(tenant) and self._is_over_share(tenant):
+                found = tenant
+                break
+            skipped.append(heapq.heappop(heap))  # all its blocks pinned, or under its minimum
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
 
     # -- invariants ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -276,6 +403,21 @@ class BlockPool:
                     f"{block} hashed but not in the cache map"
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, f"{block} cache map key mismatch"
+        # Each owner's LRU list holds exactly its free cached blocks, in free-queue order.
+        position = {bid: i for i, bid in enumerate(free_ids)}
+        for owner, lru in self.evictable.items():
+            ids = list(lru)
+            assert all(self.blocks[b].owner == owner and self.blocks[b].ref_cnt == 0
+                       and self.blocks[b].block_hash is not None for b in ids), \
+                f"owner LRU list of {owner!r} holds a block that is not its free cached block"
+            assert [position[b] for b in ids] == sorted(position[b] for b in ids), \
+                f"owner LRU list of {owner!r} out of free-queue order"
+        assert sum(len(lru) for lru in self.evictable.values()) == sum(
+            1 for b in free_ids if self.blocks[b].block_hash is not None), \
+            "owner LRU lists miss a free cached block"
+        assert self.resident_weight == sum(
+            self.shares.get(o, _DEFAULT_SHARE).weight for o, n in resident.items() if n), \
+            "resident weight drift"
         # Unhashed free blocks sit before every hashed free block.
         seen_hashed = False
         for bid in free_ids:

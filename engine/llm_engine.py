@@ -125,6 +125,7 @@ class LLMEngine:
         caller's thread, vLLM's input-processor split). Raises ValueError for a duplicate id."""
         request = Request(req)
         self.scheduler.add_request(request)
+        self.block_pool.set_tenant_share(req.tenant_id, req.tenant_share)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, req.sampling_params.stop,
             req.sampling_params.skip_special_tokens)

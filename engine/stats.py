@@ -50,24 +50,35 @@ class BlockPoolStats:
         num_evictions: ``reason -> blocks`` (global, kept independently of ``evictions``).
         resident_blocks: ``owner -> blocks that carry a hash now`` (free or in use; a gauge).
             Owners whose count fell to 0 stay, with 0.
+        over_share_evictions: ``owner -> capacity evictions`` that took the owner's block
+            because it was over its cache share (not plain LRU order).
+        num_over_share_evictions: the same, global (kept independently).
     """
 
     evictions: dict[tuple[TenantId, str, TenantId], int] = field(default_factory=dict)
     num_evictions: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     resident_blocks: dict[TenantId, int] = field(default_factory=dict)
+    over_share_evictions: dict[TenantId, int] = field(default_factory=dict)
+    num_over_share_evictions: int = 0
 
     def record_cached(self, owner: TenantId) -> None:
         """A block of ``owner`` became hittable."""
         _add(self.resident_blocks, owner, 1)
 
-    def record_eviction(self, owner: TenantId, reason: str, evicted_by: TenantId) -> None:
-        """A block of ``owner`` lost its hash for ``reason`` (one of ``EVICTION_REASONS``)."""
+    def record_eviction(self, owner: TenantId, reason: str, evicted_by: TenantId,
+                        over_share: bool = False) -> None:
+        """A block of ``owner`` lost its hash for ``reason`` (one of ``EVICTION_REASONS``);
+        ``over_share``: taken because the owner was over its cache share (capacity only)."""
         assert reason in EVICTION_REASONS, f"unknown eviction reason {reason!r}"
         assert self.resident_blocks.get(owner, 0) > 0, "eviction of a block that is not resident"
+        assert not over_share or reason == "capacity"
         self.resident_blocks[owner] -= 1
         _add(self.evictions, (owner, reason, evicted_by if reason == "capacity" else None), 1)
         self.num_evictions[reason] += 1
+        if over_share:
+            _add(self.over_share_evictions, owner, 1)
+            self.num_over_share_evictions += 1
 
 
 @dataclass
@@ -124,6 +135,10 @@ class TenantStats:
         evictions: ``reason -> blocks`` of this tenant evicted (cumulative; every reason present).
         evictions_caused: ``victim tenant -> blocks`` that this tenant's allocations evicted for
             capacity (cumulative; may include the tenant itself).
+        cache_share_blocks: the tenant's guaranteed share of the pool now (blocks; see
+            ``engine.block_pool``).
+        over_share_evictions: the tenant's blocks evicted because it was over its share
+            (cumulative; part of ``evictions["capacity"]``).
     """
 
     prefix_cache_queries: int = 0
@@ -134,6 +149,8 @@ class TenantStats:
         default_factory=lambda: MappingProxyType(dict.fromkeys(EVICTION_REASONS, 0)))
     evictions_caused: Mapping[TenantId, int] = field(
         default_factory=lambda: MappingProxyType({}))
+    cache_share_blocks: int = 0
+    over_share_evictions: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -168,6 +185,7 @@ class EngineStatsSnapshot:
     evictions: Mapping[str, int]
     eviction_counts: tuple[EvictionCount, ...]
     tenants: Mapping[TenantId, TenantStats]
+    over_share_evictions: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -208,6 +226,10 @@ class EngineStatsSnapshot:
                 == total, f"{reason} eviction rows do not sum to the global counter"
         assert sum(sum(t.evictions_caused.values()) for t in tenants) \
             == self.evictions["capacity"], "caused evictions != capacity evictions"
+        assert sum(t.over_share_evictions for t in tenants) == self.over_share_evictions, \
+            "per-tenant over-share evictions do not sum to the global counter"
+        assert self.over_share_evictions <= self.evictions["capacity"], \
+            "more over-share evictions than capacity evictions"
 
 
 def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
@@ -237,7 +259,9 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
             prefix_cache_recomputed_tokens=sstats.per_tenant_recomputed_tokens.get(t, 0),
             resident_blocks=pstats.resident_blocks.get(t, 0),
             evictions=MappingProxyType(evictions.get(t, dict.fromkeys(EVICTION_REASONS, 0))),
-            evictions_caused=MappingProxyType(caused.get(t, {})))
+            evictions_caused=MappingProxyType(caused.get(t, {})),
+            cache_share_blocks=pool.cache_share(t),
+            over_share_evictions=pstats.over_share_evictions.get(t, 0))
         for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
     num_free = pool.get_num_free_blocks()
     return EngineStatsSnapshot(
@@ -252,7 +276,8 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         prefix_cache_recomputed_tokens=sstats.num_recomputed_tokens,
         evictions=MappingProxyType(dict(pstats.num_evictions)),
         eviction_counts=tuple(rows),
-        tenants=MappingProxyType(tenants))
+        tenants=MappingProxyType(tenants),
+        over_share_evictions=pstats.num_over_share_evictions)
 
 
 def _row_key(item: tuple[tuple[TenantId, str, TenantId], int]) -> tuple:

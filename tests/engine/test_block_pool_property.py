@@ -21,12 +21,12 @@ from hypothesis.stateful import (
 from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import EngineRequest, Request
+from engine.request import EngineRequest, Request, TenantShare
 from engine.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 10
-TENANTS = {"t1": b"\x01" * 32, "t2": b"\x02" * 32}
+TENANTS = {"t1": b"\x01" * 32, "t2": b"\x02" * 32, "t3": b"\x03" * 32}
 # Three shared base prompts, cut anywhere and followed by a random tail, so hits are frequent.
 BASES = ([0, 1, 0, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1],
          [0, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 0],
@@ -160,6 +160,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.kv.get_computed_blocks(req)
         assert self._snapshot() == before
 
+    @rule(tenant=st.sampled_from(sorted(TENANTS)), weight=st.integers(1, 3),
+          min_blocks=st.none() | st.integers(0, 4), max_blocks=st.none() | st.integers(0, 6))
+    def set_share(self, tenant: str, weight: int, min_blocks: int | None,
+                  max_blocks: int | None) -> None:
+        """Weights and cache bounds change at any time; eviction then follows the new shares."""
+        refs = [b.ref_cnt for b in self.pool.blocks]
+        self.pool.set_tenant_share(tenant, TenantShare(weight, min_blocks, max_blocks))
+        assert [b.ref_cnt for b in self.pool.blocks] == refs
+
     @invariant()
     def integrity(self) -> None:
         self.kv.check_integrity()
@@ -169,6 +178,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert set(self.kv.req_to_blocks) == set(self.live)
         hashed = {b.block_id for b in self.pool.blocks if b.block_hash is not None}
         assert set(self.shadow) == hashed
+        # Per-tenant resident counts: from the blocks themselves, not from the counters.
+        for tenant in TENANTS:
+            owned = sum(1 for b in self.pool.blocks
+                        if b.block_hash is not None and b.owner == tenant)
+            assert self.pool.stats.resident_blocks.get(tenant, 0) == owned
+            assert len(self.pool.evictable.get(tenant, ())) == sum(
+                1 for b in self.pool.blocks
+                if b.block_hash is not None and b.owner == tenant and b.ref_cnt == 0)
 
 
 BlockPoolMachine.TestCase.settings = settings(

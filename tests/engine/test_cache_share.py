@@ -1,0 +1,182 @@
+"""Fair cache share in ``BlockPool``: which cached block is evicted when tenants compete.
+
+Each scenario builds resident cached blocks per tenant directly on the pool (allocate, hash,
+free), then allocates and asserts exactly which block ids were evicted, whose, and the
+over-share counters; ``check_integrity()`` runs after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool
+from engine.request import TenantShare
+from engine.stats import take_snapshot
+
+_next_hash = iter(range(10**9))
+
+
+def cache(pool: BlockPool, tenant: str | None, n: int) -> list[int]:
+    """Caches ``n`` blocks of ``tenant`` and frees them (LRU: in this order). Returns ids."""
+    blocks = pool.get_new_blocks(n, tenant)
+    for b in blocks:
+        pool.cache_full_block(b, f"h{next(_next_hash)}".encode(), tenant)
+    pool.free_blocks(blocks)
+    pool.check_integrity()
+    return [b.block_id for b in blocks]
+
+
+def evictions(pool: BlockPool) -> list[tuple[int, str | None, str | None]]:
+    """Records (block id, owner, evicted_by) of every capacity eviction from now on."""
+    seen: list[tuple[int, str | None, str | None]] = []
+    pool.on_evict = lambda b, reason, by: seen.append((b.block_id, b.owner, by))
+    return seen
+
+
+def take(pool: BlockPool, n: int, tenant: str | None) -> list[int]:
+    blocks = pool.get_new_blocks(n, tenant)
+    pool.check_integrity()
+    return [b.block_id for b in blocks]
+
+
+def test_one_tenant_is_plain_lru() -> None:
+    pool = BlockPool(6)
+    first, second = cache(pool, "A", 3), cache(pool, "A", 3)
+    seen = evictions(pool)
+    assert take(pool, 4, "A") == first + second[:1]
+    assert [s[0] for s in seen] == first + second[:1]
+    assert pool.stats.num_over_share_evictions == 0
+
+
+def test_all_tenants_within_share_is_plain_lru() -> None:
+    pool = BlockPool(8)  # equal weights: 4 blocks each
+    a_old, b, a_new, b_new = (cache(pool, "A", 2), cache(pool, "B", 3), cache(pool, "A", 2),
+                              cache(pool, "B", 1))
+    seen = evictions(pool)
+    assert take(pool, 3, "B") == a_old + b[:1]  # A's blocks are older: LRU takes them first
+    assert [o for _, o, _ in seen] == ["A", "A", "B"]
+    assert pool.stats.num_over_share_evictions == 0
+    assert a_new and b_new
+    assert pool.stats.resident_blocks == {"A": 2, "B": 3}
+
+
+def test_tenant_over_its_share_loses_its_own_lru_block_first() -> None:
+    pool = BlockPool(10)  # equal weights: 5 blocks each
+    a = cache(pool, "A", 2)        # A's hot prompt: the oldest blocks in the pool
+    b = cache(pool, "B", 8)        # B floods: 8 > 5
+    seen = evictions(pool)
+    # A allocates: plain LRU would take A's own hot blocks; B is over its share, so B pays.
+    assert take(pool, 3, "A") == b[:3]
+    assert seen == [(i, "B", "A") for i in b[:3]]
+    assert pool.stats.over_share_evictions == {"B": 3}
+    assert pool.stats.resident_blocks == {"A": 2, "B": 5}
+    # B at exactly its share (5 of 10) is no longer over it: plain LRU again (A's block 0).
+    assert take(pool, 1, "B") == a[:1]
+    assert pool.stats.over_share_evictions == {"B": 3}
+
+
+def test_weights_set_the_share() -> None:
+    pool = BlockPool(8)
+    pool.set_tenant_share("A", TenantShare(weight=3))   # shares: A 6, B 2
+    a = cache(pool, "A", 5)
+    b = cache(pool, "B", 3)
+    assert (pool.cache_share("A"), pool.cache_share("B")) == (6, 2)
+    seen = evictions(pool)
+    assert take(pool, 1, "A") == b[:1]      # B (3 > 2) is over; A (5 <= 6) is not
+    assert seen == [(b[0], "B", "A")]
+    assert take(pool, 1, "A") == a[:1]      # B at 2 = its share: plain LRU, A's oldest
+    # Equal weights again: A (4 of 8 > ... no, 4 = 4) within, B 2 within: LRU order.
+    pool.set_tenant_share("A", TenantShare(weight=1))
+    pool.check_integrity()
+    assert (pool.cache_share("A"), pool.cache_share("B")) == (4, 4)
+
+
+def test_graded_tenants_the_furthest_over_pays_first() -> None:
+    pool = BlockPool(15)  # three tenants, equal weights: 5 blocks each
+    a = cache(pool, "A", 1)
+    b = cache(pool, "B", 6)
+    c = cache(pool, "C", 8)
+    seen = evictions(pool)
+    # C (8) is further over its share than B (6): C pays until it is level with B ...
+    assert take(pool, 2, "A") == c[:2]
+    # ... then both pay, one block each, down to their share of 5 ...
+    assert sorted(take(pool, 2, "A")) == sorted([b[0], c[2]])
+    assert pool.stats.over_share_evictions == {"C": 3, "B": 1}
+    assert pool.stats.resident_blocks == {"A": 1, "B": 5, "C": 5}
+    # ... and with everyone within its share, plain LRU takes A's old block.
+    assert take(pool, 1, "B") == a
+    assert [o for _, o, _ in seen][:2] == ["C", "C"] and len(seen) == 5
+
+
+def test_min_cache_blocks_protects_and_max_cache_blocks_caps() -> None:
+    pool = BlockPool(10)
+    pool.set_tenant_share("B", TenantShare(min_cache_blocks=8))
+    a = cache(pool, "A", 2)
+    b = cache(pool, "B", 8)          # over its weighted share (5) but within its minimum
+    seen = evictions(pool)
+    assert take(pool, 1, "A") == a[:1]  # no one evictable is over its share: plain LRU
+    assert pool.stats.num_over_share_evictions == 0
+    assert pool.cache_share("B") == 8
+    # A cap below the weighted share makes a tenant over it.
+    pool.set_tenant_share("A", TenantShare(max_cache_blocks=0))
+    pool.check_integrity()
+    assert take(pool, 1, "B") == a[1:]
+    assert seen[-1] == (a[1], "A", "B") and pool.stats.over_share_evictions == {"A": 1}
+    assert b
+
+
+def test_over_share_tenant_with_only_pinned_blocks_falls_back_to_lru() -> None:
+    pool = BlockPool(10)
+    a = cache(pool, "A", 2)
+    b_blocks = pool.get_new_blocks(7, "B")    # B: 7 cached blocks, all pinned (in use)
+    for blk in b_blocks:
+        pool.cache_full_block(blk, f"h{next(_next_hash)}".encode(), "B")
+    pool.check_integrity()
+    assert take(pool, 1, "C") == [9]          # the unhashed free block goes first
+    assert take(pool, 1, "C") == a[:1]        # B is over but has nothing free: LRU
+    assert pool.stats.num_over_share_evictions == 0
+    pool.free_blocks(b_blocks[:2])            # two of B's become evictable
+    pool.check_integrity()
+    assert take(pool, 1, "C") == [b_blocks[0].block_id]
+    assert pool.stats.over_share_evictions == {"B": 1}
+
+
+def test_explicit_evictions_and_touch_keep_the_owner_lists() -> None:
+    pool = BlockPool(8)
+    a = cache(pool, "A", 3)
+    cache(pool, "B", 3)
+    pool.touch([pool.blocks[a[1]]])            # a hit pins A's middle block
+    pool.check_integrity()
+    assert list(pool.evictable["A"]) == [a[0], a[2]]
+    assert pool.evict_cached_blocks(lambda blk: blk.owner == "B", "salt_rotation") == 3
+    pool.check_integrity()
+    assert list(pool.evictable["B"]) == [] and pool.resident_weight == 1
+    pool.free_blocks([pool.blocks[a[1]]])
+    pool.check_integrity()
+    assert list(pool.evictable["A"]) == [a[0], a[2], a[1]]
+
+
+def test_snapshot_reports_share_and_over_share_evictions() -> None:
+    from engine.block_hash import get_hash_fn
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.scheduler import Scheduler
+
+    pool = BlockPool(10)
+    sched = Scheduler(KVCacheManager(pool, 16, get_hash_fn("sha256")), 4, 64, 160)
+    cache(pool, "A", 2)
+    cache(pool, "B", 8)
+    take(pool, 3, "A")
+    snap = take_snapshot(sched)
+    snap.check_integrity()
+    assert (snap.tenants["A"].cache_share_blocks, snap.tenants["B"].cache_share_blocks) == (5, 5)
+    assert (snap.tenants["A"].over_share_evictions, snap.tenants["B"].over_share_evictions) \
+        == (0, 3)
+    assert snap.over_share_evictions == 3 and snap.evictions["capacity"] == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_tenant_share_rejects_bad_weights(bad) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        TenantShare(weight=bad)
+    with pytest.raises(ValueError, match="min_cache_blocks"):
+        TenantShare(min_cache_blocks=-1)
