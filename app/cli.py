@@ -97,8 +97,16 @@ def serve(**opts: Any) -> None:
         engine = LLMEngine(settings.engine_config(boot.model_dir))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    app = create_app(AsyncLLM(engine), boot.repo, settings.max_request_body_bytes,
-                     settings.metrics_token, jwt_verifier=verifier)
+    client = AsyncLLM(engine)
+    server: uvicorn.Server | None = None
+
+    def stop_serving() -> None:  # the engine died: stop, then exit non-zero (below)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(client, boot.repo, settings.max_request_body_bytes,
+                     settings.metrics_token, jwt_verifier=verifier,
+                     on_engine_death=stop_serving)
     base = f"http://{settings.host}:{settings.port}"
     if boot.demo_key:
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
@@ -119,7 +127,13 @@ def serve(**opts: Any) -> None:
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="info"))
+    server.run()
+    if client.errored:
+        click.echo("saltserve: the inference engine died; exiting with status 1 so that a "
+                   "supervisor restarts the server", err=True)
+        raise SystemExit(1)
 
 
 @main.group()

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from tenants.errors import (
     ApiKeyNotFound,
     DuplicateTenant,
@@ -92,6 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, exc.message, None, "request_failed")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -7,7 +7,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -98,7 +98,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
                max_request_body_bytes: int = 4 << 20,
                metrics_token: str | None = None,
                jwt_verifier: JWTVerifier | None = None,
-               last_used_flush_s: float = 60.0) -> FastAPI:
+               last_used_flush_s: float = 60.0,
+               on_engine_death: Callable[[], None] | None = None) -> FastAPI:
     """Builds the app around an engine client and a tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
@@ -111,7 +112,17 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             admin JWTs.
         jwt_verifier: verifies bearer JWTs (platform and IdP keys); None refuses every JWT,
             so only API keys work and the admin API is closed.
+        on_engine_death: called once, on the event loop, when the engine is declared dead
+            (``saltserve serve`` stops the server and exits non-zero for a supervisor).
     """
+
+    async def watch_engine() -> None:
+        while not engine.errored:
+            await asyncio.sleep(0.25)
+        logger.critical("the engine is dead (%s); /health now answers 503",
+                        type(engine.dead_error).__name__)
+        if on_engine_death is not None:
+            on_engine_death()
 
     async def flush_periodically() -> None:
         while True:
@@ -125,10 +136,12 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         flusher = asyncio.create_task(flush_periodically())
+        watchdog = asyncio.create_task(watch_engine())
         try:
             yield
         finally:
             flusher.cancel()
+            watchdog.cancel()
             engine.shutdown()
             repo.flush_last_used()
 

@@ -291,6 +291,12 @@ class BlockPool:
                 self.free_block_queue.appendleft(block)
         return len(victims)
 
+    def drop_hashes(self, blocks: Iterable[KVCacheBlock], reason: str) -> int:
+        """Drops the hash of each given block that has one (``evict_cached_blocks`` for a known
+        list of blocks, e.g. those a failed step was writing). Returns blocks dropped."""
+        targets = {id(b): b for b in blocks if b.block_hash is not None}
+        return self.evict_cached_blocks(lambda b: id(b) in targets, reason) if targets else 0
+
     def reset_prefix_cache(self) -> int:
         """Drops every cached block (vLLM ``/reset_prefix_cache``). Returns blocks dropped."""
         return self.evict_cached_blocks(None, "reset")

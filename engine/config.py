@@ -64,6 +64,10 @@ class EngineConfig:
         "choices": ATTENTION_BACKENDS})
     seed: int = field(default=0, metadata={
         "help": "Global seed for unseeded sampling (vLLM --seed)."})
+    max_consecutive_step_failures: int = field(default=3, metadata={
+        "help": "Failed batched forwards in a row before the engine is declared dead "
+                "(/health 503, the server exits non-zero); one failure only fails that "
+                "step's requests."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -82,6 +86,8 @@ class EngineConfig:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.max_consecutive_step_failures < 1:
+            raise ValueError("--max-consecutive-step-failures must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -33,3 +33,19 @@ class InvalidRequestError(EngineError, ValueError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class RequestFailedError(EngineError):
+    """One request failed inside the engine (its sampling, stop checks, detokenisation, block
+    allocation, or its step's forward pass); the others go on (HTTP 500).
+
+    Attributes:
+        message: client-safe text (no token ids, no prompt).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -7,9 +7,25 @@ without loading weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ExecuteOutput:
+    """One step's results.
+
+    Attributes:
+        sampled: request id -> sampled token id, for chunks that reach the end of their known
+            tokens (the others only filled KV).
+        failed: request id -> client-safe reason, for requests whose own logits processing or
+            sampling failed (the batched forward itself succeeded; their KV is valid).
+    """
+
+    sampled: dict[str, int]
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelExecutor(Protocol):
@@ -38,9 +54,12 @@ class ModelExecutor(Protocol):
         """Allocates the KV cache: ``num_blocks`` blocks of ``block_size`` tokens."""
         ...
 
-    def execute(self, scheduled: SchedulerOutput) -> dict[str, int]:
-        """Runs one step. Returns request id -> sampled token for chunks that reach the end of
-        their known tokens (the others only filled KV)."""
+    def execute(self, scheduled: SchedulerOutput) -> ExecuteOutput:
+        """Runs one step: the batched forward, then sampling per request.
+
+        Raises:
+            Exception: the batched forward failed (every request of the step is affected).
+        """
         ...
 
     def release(self, request_id: str) -> None:

@@ -124,6 +124,17 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def drop_hashes_from(self, request: Request, num_computed_tokens: int) -> int:
+        """Makes the request's blocks from the one holding token ``num_computed_tokens`` on
+        unreachable in the prefix cache (reason ``"fault"``): their KV was being written by a
+        step that failed. Returns the blocks dropped."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = num_computed_tokens // self.block_size
+        dropped = self.block_pool.drop_hashes(blocks[start:], "fault")
+        self.num_cached_block[request.request_id] = min(
+            self.num_cached_block.get(request.request_id, 0), start)
+        return dropped
+
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks in the request's block table (0 when it has none)."""
         return len(self.req_to_blocks.get(request_id, ()))

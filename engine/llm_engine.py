@@ -16,13 +16,15 @@ from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool
 from engine.config import CacheInfo, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineDeadError
 from engine.executor import ModelExecutor
+from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.config import ModelConfig
 from engine.protocol import ModelInfo, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus
-from engine.scheduler import Scheduler
-from engine.stats import EXPLICIT_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import OPERATOR_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, max_model_len, eos)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.consecutive_step_failures = 0
         self.served_model_name = config.served_model_name or model_dir.name
         self.model_info = ModelInfo(
             served_model_name=self.served_model_name, max_model_len=max_model_len,
@@ -160,8 +163,8 @@ class LLMEngine:
         Raises:
             ValueError: ``reason`` is not "salt_rotation" or "reset".
         """
-        if reason not in EXPLICIT_EVICTION_REASONS:
-            raise ValueError(f"reason must be one of {EXPLICIT_EVICTION_REASONS}, got {reason!r}")
+        if reason not in OPERATOR_EVICTION_REASONS:
+            raise ValueError(f"reason must be one of {OPERATOR_EVICTION_REASONS}, got {reason!r}")
         return self.block_pool.evict_cached_blocks(lambda b: b.owner == tenant_id, reason)
 
     def stats_snapshot(self) -> EngineStatsSnapshot:
@@ -173,27 +176,78 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one batch. Returns outputs for requests that got new tokens."""
+        """Schedules and runs one batch. Returns outputs for requests that got new tokens or
+        finished (also with finish_reason ``"error"``).
+
+        Fault containment (DESIGN "Multi-tenant capacity"): a fault in one request's block
+        allocation, sampling, stop checks or detokenisation fails that request alone. A failed
+        batched forward fails that step's requests, drops the prefix-cache entries of the blocks
+        it was filling, checks the pool's integrity and goes on.
+
+        Raises:
+            EngineDeadError: ``max_consecutive_step_failures`` forwards failed in a row, or the
+                pool's integrity check failed after a failed forward.
+        """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
-        sampled = self.runner.execute(sched)
+            return self._failed_outputs()
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - the whole step failed; maybe only this once
+            return self._fail_step(sched, e)
+        self.consecutive_step_failures = 0
+        for rid, reason in result.failed.items():
+            self.scheduler.fail_request(self.scheduler.requests[rid], reason)
         outputs = []
-        for req in self.scheduler.update_from_output(sched, sampled):
-            new_ids = [req.output_token_ids[-1]]
-            detok = self.detokenizers[req.request_id]
-            delta = detok.add_tokens(new_ids, req.status.finished)
-            if detok.stopped_by is not None:  # a stop string matched; delta holds the rest
-                req.stop_reason = detok.stopped_by
-                if req.status.finished:  # finished by a token rule in the same step
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id],
-                                                   RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._output(req, new_ids, delta))
-        return outputs
+        for req in self.scheduler.update_from_output(sched, result.sampled):
+            try:
+                outputs.append(self._detokenize(req))
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                logger.error("detokenisation failed for request %s: %s", req.request_id,
+                             type(e).__name__)
+                self.scheduler.fail_request(req, "detokenisation failed for this request")
+        return outputs + self._failed_outputs()
 
-    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+    def _detokenize(self, req: Request) -> RequestOutput:
+        fire("detokenize", req.request_id)
+        new_ids = [req.output_token_ids[-1]]
+        detok = self.detokenizers[req.request_id]
+        delta = detok.add_tokens(new_ids, req.status.finished)
+        if detok.stopped_by is not None:  # a stop string matched; delta holds the rest
+            req.stop_reason = detok.stopped_by
+            if req.status.finished:  # finished by a token rule in the same step
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        return self._output(req, new_ids, delta)
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        self.consecutive_step_failures += 1
+        n, limit = self.consecutive_step_failures, self.config.max_consecutive_step_failures
+        logger.error("engine step failed (%d in a row, limit %d): %s", n, limit,
+                     type(error).__name__)
+        if n >= limit:
+            raise EngineDeadError(f"{n} engine steps failed in a row") from error
+        for s in sched.scheduled:
+            req = s.request
+            if req.status == RequestStatus.RUNNING:
+                # The KV this step was writing is not trustworthy: no one may hit those blocks.
+                self.kv_cache_manager.drop_hashes_from(req, s.num_computed_tokens)
+                self.scheduler.fail_request(req, "the engine step computing this request "
+                                                 "failed")
+        try:
+            self.kv_cache_manager.check_integrity()
+        except AssertionError as e:
+            raise EngineDeadError("the KV block pool is inconsistent after a failed step") \
+                from e
+        return self._failed_outputs()
+
+    def _failed_outputs(self) -> list[RequestOutput]:
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return [self._output(req, [], "", error=reason) for req, reason in failed]
+
+    def _output(self, req: Request, new_ids: list[int], delta: str,
+                error: str | None = None) -> RequestOutput:
         finished = req.status.finished
         if finished:
             self.detokenizers.pop(req.request_id, None)
@@ -203,4 +257,4 @@ class LLMEngine:
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason)
+            num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason, error=error)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
+from engine.executor import ExecuteOutput
+from engine.faults import fire
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,8 +103,12 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one step. Returns request id -> sampled token for chunks that reach the end."""
+    def execute(self, out: SchedulerOutput) -> ExecuteOutput:
+        """Runs one step: batched forward, then sampling (see ``ModelExecutor.execute``).
+
+        A failure in sampling is retried row by row, so only the requests whose own sampling
+        fails are reported in ``failed``; a failure in the forward pass raises.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -122,7 +132,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_reqs.append(req)
         if not input_ids:
-            return {}
+            return ExecuteOutput({})
         dev = self.torch_device
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
@@ -138,16 +148,36 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=bs),
             tables)
+        fire("forward")
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)
         if not sample_rows:
-            return {}
+            return ExecuteOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        params = [r.sampling_params for r in sampled_reqs]
-        gens = [self._generator(r.request_id, r.sampling_params.seed) for r in sampled_reqs]
+        try:
+            return ExecuteOutput(self._sample(logits, sampled_reqs))
+        except Exception:  # noqa: BLE001 - find whose fault it is, one row at a time
+            sampled: dict[str, int] = {}
+            failed: dict[str, str] = {}
+            for i, r in enumerate(sampled_reqs):
+                try:
+                    sampled.update(self._sample(logits[i:i + 1], [r]))
+                except Exception as e:  # noqa: BLE001 - this request's fault only
+                    logger.error("sampling failed for request %s: %s", r.request_id,
+                                 type(e).__name__)
+                    failed[r.request_id] = "sampling failed for this request"
+            return ExecuteOutput(sampled, failed)
+
+    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, int]:
+        """Samples one token per row of ``logits`` [len(reqs), vocab] (float32)."""
+        for r in reqs:
+            fire("logits", r.request_id)
+            fire("sample", r.request_id)
+        params = [r.sampling_params for r in reqs]
+        gens = [self._generator(r.request_id, r.sampling_params.seed) for r in reqs]
         tokens = sample(logits, params, gens)
-        return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -31,9 +31,12 @@ TenantId = str | None
 #   capacity       popped from the free queue for reuse by an allocation (lazy LRU eviction)
 #   salt_rotation  the owner's salt was rotated: its old blocks became unreachable
 #   reset          a global or per-tenant prefix-cache reset
-EVICTION_REASONS: tuple[str, ...] = ("capacity", "salt_rotation", "reset")
-# Reasons an operator may pass to ``BlockPool.evict_cached_blocks`` (capacity is never explicit).
-EXPLICIT_EVICTION_REASONS: tuple[str, ...] = ("salt_rotation", "reset")
+#   fault          a failed engine step was writing the block's KV (engine.llm_engine.step)
+EVICTION_REASONS: tuple[str, ...] = ("capacity", "salt_rotation", "reset", "fault")
+# Reasons ``BlockPool.evict_cached_blocks`` takes (capacity is never explicit).
+EXPLICIT_EVICTION_REASONS: tuple[str, ...] = ("salt_rotation", "reset", "fault")
+# Reasons an operator may ask for (admin API, ``LLMEngine.evict_tenant_cache``).
+OPERATOR_EVICTION_REASONS: tuple[str, ...] = ("salt_rotation", "reset")
 
 
 def _add(d: dict, key: object, n: int) -> None:

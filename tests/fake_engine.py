@@ -16,6 +16,8 @@ from typing import Any
 
 from engine.async_engine import AsyncLLM
 from engine.config import EngineConfig
+from engine.executor import ExecuteOutput
+from engine.faults import fire
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerOutput
 
@@ -60,19 +62,27 @@ class FakeExecutor:
         """The "greedy" next token after ``token_ids``."""
         return self.words[(sum(token_ids[-8:]) + 7 * len(token_ids)) % len(self.words)]
 
-    def execute(self, scheduled: SchedulerOutput) -> dict[str, int]:
+    def execute(self, scheduled: SchedulerOutput) -> ExecuteOutput:
         if self.fail:
             raise RuntimeError("fake forward failed")
+        fire("forward")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.steps += 1
-        sampled = {}
+        sampled, failed = {}, {}
         for s in scheduled.scheduled:
             self.tokens_computed += s.num_new_tokens
             if s.samples:
+                rid = s.request.request_id
+                try:  # the real runner's per-request fault points
+                    fire("logits", rid)
+                    fire("sample", rid)
+                except Exception:  # noqa: BLE001 - this request's fault only
+                    failed[rid] = "sampling failed for this request"
+                    continue
                 end = s.num_computed_tokens + s.num_new_tokens
-                sampled[s.request.request_id] = self.next_token(s.request.all_token_ids[:end])
-        return sampled
+                sampled[rid] = self.next_token(s.request.all_token_ids[:end])
+        return ExecuteOutput(sampled, failed)
 
     def release(self, request_id: str) -> None:
         pass

@@ -48,7 +48,7 @@ from app.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -126,6 +126,8 @@ class CompletionCall:
         c.num_tokens = out.num_output_tokens
         c.num_cached_tokens = out.num_cached_tokens
         if out.finished:
+            if out.finish_reason == "error":  # a fault of this request only (engine/faults.py)
+                raise RequestFailedError(out.error or "the request failed in the engine")
             c.finish_reason = out.finish_reason
 
     def usage(self) -> UsageInfo:
@@ -245,6 +247,7 @@ class CompletionsService:
             APIError: 400 (bad model, sampling values, cache_salt, template, lengths, token
                 ids; ``param`` set), 429 over a tenant limit; every refusal is recorded as usage.
             EngineDeadError: the engine is not running (503).
+            RequestFailedError: a fault inside the engine failed this call alone (500).
         """
         return await self._run("chat.completions", "chatcmpl", body, auth, is_disconnected)
 
@@ -477,6 +480,9 @@ class CompletionsService:
             call.status = "error"
             yield _sse(error_body(503, "the inference engine is not available", None,
                                   "engine_unavailable"))
+        except RequestFailedError as e:
+            call.status = "error"
+            yield _sse(error_body(500, e.message, None, "request_failed"))
         except Exception as e:  # noqa: BLE001 - never a stack trace to the client
             call.status = "error"
             logger.error("stream failed: %s", type(e).__name__)

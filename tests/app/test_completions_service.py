@@ -227,7 +227,7 @@ def test_finalize_refuses_a_second_run(env, service, caplog):
 
 
 def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder, tmp_path):
-    with app_env_builder(tmp_path) as env:
+    with app_env_builder(tmp_path, max_consecutive_step_failures=1) as env:
         svc = env.client.app.state.completions
         svc.record_usage = recorder = Recorder()
         env.fake.fail = True
@@ -244,7 +244,7 @@ def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder,
 
 
 def test_engine_death_mid_stream_is_an_in_band_error_recorded_once(app_env_builder, tmp_path):
-    with app_env_builder(tmp_path) as env:
+    with app_env_builder(tmp_path, max_consecutive_step_failures=1) as env:
         svc = env.client.app.state.completions
         svc.record_usage = recorder = Recorder()
         env.fake.step_delay_s = 0.01

@@ -58,7 +58,7 @@ def test_prefix_cache_and_block_accounting_are_the_real_engines(model_dir, token
 
 
 def test_fake_client_is_an_engine_client_and_fails_like_the_real_one(model_dir, tokenizer):
-    client = make_fake_engine_client(model_dir, tokenizer)
+    client = make_fake_engine_client(model_dir, tokenizer, max_consecutive_step_failures=1)
     assert isinstance(client, EngineClient)
     assert client.model_info().vocab_size == len(tokenizer)
     client.start()

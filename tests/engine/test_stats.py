@@ -119,10 +119,10 @@ def test_cold_warm_pair_counts_once_per_admission() -> None:
     s0 = h.snap()
     s1 = h.run(make_request("cold", prompt))
     assert delta(s1, s0, "A") == {"queries": 40, "hits": 0, "recomputed": 0, "resident": 2,
-                                  "capacity": 0, "salt_rotation": 0, "reset": 0}
+                                  "capacity": 0, "salt_rotation": 0, "reset": 0, "fault": 0}
     s2 = h.run(make_request("warm", prompt))
     assert delta(s2, s1, "A") == {"queries": 40, "hits": 32, "recomputed": 0, "resident": 2,
-                                  "capacity": 0, "salt_rotation": 0, "reset": 0}
+                                  "capacity": 0, "salt_rotation": 0, "reset": 0, "fault": 0}
     assert h.prefill_tokens == {"cold": 40, "warm": 8}
     assert s2.num_blocks_cached == 2 and s2.hit_rate == 32 / 80
     assert tenant(s2, "A").hit_rate == 32 / 80
@@ -138,7 +138,7 @@ def test_two_tenants_same_prompt_never_share_and_add_up() -> None:
     assert (tenant(s1, "A").resident_blocks, tenant(s1, "B").resident_blocks) == (3, 3)
     s2 = h.run(make_request("b2", prompt, "B"), make_request("a2", prompt, "A"))
     assert delta(s2, s1, "A") == {"queries": 50, "hits": 48, "recomputed": 0, "resident": 3,
-                                  "capacity": 0, "salt_rotation": 0, "reset": 0}
+                                  "capacity": 0, "salt_rotation": 0, "reset": 0, "fault": 0}
     assert delta(s2, s1, "B") == delta(s2, s1, "A")
     assert (s2.prefix_cache_queries, s2.prefix_cache_hits, s2.num_blocks_cached) == (200, 96, 6)
 
@@ -173,7 +173,7 @@ def test_capacity_eviction_names_owner_and_evicting_tenant() -> None:
     # B: 48 other tokens -> pops 3 (unhashed), then A's 2 and 1 (capacity, caused by B).
     s2 = h.run(make_request("b1", tokens(6, 48), "B"))
     assert delta(s2, s1, "A") == {"queries": 0, "hits": 0, "recomputed": 0, "resident": 1,
-                                  "capacity": 2, "salt_rotation": 0, "reset": 0}
+                                  "capacity": 2, "salt_rotation": 0, "reset": 0, "fault": 0}
     assert delta(s2, s1, "B")["resident"] == 3
     assert tenant(s2, "B").evictions_caused == {"A": 2}
     assert [(c.tenant, c.reason, c.evicted_by, c.num_blocks) for c in s2.eviction_counts] \
@@ -186,7 +186,7 @@ def test_capacity_eviction_names_owner_and_evicting_tenant() -> None:
     assert tenant(s3, "A").evictions_caused == {"B": 2}
     assert sorted((c.tenant, c.evicted_by, c.num_blocks) for c in s3.eviction_counts) \
         == [("A", "B", 2), ("B", "A", 2)]
-    assert s3.evictions == {"capacity": 4, "salt_rotation": 0, "reset": 0}
+    assert s3.evictions == {"capacity": 4, "salt_rotation": 0, "reset": 0, "fault": 0}
     assert s3.num_blocks_cached == 4 and s3.num_blocks_cached == sum(
         t.resident_blocks for t in s3.tenants.values())
     assert (tenant(s3, "A").resident_blocks, tenant(s3, "B").resident_blocks) == (3, 1)
@@ -212,13 +212,13 @@ def test_reset_and_tenant_eviction_count_per_owner_by_reason() -> None:
     assert pool.evict_cached_blocks(lambda b: b.owner == "A", "salt_rotation") == 3
     s1 = h.snap()
     assert delta(s1, s0, "A") == {"queries": 0, "hits": 0, "recomputed": 0, "resident": 0,
-                                  "capacity": 0, "salt_rotation": 3, "reset": 0}
+                                  "capacity": 0, "salt_rotation": 3, "reset": 0, "fault": 0}
     assert delta(s1, s0, "B")["resident"] == 2
     assert pool.evict_cached_blocks(lambda b: b.owner == "B", "reset") == 2
     assert pool.reset_prefix_cache() == 1                              # only C's block is left
     s2 = h.snap()
     assert [tenant(s2, t).evictions["reset"] for t in "ABC"] == [0, 2, 1]
-    assert s2.evictions == {"capacity": 0, "salt_rotation": 3, "reset": 3}
+    assert s2.evictions == {"capacity": 0, "salt_rotation": 3, "reset": 3, "fault": 0}
     assert [(c.tenant, c.reason, c.evicted_by) for c in s2.eviction_counts] \
         == [("A", "salt_rotation", None), ("B", "reset", None), ("C", "reset", None)]
     assert s2.num_blocks_cached == 0 and all(t.resident_blocks == 0 for t in s2.tenants.values())
@@ -264,7 +264,7 @@ def test_request_waiting_for_blocks_counts_hits_once() -> None:
     s = h.run()
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert delta(s, s0, "A") == {"queries": 64, "hits": 32, "recomputed": 0, "resident": 4,
-                                 "capacity": 0, "salt_rotation": 0, "reset": 0}
+                                 "capacity": 0, "salt_rotation": 0, "reset": 0, "fault": 0}
     assert delta(s, s0, "B")["queries"] == 33
     assert h.prefill_tokens["b"] == 32
 
