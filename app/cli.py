@@ -166,7 +166,51 @@ def tenants_list(**opts: Any) -> None:
 
     for t in open_repository(_settings(**opts)).tenants.list_all():
         state = "disabled" if t.disabled else "active"
-        click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}")
+        click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}  "
+                   f"weight={t.weight}")
+
+
+def _cache_bound(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    from tenants.tenant_store import UNCHANGED
+
+    if value is None:
+        return UNCHANGED
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter("an integer >= 0, or 'none' for no bound") from None
+    if n < 0:
+        raise click.BadParameter("an integer >= 0, or 'none' for no bound")
+    return n
+
+
+@tenants.command("set-share")
+@click.argument("tenant")
+@click.option("--weight", type=click.IntRange(1, 1000), default=None,
+              help="Share of each engine step's token budget and of the cached KV blocks, "
+                   "relative to other tenants' weights. [unchanged; new tenants: 1]")
+@click.option("--min-cache-blocks", callback=_cache_bound, default=None, metavar="N|none",
+              help="Cached blocks the tenant keeps before share-based eviction. [unchanged]")
+@click.option("--max-cache-blocks", callback=_cache_bound, default=None, metavar="N|none",
+              help="Above this many cached blocks the tenant is always over its share. "
+                   "[unchanged]")
+@_common
+def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
+                      max_cache_blocks: Any, **opts: Any) -> None:
+    """Set TENANT's capacity share (name or id); applies from its next request."""
+    from app.bootstrap import open_repository
+
+    repo = open_repository(_settings(**opts))
+    try:
+        t = repo.tenants.update(_tenant_id(repo, tenant), weight=weight,
+                                min_cache_blocks=min_cache_blocks,
+                                max_cache_blocks=max_cache_blocks, actor="cli")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"tenant {t.name} id={t.id} weight={t.weight} "
+               f"min_cache_blocks={t.min_cache_blocks} max_cache_blocks={t.max_cache_blocks}")
 
 
 def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:

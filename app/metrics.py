@@ -92,21 +92,29 @@ class EngineCollector(Collector):
                              "preemption (never counted as hits).", tl)
         resident = gauge("prefix_cache_resident_blocks", "The tenant's KV blocks that are in "
                          "the prefix cache now (free or in use).", tl)
+        share = gauge("prefix_cache_share_blocks", "The tenant's guaranteed share of the KV "
+                      "block pool now (by weight among tenants with cached blocks, clamped to "
+                      "its min/max_cache_blocks).", tl)
+        over_share = counter("prefix_cache_over_share_evictions", "The tenant's cached blocks "
+                             "evicted because it was over its cache share (part of the "
+                             "capacity evictions).", tl)
         for tenant, t in s.tenants.items():
             labels = [m, tenant_label(tenant)]
             queries.add_metric(labels, t.prefix_cache_queries)
             hits.add_metric(labels, t.prefix_cache_hits)
             recomputed.add_metric(labels, t.prefix_cache_recomputed_tokens)
             resident.add_metric(labels, t.resident_blocks)
+            share.add_metric(labels, t.cache_share_blocks)
+            over_share.add_metric(labels, t.over_share_evictions)
         evictions = counter(
             "prefix_cache_evictions", "The tenant's cached KV blocks evicted, by reason "
-            "(capacity | salt_rotation | reset); evicted_by is the tenant whose allocation "
+            "(capacity | salt_rotation | reset | fault); evicted_by is the tenant whose allocation "
             "caused a capacity eviction, empty for other reasons.",
             ["model_name", "tenant", "reason", "evicted_by"])
         for row in s.eviction_counts:
             evictions.add_metric([m, tenant_label(row.tenant), row.reason,
                                   tenant_label(row.evicted_by)], row.num_blocks)
-        yield from (queries, hits, recomputed, resident, evictions)
+        yield from (queries, hits, recomputed, resident, share, over_share, evictions)
 
         ml = ["model_name"]
         for name, doc, value in (

@@ -46,6 +46,9 @@ def _auth_context(tenant: Tenant, key_id: str | None, salt: SealedSalt) -> AuthC
         rpm_limit=tenant.rpm_limit,
         tpm_limit=tenant.tpm_limit,
         max_concurrent=tenant.max_concurrent,
+        weight=tenant.weight,
+        min_cache_blocks=tenant.min_cache_blocks,
+        max_cache_blocks=tenant.max_cache_blocks,
     )
 
 

@@ -126,6 +126,10 @@ class Tenant(Base):
     rpm_limit: Mapped[int | None] = mapped_column(Integer())
     tpm_limit: Mapped[int | None] = mapped_column(Integer())
     max_concurrent: Mapped[int | None] = mapped_column(Integer())
+    # Capacity share (engine.request.TenantShare): step budget and cache share by weight.
+    weight: Mapped[int] = mapped_column(Integer(), default=1, server_default="1")
+    min_cache_blocks: Mapped[int | None] = mapped_column(Integer())
+    max_cache_blocks: Mapped[int | None] = mapped_column(Integer())
 
 
 class ApiKey(Base):

@@ -26,6 +26,10 @@ class TenantInfo:
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     max_concurrent: int | None = None
+    # Capacity share (engine.request.TenantShare): weight >= 1; cache bounds in blocks.
+    weight: int = 1
+    min_cache_blocks: int | None = None
+    max_cache_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class AuthContext:
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     max_concurrent: int | None = None
+    # Capacity share, passed to the engine with every request (engine.request.TenantShare).
+    weight: int = 1
+    min_cache_blocks: int | None = None
+    max_cache_blocks: int | None = None
 
     def __repr__(self) -> str:
         return (

@@ -105,17 +105,21 @@ class TenantRepository:
         rpm_limit: int | None | _Unchanged = UNCHANGED,
         tpm_limit: int | None | _Unchanged = UNCHANGED,
         max_concurrent: int | None | _Unchanged = UNCHANGED,
+        weight: int | None = None,
+        min_cache_blocks: int | None | _Unchanged = UNCHANGED,
+        max_cache_blocks: int | None | _Unchanged = UNCHANGED,
         actor: str = "system",
     ) -> TenantInfo:
         """See ``TenantStore.update``.
 
         Raises:
             TenantNotFound: if there is no such tenant.
-            ValueError: if a limit is not None, UNCHANGED or an int >= 1.
+            ValueError: a bad limit, weight or cache bound.
         """
         return self.tenants.update(
             tenant_id, disabled=disabled, enable_prefix_caching=enable_prefix_caching,
             rpm_limit=rpm_limit, tpm_limit=tpm_limit, max_concurrent=max_concurrent,
+            weight=weight, min_cache_blocks=min_cache_blocks, max_cache_blocks=max_cache_blocks,
             actor=actor)
 
     def rotate_salt(self, tenant_id: str, *, actor: str = "system") -> int:

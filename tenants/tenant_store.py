@@ -36,6 +36,7 @@ class _Unchanged:
 
 
 UNCHANGED = _Unchanged()
+MAX_WEIGHT = 1000
 _LIMIT_NAMES = ("rpm_limit", "tpm_limit", "max_concurrent")
 
 
@@ -51,6 +52,9 @@ def tenant_info(row: Tenant) -> TenantInfo:
         rpm_limit=row.rpm_limit,
         tpm_limit=row.tpm_limit,
         max_concurrent=row.max_concurrent,
+        weight=row.weight,
+        min_cache_blocks=row.min_cache_blocks,
+        max_cache_blocks=row.max_cache_blocks,
     )
 
 
@@ -127,6 +131,7 @@ class TenantStore:
                     disabled=False,
                     current_salt_version=1,
                     enable_prefix_caching=enable_prefix_caching,
+                    weight=1,
                 )
                 session.add(tenant)
                 session.flush()  # tenant row before its FK children
@@ -191,6 +196,9 @@ class TenantStore:
         rpm_limit: int | None | _Unchanged = UNCHANGED,
         tpm_limit: int | None | _Unchanged = UNCHANGED,
         max_concurrent: int | None | _Unchanged = UNCHANGED,
+        weight: int | None = None,
+        min_cache_blocks: int | None | _Unchanged = UNCHANGED,
+        max_cache_blocks: int | None | _Unchanged = UNCHANGED,
         actor: str = "system",
     ) -> TenantInfo:
         """Changes a tenant's flags; None leaves a flag as it is.
@@ -203,15 +211,29 @@ class TenantStore:
         Returns:
             The tenant after the change.
 
+        Capacity share (``engine.request.TenantShare``; applies from the tenant's next request):
+        ``weight`` an int >= 1 (None keeps it); ``min_cache_blocks`` / ``max_cache_blocks``
+        ``UNCHANGED``, None (no bound) or an int >= 0.
+
         Raises:
             TenantNotFound: if there is no such tenant.
-            ValueError: if a limit is not None, UNCHANGED or an int >= 1.
+            ValueError: if a limit is not None, UNCHANGED or an int >= 1; a bad weight or cache
+                bound; or min_cache_blocks > max_cache_blocks after the change.
         """
         limits = dict(zip(_LIMIT_NAMES, (rpm_limit, tpm_limit, max_concurrent), strict=True))
         for name, value in limits.items():
             if value is not UNCHANGED and value is not None and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None (unlimited) or an integer >= 1")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)
+                                   or not 1 <= weight <= MAX_WEIGHT):
+            raise ValueError(f"weight must be an integer in [1, {MAX_WEIGHT}]")
+        bounds = {"min_cache_blocks": min_cache_blocks, "max_cache_blocks": max_cache_blocks}
+        for name, value in bounds.items():
+            if value is not UNCHANGED and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None (no bound) or an integer >= 0")
+        limits.update(bounds)
         with self._session_factory.begin() as session:
             row = session.get(Tenant, tenant_id, with_for_update=True)
             if row is None:
@@ -226,10 +248,16 @@ class TenantStore:
             ):
                 row.enable_prefix_caching = enable_prefix_caching
                 changes.append(f"enable_prefix_caching={enable_prefix_caching}")
+            if weight is not None and weight != row.weight:
+                row.weight = weight
+                changes.append(f"weight={weight}")
             for name, value in limits.items():
                 if value is not UNCHANGED and value != getattr(row, name):
                     setattr(row, name, value)
                     changes.append(f"{name}={value}")
+            if (row.min_cache_blocks is not None and row.max_cache_blocks is not None
+                    and row.min_cache_blocks > row.max_cache_blocks):
+                raise ValueError("min_cache_blocks must not exceed max_cache_blocks")
             if changes:
                 add_audit(session, actor, "tenant.update", tenant_id, " ".join(changes))
             return tenant_info(row)

@@ -30,7 +30,9 @@ from tenants.usage import UsageStore
 router = APIRouter(prefix="/admin", tags=["admin"])
 schema_router = APIRouter(tags=["admin"])
 
-_LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent")
+# Fields where null means "no limit / no bound" (so "sent as null" differs from "not sent").
+_NULLABLE_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent", "min_cache_blocks",
+                    "max_cache_blocks")
 
 
 class TenantCreate(BaseModel):
@@ -40,7 +42,12 @@ class TenantCreate(BaseModel):
 
 
 class TenantPatch(BaseModel):
-    """Only the fields sent are changed. Limits: an int >= 1, or null for unlimited."""
+    """Only the fields sent are changed. Limits: an int >= 1, or null for unlimited.
+
+    Capacity share (applies from the tenant's next request): ``weight`` (int in [1, 1000]) is
+    the tenant's share of each engine step's token budget and of the cached KV blocks relative
+    to the other tenants; ``min_cache_blocks`` / ``max_cache_blocks`` (int >= 0, or null for
+    no bound) clamp its cache share."""
 
     model_config = ConfigDict(extra="forbid")
     disabled: bool | None = None
@@ -48,6 +55,9 @@ class TenantPatch(BaseModel):
     rpm_limit: int | None = Field(None, ge=1)
     tpm_limit: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
+    weight: int | None = Field(None, ge=1, le=1000)
+    min_cache_blocks: int | None = Field(None, ge=0)
+    max_cache_blocks: int | None = Field(None, ge=0)
 
 
 class KeyCreate(BaseModel):
@@ -116,11 +126,11 @@ async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
     """Changes flags and limits. Turning prefix caching off also drops the tenant's cached
     blocks (reason ``reset``), so nothing of theirs stays cached."""
     tenants = _tenants(request)
-    limits = {k: getattr(body, k) for k in _LIMIT_FIELDS if k in body.model_fields_set}
+    limits = {k: getattr(body, k) for k in _NULLABLE_FIELDS if k in body.model_fields_set}
     before = await _in_thread(tenants.get, tenant_id)
     t = await _in_thread(tenants.update, tenant_id, disabled=body.disabled,
-                         enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject,
-                         **limits)
+                         enable_prefix_caching=body.enable_prefix_caching, weight=body.weight,
+                         actor=admin.subject, **limits)
     if before.enable_prefix_caching and not t.enable_prefix_caching:
         dropped = await _evict(request, tenant_id, "reset")
         await _in_thread(_usage(request).audit, admin.subject, "cache.reset", tenant_id,

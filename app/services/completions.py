@@ -50,7 +50,7 @@ from app.protocol import (
 )
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
-from engine.request import EngineRequest, RequestOutput
+from engine.request import EngineRequest, RequestOutput, TenantShare
 from engine.sampling_params import SamplingParams
 from tenants.records import AuthContext, UsageRecord
 
@@ -114,7 +114,9 @@ class CompletionCall:
                 request_id=f"{self.request_id}-{i}", prompt_token_ids=tuple(self.prompt_ids),
                 sampling_params=params, tenant_id=self.auth.tenant_id,
                 cache_salt=self.cache_salt,
-                enable_prefix_caching=self.auth.enable_prefix_caching))
+                enable_prefix_caching=self.auth.enable_prefix_caching,
+                tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
+                                         self.auth.max_cache_blocks)))
         return reqs
 
     def apply(self, i: int, out: RequestOutput) -> None:
