@@ -96,6 +96,15 @@ class Lease:
         """
         self._limiter._release(self, used_tokens)
 
+    def reserve(self, limits: TenantLimits, tokens: int) -> None:
+        """Adds ``tokens`` to the call's token reservation once they are known (after
+        tokenisation), or raises without changing anything.
+
+        Raises:
+            RateLimitExceeded: over tpm.
+        """
+        self._limiter._reserve(self, limits, tokens)
+
     def cancel(self) -> None:
         """Undoes the admission as if it never happened (the engine refused the call before
         any work): frees the slot and removes the call from the rpm and tpm windows."""
@@ -155,6 +164,35 @@ class RateLimiter:
             w.tokens_used += tokens
             w.in_flight += 1
             return Lease(self, tenant_id, entry, self._headers(w, limits, now))
+
+    def _reserve(self, lease: Lease, limits: TenantLimits, tokens: int) -> None:
+        with self._lock:
+            entry = lease._entry
+            if lease.released or entry is None or limits.tpm is None or tokens <= 0:
+                if entry is not None and not lease.released and tokens > 0:
+                    self._add_tokens(self._tenants[lease._tenant_id], entry, tokens)
+                return
+            now = self._clock()
+            w = self._tenants[lease._tenant_id]
+            self._prune(w, now)
+            if w.tokens_used + tokens > limits.tpm:
+                if entry.tokens + tokens > limits.tpm:
+                    message = (f"request too large: it may use up to {tokens} tokens (prompt + "
+                               f"max_tokens) and this tenant allows {limits.tpm} tokens per "
+                               "minute; lower max_tokens")
+                    wait = self._window_s
+                else:
+                    message = f"rate limit reached: {limits.tpm} tokens per minute"
+                    wait = self._tokens_free_at(w, limits.tpm - tokens, now) - now
+                raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
+            self._add_tokens(w, entry, tokens)
+            lease.headers = self._headers(w, limits, now)
+
+    @staticmethod
+    def _add_tokens(w: _TenantWindow, entry: _Entry, tokens: int) -> None:
+        entry.tokens += tokens
+        if not entry.pruned:  # a pruned entry no longer counts in the window
+            w.tokens_used += tokens
 
     def in_flight(self, tenant_id: str) -> int:
         """Calls of this tenant holding a lease now."""

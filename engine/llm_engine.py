@@ -165,6 +165,12 @@ class LLMEngine:
         """
         if reason not in OPERATOR_EVICTION_REASONS:
             raise ValueError(f"reason must be one of {OPERATOR_EVICTION_REASONS}, got {reason!r}")
+        if reason == "salt_rotation":
+            # In-flight requests carry the old salt: they finish unharmed but stop adding to
+            # the cache (a recompute after preemption would re-cache old-salt blocks).
+            for req in self.scheduler.requests.values():
+                if req.tenant_id == tenant_id:
+                    req.enable_prefix_caching = False
         return self.block_pool.evict_cached_blocks(lambda b: b.owner == tenant_id, reason)
 
     def stats_snapshot(self) -> EngineStatsSnapshot:

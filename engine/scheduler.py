@@ -265,12 +265,32 @@ class Scheduler:
         waiting: dict[str, int] = {}
         seats = self.max_num_seqs - len(self.running)
         budget = self.max_num_batched_tokens
-        heap: list[tuple[int, float, int, TenantId]] = []
+
+        def grant(t: TenantId, req: Request, give: int, into: dict[str, int]) -> None:
+            nonlocal budget
+            rid = req.request_id
+            into[rid] = into.get(rid, 0) + give
+            budget -= give
+            vtime[t] += give / self.weights[t]
+            if into[rid] == need[rid]:
+                queues[t].remove(req)
+
+        # Preempted requests (at the head of the waiting queue) get their first slice before
+        # anything else: they already waited, whatever their tenant's other requests do.
+        for req in self.waiting:
+            if req.status != RequestStatus.PREEMPTED or seats <= 0 or budget <= 0:
+                break
+            seats -= 1
+            need[req.request_id] = req.num_tokens
+            grant(req.tenant_id, req, min(req.num_tokens, budget, self.fair_quantum_tokens),
+                  waiting)
+        heap: list[tuple[float, int, TenantId]] = []
         for seq, t in enumerate(queues):
-            heapq.heappush(heap, (self._rank(queues[t][0], waiting), vtime[t], seq, t))
+            if queues[t]:
+                heapq.heappush(heap, (vtime[t], seq, t))
         seq = len(queues)
         while heap and budget > 0:
-            t = heapq.heappop(heap)[3]
+            t = heapq.heappop(heap)[2]
             q = queues[t]
             req = q[0]
             rid = req.request_id
@@ -288,23 +308,11 @@ class Scheduler:
             give = need[rid] - into.get(rid, 0)
             if heap:  # competing: one slice per turn
                 give = min(give, self.fair_quantum_tokens)
-            give = min(give, budget)
-            into[rid] = into.get(rid, 0) + give
-            budget -= give
-            vtime[t] += give / self.weights[t]
-            if into[rid] == need[rid]:
-                q.popleft()
+            grant(t, req, min(give, budget), into)
             if q:
-                heapq.heappush(heap, (self._rank(q[0], waiting), vtime[t], seq, t))
+                heapq.heappush(heap, (vtime[t], seq, t))
                 seq += 1
         return {**running, **waiting}
-
-    @staticmethod
-    def _rank(head: Request, planned: dict[str, int]) -> int:
-        """0 for a preempted request waiting to be re-admitted: its first slice goes before
-        everything else (it already waited); then it is served like any other."""
-        return 0 if head.status == RequestStatus.PREEMPTED and head.request_id not in planned \
-            else 1
 
     def _charge(self, tenant: TenantId, num_tokens: int) -> None:
         """Adds ``num_tokens`` (negative: a refund) to the tenant's service this step."""

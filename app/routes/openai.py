@@ -1,12 +1,15 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-Thin: parse, authenticate (``CurrentTenant``), delegate to ``app.services.completions``.
+Thin: authenticate (``CurrentTenant``), delegate to ``app.services.completions``. The body is not
+parsed here: the service reads and parses it off the event loop once the tenant's limits admit
+the call (DESIGN "Multi-tenant capacity"); the OpenAPI schema still documents it.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from app.auth import CurrentTenant
 from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -19,18 +22,41 @@ def _service(request: Request) -> CompletionsService:
     return request.app.state.completions
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of ``model`` with its ``$defs`` inlined (self-contained)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": inline(schema)}}}}
+
+
+@router.post("/chat/completions", response_model=None,
+             openapi_extra=_body_schema(ChatCompletionRequest))
+async def chat_completions(request: Request,
                            auth: CurrentTenant) -> JSONResponse | StreamingResponse:
-    """OpenAI chat completions (``stream`` for SSE)."""
-    return await _service(request).create_chat_completion(body, auth, request.is_disconnected)
+    """OpenAI chat completions (``stream`` for SSE); body: ``ChatCompletionRequest``."""
+    return await _service(request).create_chat_completion(request.body, auth,
+                                                          request.is_disconnected)
 
 
-@router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request,
+@router.post("/completions", response_model=None, openapi_extra=_body_schema(CompletionRequest))
+async def completions(request: Request,
                       auth: CurrentTenant) -> JSONResponse | StreamingResponse:
-    """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids."""
-    return await _service(request).create_completion(body, auth, request.is_disconnected)
+    """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids; body:
+    ``CompletionRequest``."""
+    return await _service(request).create_completion(request.body, auth,
+                                                     request.is_disconnected)
 
 
 @router.get("/models")

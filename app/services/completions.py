@@ -1,10 +1,14 @@
 """The completions service: everything between an authenticated OpenAI request and its response.
 
-One API call (``CompletionCall``) goes through::
+One API call (``CompletionCall``) goes through (DESIGN "Multi-tenant capacity": a refused call
+costs almost nothing)::
 
-    preprocess: chat template / tokenise -> model, sampling, cache_salt and max_tokens checks
-      -> admit (per-tenant limits: a lease) -> submit n engine requests (validated once by
-      ``EngineClient.add_request``) -> stream SSE chunks, or collect one JSON body
+    admit (rpm / concurrency limits: a lease; before the body is even read)
+      -> preprocess in a worker thread (``app.services.preprocess``): parse and validate the
+         body, model check, chat template, tokenise
+      -> sampling, cache_salt, max_tokens and prompt checks -> reserve tokens (tpm)
+      -> submit n engine requests (validated once by ``EngineClient.add_request``)
+      -> stream SSE chunks, or collect one JSON body
       -> finalise: release the lease, record usage, count metrics
 
 Finalisation happens exactly once per call, in one place: the ``finally`` of ``_run`` for JSON
@@ -48,6 +52,7 @@ from app.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor, parse_body
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput, TenantShare
@@ -58,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 Endpoint = Literal["chat.completions", "completions"]
 UsageSink = Callable[[UsageRecord], None]
+BodyReader = Callable[[], Awaitable[bytes]]
 
 
 @dataclass
@@ -93,6 +99,7 @@ class CompletionCall:
     choices: list[ChoiceState] = field(default_factory=list)
     status: str | None = None
     lease: Lease | None = None
+    submitted: bool = False  # the engine has the call's requests
     finalized: bool = False
 
     @property
@@ -232,46 +239,59 @@ class CompletionsService:
     """
 
     def __init__(self, engine: EngineClient, record_usage: UsageSink, metrics: ServerMetrics,
-                 limiter: RateLimiter) -> None:
+                 limiter: RateLimiter, preprocessor: Preprocessor | None = None) -> None:
         self.engine = engine
         self.info = engine.model_info()
         self.record_usage = record_usage
         self.metrics = metrics
         self.limiter = limiter
+        self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
 
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
-            self, body: ChatCompletionRequest, auth: AuthContext,
+            self, read_body: BodyReader, auth: AuthContext,
             is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
         """OpenAI chat completions over the tokenizer's chat template.
+
+        Args:
+            read_body: returns the raw JSON body (awaited only once the call is admitted).
 
         Raises:
             APIError: 400 (bad model, sampling values, cache_salt, template, lengths, token
                 ids; ``param`` set), 429 over a tenant limit; every refusal is recorded as usage.
+            RequestValidationError: the body is not valid JSON or has invalid fields (400).
             EngineDeadError: the engine is not running (503).
             RequestFailedError: a fault inside the engine failed this call alone (500).
         """
-        return await self._run("chat.completions", "chatcmpl", body, auth, is_disconnected)
+        return await self._run("chat.completions", "chatcmpl", ChatCompletionRequest, read_body,
+                               auth, is_disconnected)
 
     async def create_completion(
-            self, body: CompletionRequest, auth: AuthContext,
+            self, read_body: BodyReader, auth: AuthContext,
             is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
         """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids.
 
         Raises:
             APIError, EngineDeadError: as ``create_chat_completion``.
         """
-        return await self._run("completions", "cmpl", body, auth, is_disconnected)
+        return await self._run("completions", "cmpl", CompletionRequest, read_body, auth,
+                               is_disconnected)
 
     # -- one call ------------------------------------------------------------------------------
     async def _run(self, endpoint: Endpoint, prefix: str,
-                   body: ChatCompletionRequest | CompletionRequest, auth: AuthContext,
+                   model_cls: type[ChatCompletionRequest | CompletionRequest],
+                   read_body: BodyReader, auth: AuthContext,
                    is_disconnected: Callable[[], Awaitable[bool]]
                    ) -> JSONResponse | StreamingResponse:
         call = CompletionCall(f"{prefix}-{uuid.uuid4().hex}", endpoint,
                               self.info.served_model_name, auth)
         handed_off = False  # True once a streaming response owns finalisation
         try:
+            call.lease = self._admit(call)  # before the body is read: a 429 costs nothing
+            raw = await read_body()
+            body, call.prompt_ids = await self.preprocessor.run(
+                auth.tenant_id, self._prepare, model_cls, raw, "messages" if call.chat
+                else "prompt")
             streams = self._submit(call, body)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
@@ -290,19 +310,31 @@ class CompletionsService:
             if not handed_off:
                 self._finalize(call)
 
-    def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
-                ) -> list[RequestStreamLike]:
-        """Preprocesses, admits and submits the call; returns its n engine streams.
+    def _prepare(self, model_cls: type[ChatCompletionRequest | CompletionRequest],
+                 raw: bytes, prompt_param: str
+                 ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int]]:
+        """Parses the body, checks the model and tokenises the prompt (in a worker thread).
 
         Raises:
-            APIError: 400 / 429 (nothing reaches the engine, the lease is undone).
-            EngineDeadError: the engine is not running.
+            RequestValidationError: bad JSON or fields.
+            APIError: 400 unknown model, over-long prompt text, template or tokenizer failure.
         """
-        prompt_param = "messages" if call.chat else "prompt"
-        call.prompt_ids = self._tokenize(body, prompt_param)
+        body = parse_body(model_cls, raw)
         if body.model != self.info.served_model_name:
             raise APIError(400, f"model {body.model!r} does not exist; this server serves "
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
+        return body, self._tokenize(body, prompt_param)
+
+    def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
+                ) -> list[RequestStreamLike]:
+        """Checks the admitted, tokenised call, reserves its tokens and submits it; returns its
+        n engine streams.
+
+        Raises:
+            APIError: 400 / 429 (nothing reaches the engine).
+            EngineDeadError: the engine is not running.
+        """
+        prompt_param = "messages" if call.chat else "prompt"
         try:
             call.params = body.sampling_params()
         except InvalidRequestError as e:
@@ -318,12 +350,12 @@ class CompletionsService:
                            f"{max_tokens} in the completion)", "max_tokens",
                            "context_length_exceeded")
         requests = call.engine_requests()
-        try:  # the engine's own check, before the lease: a bad prompt is a 400, never a 429
+        try:  # the engine's own check, before tokens are reserved: a bad prompt is a 400
             validate_request(requests[0], self.info)  # the n requests share the prompt
         except InvalidRequestError as e:
             raise APIError(400, e.message, prompt_param if e.param == "prompt" else e.param,
                            e.code) from None
-        call.lease = self._admit(call)
+        self._reserve(call)
         streams: list[RequestStreamLike] = []
         try:
             for req in requests:
@@ -335,14 +367,17 @@ class CompletionsService:
                 call.lease.cancel()  # refused before any work: counts nothing
                 call.lease = None
             raise
+        call.submitted = True
         call.choices = [ChoiceState(i) for i in range(call.params.n)]
         return streams
 
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest,
                   prompt_param: str) -> list[int]:
-        tokenizer = self.info.tokenizer
+        """Chat template and tokenisation with this worker's tokenizer (worker thread)."""
+        tokenizer = self.preprocessor.tokenizer()
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_chars(sum(len(m["content"]) for m in messages), prompt_param)
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False,
                                                      add_generation_prompt=True)
@@ -351,20 +386,35 @@ class CompletionsService:
                                "template", "messages", "invalid_value") from None
             return self._encode(text, prompt_param, add_special_tokens=False)
         if isinstance(body.prompt, str):
+            self._check_chars(len(body.prompt), prompt_param)
             return self._encode(body.prompt, prompt_param)
         return list(body.prompt)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuses prompt text that cannot fit the context, before any templating work."""
+        limit = self.info.max_model_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise APIError(400, f"the prompt has {num_chars} characters; at most {limit} are "
+                           f"accepted ({MAX_CHARS_PER_TOKEN} per token of the model's maximum "
+                           f"context length of {self.info.max_model_len} tokens)", param,
+                           "context_length_exceeded")
 
     def _encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Text the tokenizer cannot take (e.g. a lone UTF-16 surrogate from JSON ``"\\ud800"``)
         is a 400, not a 500."""
         try:
-            return self.info.tokenizer.encode(text, **kwargs)
+            return self.preprocessor.tokenizer().encode(text, **kwargs)
         except Exception:  # noqa: BLE001 - tokenizers raises TypeError/ValueError/Exception
             raise APIError(400, "the text could not be tokenized (invalid Unicode?)", param,
                            "invalid_value") from None
 
+    @staticmethod
+    def _limits(auth: AuthContext) -> TenantLimits:
+        return TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
+
     def _admit(self, call: CompletionCall) -> Lease | None:
-        """Takes a lease on the tenant's limits, reserving prompt + n * max_tokens tokens.
+        """Takes a lease on the tenant's limits before any work: one request (rpm), one
+        concurrency slot, and a token window that is not already full (tpm).
 
         Returns:
             The lease, or None when the tenant has no limits.
@@ -372,18 +422,32 @@ class CompletionsService:
         Raises:
             APIError: 429 ``rate_limit_exceeded`` with ``x-ratelimit-*`` and ``Retry-After``.
         """
-        auth, params = call.auth, call.params
-        assert params is not None
-        limits = TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
+        limits = self._limits(call.auth)
         if not limits.any:
             return None
+        try:
+            return self.limiter.acquire(call.auth.tenant_id, limits, 0)
+        except RateLimitExceeded as e:
+            raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
+
+    def _reserve(self, call: CompletionCall) -> None:
+        """Reserves prompt + n * max_tokens tokens on the call's lease (tpm).
+
+        Raises:
+            APIError: 429 over the tenant's tpm; the lease is undone (nothing counted).
+        """
+        params = call.params
+        if call.lease is None or params is None:
+            return
         n_prompt = len(call.prompt_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.info.max_model_len - n_prompt
         try:
-            return self.limiter.acquire(auth.tenant_id, limits, n_prompt + params.n * max_tokens)
+            call.lease.reserve(self._limits(call.auth), n_prompt + params.n * max_tokens)
         except RateLimitExceeded as e:
+            call.lease.cancel()
+            call.lease = None
             raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 
     def _finalize(self, call: CompletionCall) -> None:
@@ -393,8 +457,8 @@ class CompletionsService:
             logger.error("call %s finalised twice; ignoring the second time", call.request_id)
             return
         call.finalized = True
-        if call.lease is not None:
-            call.lease.release(call.usage().total_tokens)
+        if call.lease is not None:  # a call refused after admission counts as a request only
+            call.lease.release(call.usage().total_tokens if call.submitted else 0)
         self.metrics.observe_request(call)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, self.record_usage, call.usage_record())

@@ -79,6 +79,19 @@ def _window_requests(service, tenant: str) -> int:
     return 0 if window is None else len(window.requests)
 
 
+def _window_tokens(service, tenant: str) -> int:
+    """Tokens of ``tenant`` counted in the limiter's tpm window."""
+    window = service.limiter._tenants.get(tenant)
+    return 0 if window is None else window.tokens_used
+
+
+def _reader(body):
+    """The service's body reader for a request model (what ``Request.body`` gives the route)."""
+    async def read() -> bytes:
+        return body.model_dump_json(exclude_unset=True).encode()
+    return read
+
+
 def _in_flight(service, env) -> int:
     return service.limiter.in_flight(env.tenant_a)
 
@@ -106,7 +119,8 @@ def test_success_is_recorded_once(env, service, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, service, stream):
     """A token id outside the vocabulary passes the API checks and the lease, then the engine's
-    single validation refuses it: 400 with param, one error record, the admission undone."""
+    single validation refuses it: 400 with param, one error record; the call counts as one
+    request (it was admitted before its body was read) and no tokens."""
     r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
         "model": env.model, "prompt": [1, 2, 10**9], "max_tokens": 3, "stream": stream})
     assert r.status_code == 400
@@ -115,7 +129,8 @@ def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, se
     assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [
         ("error", 3, 0)]
     assert _in_flight(service, env) == 0
-    assert _window_requests(service, env.tenant_a) == 0  # refused before admission
+    assert _window_requests(service, env.tenant_a) == 1  # admitted, then refused
+    assert _window_tokens(service, env.tenant_a) == 0
     assert _engine_idle(env) == (128, 128, False)
 
 
@@ -138,7 +153,7 @@ def test_disconnect_during_a_non_streaming_call_aborts_and_records_once(env, ser
         return True
 
     async def run():
-        return await service.create_completion(body, _auth(env), gone)
+        return await service.create_completion(_reader(body), _auth(env), gone)
 
     with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
         env.client.portal.call(run)
@@ -159,7 +174,8 @@ def test_cancellation_of_the_handler_records_once(env, service):
         return False
 
     async def run() -> None:
-        task = asyncio.create_task(service.create_chat_completion(body, _auth(env), never))
+        task = asyncio.create_task(service.create_chat_completion(_reader(body), _auth(env),
+                                                                  never))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -304,5 +320,7 @@ def test_a_tenant_flooding_bad_requests_does_not_harm_another(env, service):
     assert len(a) == len(bad_bodies) and {x.status for x in a} == {"error"}
     assert {x.status for x in records if x.tenant_id == env.tenant_b} == {"ok"}
     assert _in_flight(service, env) == 0
-    assert _window_requests(service, env.tenant_a) == 0
+    # Each bad call was admitted (before its body was read) and counts as a request, no tokens.
+    assert _window_requests(service, env.tenant_a) == len(bad_bodies)
+    assert _window_tokens(service, env.tenant_a) == 0
     assert _engine_idle(env) == (128, 128, False)

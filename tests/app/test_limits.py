@@ -210,7 +210,8 @@ def test_rpm_429_in_openai_shape_with_headers_and_no_engine_state(env, clock):
     assert r.headers["retry-after"] == "60"
     assert env.engine_state() == (128, 128, False)
     rows = _error_rows(env, env.tenant_a, errors_before + 1)
-    assert len(rows) == errors_before + 1 and rows[-1].prompt_tokens == 4
+    # Refused before its body was read or tokenised: no prompt tokens are known.
+    assert len(rows) == errors_before + 1 and rows[-1].prompt_tokens == 0
     # Tenant B is not affected by A's limit; A is admitted again once the window slides.
     assert _post(env, env.key_b).status_code == 200
     clock.now += 60

@@ -1,0 +1,156 @@
+"""Request preprocessing off the event loop: JSON parsing, validation, chat template, tokenisation.
+
+DESIGN "Multi-tenant capacity": authentication, the disabled check and the rpm / concurrency limits
+run first, on the event loop, and cost almost nothing; only then is the body parsed and the prompt
+rendered and tokenised, here, in a thread pool sized for the machine. A huge or pathological body
+(a 4 MB prompt, 100,000 tiny messages) therefore never stalls ``/health`` or other tenants'
+streams, and a tenant over its limits is refused before its body is even read.
+
+Caps, per request and per tenant:
+
+- Prompt text longer than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters is refused (400
+  ``context_length_exceeded``) before templating: it could not fit the context anyway.
+- A tenant runs at most ``per_tenant`` jobs at once (the others wait on its own semaphore, so
+  one tenant cannot occupy every worker) and has at most ``max_queued_per_tenant`` jobs waiting
+  or running (then 429).
+- A job that takes longer than ``timeout_s`` is answered with 400; its worker finishes in the
+  background and keeps the tenant's slot until then.
+
+Each worker thread has its own copy of the tokenizer: Hugging Face fast tokenizers are not safe
+to share between threads ("Already borrowed"), and the engine thread keeps the original.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from app.errors import APIError
+
+T = TypeVar("T")
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# A token of this tokenizer family is rarely longer than a few characters; 32 leaves room for
+# long whitespace or repeated-character tokens while bounding the work on a hostile prompt.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def default_workers() -> int:
+    """Preprocessing threads: the machine's cores, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def parse_body(model_cls: type[ModelT], raw: bytes) -> ModelT:
+    """Parses and validates a JSON request body (call in a worker thread).
+
+    Raises:
+        RequestValidationError: invalid JSON or fields; answered as a 400 with ``param``
+            by ``app.errors``, exactly as FastAPI's own body validation.
+    """
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                       "msg": "JSON decode error"}]) from None
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
+
+
+class Preprocessor:
+    """A thread pool for per-request CPU work, shared fairly between tenants.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (copied once per worker thread).
+        workers: threads; default ``default_workers()``.
+        per_tenant: jobs of one tenant running at once; default ``max(1, workers // 2)``.
+        max_queued_per_tenant: jobs of one tenant waiting or running before 429.
+        timeout_s: seconds one job may take before the request gets a 400.
+    """
+
+    def __init__(self, tokenizer: Any, workers: int | None = None, per_tenant: int | None = None,
+                 max_queued_per_tenant: int = 64, timeout_s: float = 30.0) -> None:
+        self.workers = workers or default_workers()
+        self.per_tenant = per_tenant or max(1, self.workers // 2)
+        self.max_queued_per_tenant = max_queued_per_tenant
+        self.timeout_s = timeout_s
+        self._tokenizer = tokenizer
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="saltserve-preprocess")
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        # Event loop only: tenant -> its calls waiting or running; tenant -> workers it holds
+        # (a worker stays held after its call timed out, until the work ends).
+        self._jobs: dict[str, int] = {}
+        self._held: dict[str, int] = {}
+
+    def tokenizer(self) -> Any:
+        """This worker thread's own tokenizer copy."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+        return tok
+
+    def jobs(self, tenant_id: str) -> int:
+        """The tenant's jobs waiting or running now."""
+        return self._jobs.get(tenant_id, 0)
+
+    async def run(self, tenant_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn(*args)`` in a worker for ``tenant_id`` and returns its result.
+
+        Raises:
+            APIError: 429 when the tenant has ``max_queued_per_tenant`` jobs already; 400 when
+                the job takes longer than ``timeout_s``.
+            Exception: whatever ``fn`` raises.
+        """
+        if self._jobs.get(tenant_id, 0) >= self.max_queued_per_tenant:
+            raise APIError(429, "too many of this tenant's requests are being prepared; retry "
+                           "later", None, "rate_limit_exceeded", {"Retry-After": "1"})
+        self._jobs[tenant_id] = self._jobs.get(tenant_id, 0) + 1
+        slots = self._slots.setdefault(tenant_id, asyncio.Semaphore(self.per_tenant))
+        try:
+            await slots.acquire()
+            self._held[tenant_id] = self._held.get(tenant_id, 0) + 1
+            try:
+                future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            except BaseException:
+                self._job_done(tenant_id, slots)
+                raise
+            # The slot is held until the worker is done, also after a timeout or a cancel:
+            # a tenant cannot pile up abandoned jobs on the workers.
+            future.add_done_callback(lambda _: self._job_done(tenant_id, slots))
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            except TimeoutError:
+                raise APIError(400, "the request took too long to prepare (chat template and "
+                               "tokenisation)", None, "preprocessing_timeout") from None
+        finally:
+            self._jobs[tenant_id] -= 1
+            self._forget(tenant_id, slots)
+
+    def _job_done(self, tenant_id: str, slots: asyncio.Semaphore) -> None:
+        slots.release()
+        self._held[tenant_id] -= 1
+        self._forget(tenant_id, slots)
+
+    def _forget(self, tenant_id: str, slots: asyncio.Semaphore) -> None:
+        """Drops an idle tenant's entries (no per-tenant state outlives its requests)."""
+        if not self._jobs.get(tenant_id) and not self._held.get(tenant_id) \
+                and self._slots.get(tenant_id) is slots:
+            del self._slots[tenant_id]
+            self._jobs.pop(tenant_id, None)
+            self._held.pop(tenant_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
