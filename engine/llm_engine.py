@@ -211,7 +211,13 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 logger.error("detokenisation failed for request %s: %s", req.request_id,
                              type(e).__name__)
-                self.scheduler.fail_request(req, "detokenisation failed for this request")
+                req.pop_output_token()  # never delivered: not billed
+                reason = "detokenisation failed for this request"
+                if req.status.finished:  # finished by a token rule this step: already freed
+                    req.status = RequestStatus.FINISHED_ERROR
+                    outputs.append(self._output(req, [], "", error=reason))
+                else:
+                    self.scheduler.fail_request(req, reason)
         return outputs + self._failed_outputs()
 
     def _detokenize(self, req: Request) -> RequestOutput:

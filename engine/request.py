@@ -112,6 +112,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def pop_output_token(self) -> None:
+        """Takes back the last output token (it failed before it could be delivered)."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
+
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id!r}, status={self.status.value}, "
                 f"num_tokens={self.num_tokens}, num_computed={self.num_computed_tokens})")

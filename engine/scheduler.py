@@ -408,6 +408,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 logger.error("request %s failed in its stop checks: %s", req.request_id,
                              type(e).__name__)
+                req.pop_output_token()  # never delivered: not billed
                 self.fail_request(req, "the request failed in its stop checks")
                 continue
             updated.append(req)
