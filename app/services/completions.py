@@ -52,7 +52,7 @@ from app.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor, parse_body
+from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput, TenantShare
@@ -289,9 +289,10 @@ class CompletionsService:
         try:
             call.lease = self._admit(call)  # before the body is read: a 429 costs nothing
             raw = await read_body()
-            body, call.prompt_ids = await self.preprocessor.run(
-                auth.tenant_id, self._prepare, model_cls, raw, "messages" if call.chat
-                else "prompt")
+            body = await self.preprocessor.parse(auth.tenant_id, model_cls, raw,
+                                                 self.info.max_model_len)
+            call.prompt_ids = await self.preprocessor.run(
+                auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt")
             streams = self._submit(call, body)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
@@ -310,20 +311,17 @@ class CompletionsService:
             if not handed_off:
                 self._finalize(call)
 
-    def _prepare(self, model_cls: type[ChatCompletionRequest | CompletionRequest],
-                 raw: bytes, prompt_param: str
-                 ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int]]:
-        """Parses the body, checks the model and tokenises the prompt (in a worker thread).
+    def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str
+                 ) -> list[int]:
+        """Checks the model, renders and tokenises the prompt (in a worker thread).
 
         Raises:
-            RequestValidationError: bad JSON or fields.
             APIError: 400 unknown model, over-long prompt text, template or tokenizer failure.
         """
-        body = parse_body(model_cls, raw)
         if body.model != self.info.served_model_name:
             raise APIError(400, f"model {body.model!r} does not exist; this server serves "
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
-        return body, self._tokenize(body, prompt_param)
+        return self._tokenize(body, prompt_param)
 
     def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
                 ) -> list[RequestStreamLike]:
