@@ -129,7 +129,12 @@ def serve(**opts: Any) -> None:
 """)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="info"))
-    server.run()
+    try:
+        server.run()
+    finally:
+        from app.services.preprocess import shutdown_parse_pool
+
+        shutdown_parse_pool()
     if client.errored:
         click.echo("saltserve: the inference engine died; exiting with status 1 so that a "
                    "supervisor restarts the server", err=True)

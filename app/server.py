@@ -142,6 +142,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
         finally:
             flusher.cancel()
             watchdog.cancel()
+            app.state.completions.preprocessor.shutdown()
             engine.shutdown()
             repo.flush_last_used()
 

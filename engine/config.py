@@ -16,6 +16,7 @@ from engine.block_hash import HASH_ALGOS
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # names engine.model_runner.resolve_dtype maps
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,17 @@ class EngineConfig:
         "choices": ATTENTION_BACKENDS})
     seed: int = field(default=0, metadata={
         "help": "Global seed for unseeded sampling (vLLM --seed)."})
+    scheduling_policy: str = field(default="fair", metadata={
+        "help": "How a step's token budget is shared: fair = weighted fair queuing between "
+                "tenants (FCFS within one); fcfs = plain first come, first served "
+                "(vLLM --scheduling-policy fcfs).",
+        "choices": SCHEDULING_POLICIES})
+    interactive_step_tokens: int | None = field(default=None, metadata={
+        "help": "With the fair policy: tokens a step may add to the running decodes while one "
+                "tenant decodes and another prefills, so one tenant's long prompts cannot "
+                "stretch another's inter-token latency (stall-free batching, Sarathi-Serve); "
+                "0 turns it off.",
+        "unset": "measured while serving: what a step can add without doubling a decode step"})
     max_consecutive_step_failures: int = field(default=3, metadata={
         "help": "Failed batched forwards in a row before the engine is declared dead "
                 "(/health 503, the server exits non-zero); one failure only fails that "
@@ -86,6 +98,10 @@ class EngineConfig:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {SCHEDULING_POLICIES}")
+        if self.interactive_step_tokens is not None and self.interactive_step_tokens < 0:
+            raise ValueError("--interactive-step-tokens must be >= 0")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("--max-consecutive-step-failures must be at least 1")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,43 @@ def _generation_config_eos(model_dir: Path) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+class StepCostModel:
+    """Step time as ``c0 + c1 * tokens`` (seconds), from exponential moving averages of small
+    steps (decodes; at most ``SMALL`` tokens) and large ones (prefill chunks; at least
+    ``LARGE`` tokens). ``c0`` is what a step costs whatever its size (on CPU and for decode on
+    GPU: reading the weights), ``c1`` the cost of one more token."""
+
+    SMALL, LARGE, ALPHA = 32, 128, 0.2
+
+    def __init__(self) -> None:
+        self.small: tuple[float, float] | None = None  # (mean tokens, mean seconds)
+        self.large: tuple[float, float] | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= self.SMALL:
+            self.small = self._ema(self.small, num_tokens, seconds)
+        elif num_tokens >= self.LARGE:
+            self.large = self._ema(self.large, num_tokens, seconds)
+
+    def _ema(self, old: tuple[float, float] | None, n: float, t: float) -> tuple[float, float]:
+        if old is None:
+            return n, t
+        a = self.ALPHA
+        return (1 - a) * old[0] + a * n, (1 - a) * old[1] + a * t
+
+    def interactive_tokens(self) -> int | None:
+        """Tokens a step can add to a decode-only step without doubling it (``c0 / c1``),
+        or None until both kinds of step were seen."""
+        if self.small is None or self.large is None:
+            return None
+        (ns, ts), (nl, tl) = self.small, self.large
+        c1 = (tl - ts) / (nl - ns)
+        c0 = ts - c1 * ns
+        if c1 <= 0 or c0 <= 0:
+            return None
+        return max(1, int(c0 / c1))
 
 
 class LLMEngine:
@@ -97,7 +135,10 @@ class LLMEngine:
                                                get_hash_fn(config.prefix_caching_hash_algo),
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, max_model_len, eos)
+                                   config.max_num_batched_tokens, max_model_len, eos,
+                                   policy=config.scheduling_policy,
+                                   interactive_step_tokens=config.interactive_step_tokens)
+        self.step_costs = StepCostModel()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.consecutive_step_failures = 0
         self.served_model_name = config.served_model_name or model_dir.name
@@ -197,11 +238,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._failed_outputs()
+        t0 = time.perf_counter()
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - the whole step failed; maybe only this once
             return self._fail_step(sched, e)
         self.consecutive_step_failures = 0
+        self.step_costs.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
+        if self.config.interactive_step_tokens is None:  # measured, not configured
+            self.scheduler.interactive_step_tokens = self.step_costs.interactive_tokens()
         for rid, reason in result.failed.items():
             self.scheduler.fail_request(self.scheduler.requests[rid], reason)
         outputs = []

@@ -22,6 +22,11 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
   and it goes back to the head of the waiting queue. A preempted request is admitted again before
   any fresh request (it already waited). Recompute is never a cache hit.
 - One step with a preemption admits nothing new.
+- Stall-free batching between tenants (Sarathi-Serve, Agrawal et al. 2024, applied across
+  tenants): while one tenant has requests decoding and another tenant has prefill work, the step
+  budget is the running decodes plus ``interactive_step_tokens``, so a tenant's long prompts
+  cannot stretch another tenant's inter-token latency by more than that many tokens' work.
+- ``policy="fcfs"``: none of the above; running requests then waiting ones, in order (vLLM).
 """
 
 from __future__ import annotations
@@ -78,12 +83,16 @@ class Scheduler:
         max_model_len: prompt + output tokens per request at most.
         eos_token_ids: ids that finish a request unless ``ignore_eos``.
         fair_quantum_tokens: largest budget slice per turn when tenants compete (tokens).
+        policy: ``"fair"`` or ``"fcfs"`` (``engine.config.SCHEDULING_POLICIES``).
+        interactive_step_tokens: see the module docstring; None or 0 = no such cap (the engine
+            sets it from measured step times when configured so).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (),
-                 fair_quantum_tokens: int = DEFAULT_FAIR_QUANTUM_TOKENS) -> None:
+                 fair_quantum_tokens: int = DEFAULT_FAIR_QUANTUM_TOKENS,
+                 policy: str = "fair", interactive_step_tokens: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or fair_quantum_tokens < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and fair_quantum_tokens "
                              "must be at least 1")
@@ -93,6 +102,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.fair_quantum_tokens = fair_quantum_tokens
+        if policy not in ("fair", "fcfs"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.policy = policy
+        self.interactive_step_tokens = interactive_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -162,8 +175,8 @@ class Scheduler:
         plan order. Tokens a request cannot use (a victim's plan, cache hits found at admission)
         are spare and go to the requests after it, so a lone tenant uses the whole budget.
         """
-        plan = self._plan()
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget()
+        plan = self._plan(budget)
         planned_left = sum(plan.values())  # plans not yet used
         granted: dict[str, int] = {}  # request id -> tokens this step, in batch order
         used = 0  # sum of granted
@@ -241,7 +254,26 @@ class Scheduler:
             for rid, n in granted.items())
         return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted))
 
-    def _plan(self) -> dict[str, int]:
+    def _step_budget(self) -> int:
+        """``max_num_batched_tokens``, or the stall-free cap while tenants mix decodes and
+        prefills (module docstring)."""
+        budget = self.max_num_batched_tokens
+        if self.policy != "fair" or not self.interactive_step_tokens:
+            return budget
+        decoding: set[TenantId] = set()
+        prefilling: set[TenantId] = {r.tenant_id for r in self.waiting}
+        num_decodes = 0
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                decoding.add(r.tenant_id)
+                num_decodes += 1
+            else:
+                prefilling.add(r.tenant_id)
+        if decoding and prefilling and (len(decoding) > 1 or prefilling != decoding):
+            budget = min(budget, num_decodes + self.interactive_step_tokens)
+        return budget
+
+    def _plan(self, budget: int) -> dict[str, int]:
         """Divides this step's token budget between requests by weighted fair queuing.
 
         Returns:
@@ -264,7 +296,19 @@ class Scheduler:
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
         seats = self.max_num_seqs - len(self.running)
-        budget = self.max_num_batched_tokens
+        if self.policy == "fcfs":
+            plan: dict[str, int] = {}
+            for r in (*self.running, *self.waiting):
+                if budget <= 0:
+                    break
+                if r.status != RequestStatus.RUNNING:
+                    if seats <= 0:
+                        break
+                    seats -= 1
+                give = min(r.num_tokens - r.num_computed_tokens, budget)
+                plan[r.request_id] = give
+                budget -= give
+            return plan
 
         def grant(t: TenantId, req: Request, give: int, into: dict[str, int]) -> None:
             nonlocal budget

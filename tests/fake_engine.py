@@ -93,7 +93,9 @@ def make_fake_llm_engine(model_dir: Path, tokenizer: Any, **overrides: Any) -> L
 
     ``overrides`` are ``EngineConfig`` fields (default max_model_len 512, 128 KV blocks).
     """
-    kwargs = {"max_model_len": 512, "num_gpu_blocks_override": 128, **overrides}
+    # Step times of a fake are noise: no measured stall-free cap unless a test sets one.
+    kwargs = {"max_model_len": 512, "num_gpu_blocks_override": 128,
+              "interactive_step_tokens": 0, **overrides}
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kwargs)
     return LLMEngine(config, tokenizer=tokenizer, executor=FakeExecutor(tokenizer))
 

@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -101,14 +102,36 @@ _process_pool: ProcessPoolExecutor | None = None
 _process_pool_lock = threading.Lock()
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Worker initializer: the worker exits when the server process is gone, however it ended
+    (a killed server must not leave workers holding its stdout)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="saltserve-parent-watch").start()
+
+
 def _parse_pool(renew: bool = False) -> ProcessPoolExecutor:
     """The process-wide parse pool (spawned lazily; ``spawn``: never fork a threaded server)."""
     global _process_pool
     with _process_pool_lock:
         if _process_pool is None or renew:
             _process_pool = ProcessPoolExecutor(
-                default_workers(), mp_context=multiprocessing.get_context("spawn"))
+                default_workers(), mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent, initargs=(os.getpid(),))
         return _process_pool
+
+
+def shutdown_parse_pool() -> None:
+    """Stops the parse workers (``saltserve serve`` calls it on the way out)."""
+    global _process_pool
+    with _process_pool_lock:
+        if _process_pool is not None:
+            _process_pool.shutdown(wait=True, cancel_futures=True)
+            _process_pool = None
 
 
 class Preprocessor:

@@ -681,3 +681,60 @@ def test_salt_rotation_mid_prefill_never_recaches_evicted_blocks(
     again = make_request("again", range(100, 200), tenant="t1")
     assert sched.kv.get_computed_blocks(again) == ([], 0)
     assert_idle(sched)
+
+
+# -- stall-free batching between tenants and the fcfs policy --------------------------------------
+def test_interactive_cap_bounds_steps_while_another_tenant_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=256, interactive_step_tokens=8)
+    a = make_request("a", range(100, 110), "A", max_tokens=4, ignore_eos=True)   # 10 tokens
+    sched.add_request(a)
+    _, rows = step(sched)
+    assert rows == [("a", 0, 10, True)]                  # alone: the whole budget
+    sched.add_request(make_request("b", range(200, 500), "B", max_tokens=1))    # 300 tokens
+    _, rows = step(sched)
+    # A decodes, B prefills: 1 decode + 8 tokens, B's share after A's decode.
+    assert rows == [("a", 10, 1, True), ("b", 0, 8, False)]
+    _, rows = step(sched)
+    assert rows == [("a", 11, 1, True), ("b", 8, 8, False)]
+    _, rows = step(sched)
+    assert rows == [("a", 12, 1, True), ("b", 16, 8, False)]   # a finishes (4 tokens)
+    _, rows = step(sched)
+    assert rows == [("b", 24, 256, False)]                # B alone again: the whole budget
+
+
+def test_interactive_cap_does_not_apply_to_one_tenant_or_two_prefilling_tenants() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, interactive_step_tokens=8)
+    sched.add_request(make_request("a", range(100, 110), "A", max_tokens=4, ignore_eos=True))
+    step(sched)
+    sched.add_request(make_request("a2", range(300, 400), "A", max_tokens=1))
+    _, rows = step(sched)
+    assert rows == [("a", 10, 1, True), ("a2", 0, 63, False)]  # its own prefill: no cap
+    sched2 = make_scheduler(max_num_batched_tokens=64, interactive_step_tokens=8)
+    sched2.add_request(make_request("x", range(100, 200), "X", max_tokens=1))
+    sched2.add_request(make_request("y", range(300, 400), "Y", max_tokens=1))
+    _, rows = step(sched2)
+    assert rows == [("x", 0, 32, False), ("y", 0, 32, False)]  # no decodes: the full budget
+
+
+def test_fcfs_policy_is_running_first_then_waiting_in_order() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, policy="fcfs", interactive_step_tokens=8)
+    sched.add_request(make_request("b1", range(100, 200), "B", max_tokens=1))
+    sched.add_request(make_request("a1", range(300, 320), "A", max_tokens=2))
+    _, rows = step(sched)
+    assert rows == [("b1", 0, 64, False)]                 # no share for A, no cap
+    _, rows = step(sched)
+    assert rows == [("b1", 64, 36, True), ("a1", 0, 20, True)]
+
+
+def test_step_cost_model_estimates_the_interactive_cap() -> None:
+    from engine.llm_engine import StepCostModel
+
+    m = StepCostModel()
+    assert m.interactive_tokens() is None
+    for _ in range(5):
+        m.observe(4, 0.025 + 4 * 0.002)       # decode steps: c0 25 ms, c1 2 ms per token
+    assert m.interactive_tokens() is None     # no large step seen yet
+    m.observe(512, 0.025 + 512 * 0.002)
+    assert m.interactive_tokens() == 12       # 25 / 2: adding 12 tokens at most doubles
+    m.observe(64, 10.0)                       # mid-sized steps are ignored
+    assert m.interactive_tokens() == 12
