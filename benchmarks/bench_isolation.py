@@ -192,7 +192,8 @@ def _fake_engine(num_blocks: int) -> LLMEngine:
 
 def bench_cache(args: argparse.Namespace) -> None:
     num_blocks = 512  # 8,192 tokens; A's system prompt is 63 blocks
-    rounds, b_prompt, b_per_round = 12, 1000, 4  # B: 4,000 tokens per round = 3 pool cycles
+    rounds, b_prompt, b_per_round = 10, 1000, 25  # B: 25,000 tokens between A's requests: the
+    # whole pool cycles about 3 times between two requests of A
     results = {}
     for name, lru in (("fair share", False), ("plain LRU", True)):
         solo_engine, flood_engine = _fake_engine(num_blocks), _fake_engine(num_blocks)
@@ -208,7 +209,7 @@ def bench_cache(args: argparse.Namespace) -> None:
     for name, (solo, flood, b_tokens) in results.items():
         print(f"    {name:10}: A hit rate solo {solo:.1%}, under flood {flood:.1%} "
               f"({flood / solo:.0%} of solo); B sent {b_tokens:,} tokens = "
-              f"{b_tokens / (num_blocks * 16):.1f} pool cycles")
+              f"{b_tokens / (num_blocks * 16):.1f} pool cycles in all")
     # One tenant alone, unique prompts: engine steps/s with the new eviction vs plain LRU,
     # interleaved, best of 3 (scheduler + pool overhead only: the fake model is ~free).
     times = {"fair share": [], "plain LRU": []}

@@ -151,8 +151,11 @@ class BlockPool:
         self.evictable: dict[TenantId, OrderedDict[int, KVCacheBlock]] = {}
         self.shares: dict[TenantId, TenantShare] = {}
         self.resident_weight = 0
+        self._num_resident_owners = 0
+        self._num_capped = 0  # shares with a max_cache_blocks
         self._heap: list[tuple[int, float, int, TenantId]] = []
         self._version: dict[TenantId, int] = {}
+        self._dirty: set[TenantId] = set()  # owners whose heap entry is out of date
 
     # -- queries -------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -322,6 +325,8 @@ class BlockPool:
         if share == old:
             return
         self.shares[tenant] = share
+        self._num_capped += ((share.max_cache_blocks is not None)
+                             - (old.max_cache_blocks is not None))
         if self.stats.resident_blocks.get(tenant, 0) > 0:
             self.resident_weight += share.weight - old.weight
         self._resident_changed(tenant, 0)
@@ -341,18 +346,27 @@ class BlockPool:
         return blocks
 
     def _resident_changed(self, tenant: TenantId, delta: int) -> None:
+        """O(1): the heap entry is refreshed lazily, at the next victim search."""
         resident = self.stats.resident_blocks.get(tenant, 0)
-        share = self.shares.get(tenant, _DEFAULT_SHARE)
         if delta > 0 and resident == delta:
-            self.resident_weight += share.weight
+            self.resident_weight += self.shares.get(tenant, _DEFAULT_SHARE).weight
+            self._num_resident_owners += 1
         elif delta < 0 and resident == 0:
-            self.resident_weight -= share.weight
-        version = self._version.get(tenant, 0) + 1
-        self._version[tenant] = version
-        if resident > 0:
-            over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
-            heapq.heappush(self._heap, (-int(over_max), -resident / share.weight, version,
-                                        tenant))
+            self.resident_weight -= self.shares.get(tenant, _DEFAULT_SHARE).weight
+            self._num_resident_owners -= 1
+        self._dirty.add(tenant)
+
+    def _refresh_heap(self) -> None:
+        for tenant in self._dirty:
+            version = self._version.get(tenant, 0) + 1
+            self._version[tenant] = version
+            resident = self.stats.resident_blocks.get(tenant, 0)
+            if resident > 0:
+                share = self.shares.get(tenant, _DEFAULT_SHARE)
+                over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
+                heapq.heappush(self._heap, (-int(over_max), -resident / share.weight, version,
+                                            tenant))
+        self._dirty.clear()
         if len(self._heap) > 2 * len(self._version) + 64:  # drop stale entries, amortised
             self._heap = [e for e in self._heap if e[2] == self._version[e[3]]]
             heapq.heapify(self._heap)
@@ -369,6 +383,10 @@ class BlockPool:
     def _furthest_over_share(self) -> TenantId | None:
         """The owner with a free cached block that is furthest over its share, or None when no
         such owner is over its share. O(log tenants) amortised."""
+        if self._num_resident_owners <= 1 and not self._num_capped:
+            return None  # one owner is never over its share (the whole pool): plain LRU
+        if self._dirty:
+            self._refresh_heap()
         heap, skipped, found = self._heap, [], None
         while heap:
             neg_over_max, neg_density, version, tenant = heap[0]
@@ -424,6 +442,10 @@ class BlockPool:
         assert self.resident_weight == sum(
             self.shares.get(o, _DEFAULT_SHARE).weight for o, n in resident.items() if n), \
             "resident weight drift"
+        assert self._num_resident_owners == sum(1 for n in resident.values() if n), \
+            "resident owner count drift"
+        assert self._num_capped == sum(
+            1 for s in self.shares.values() if s.max_cache_blocks is not None), "capped drift"
         # Unhashed free blocks sit before every hashed free block.
         seen_hashed = False
         for bid in free_ids:
