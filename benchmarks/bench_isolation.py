@@ -79,8 +79,9 @@ def run_compute_phase(engine: LLMEngine, tok, flood: bool, n_a: int, a_max_token
         now = time.perf_counter()
         if a_sent < n_a and now >= next_a:
             q = QUESTIONS[(seed + a_sent) % len(QUESTIONS)]
-            ids = tok.apply_chat_template([{"role": "user", "content": f"{q} (#{a_sent})"}],
-                                          add_generation_prompt=True)
+            text = tok.apply_chat_template([{"role": "user", "content": f"{q} (#{a_sent})"}],
+                                           tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
             rid = f"a{seed}-{a_sent}"
             engine.add_request(EngineRequest(rid, tuple(ids), SamplingParams(
                 max_tokens=a_max_tokens, ignore_eos=True), tenant_id="A", cache_salt=b"salt-A"))

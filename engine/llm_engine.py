@@ -41,22 +41,39 @@ def _generation_config_eos(model_dir: Path) -> set[int]:
 
 
 class StepCostModel:
-    """Step time as ``c0 + c1 * tokens`` (seconds), from exponential moving averages of small
-    steps (decodes; at most ``SMALL`` tokens) and large ones (prefill chunks; at least
-    ``LARGE`` tokens). ``c0`` is what a step costs whatever its size (on CPU and for decode on
-    GPU: reading the weights), ``c1`` the cost of one more token."""
+    """Finds the stall-free cap (``Scheduler.interactive_step_tokens``) from measured step times.
 
-    SMALL, LARGE, ALPHA = 32, 128, 0.2
+    A decode-only step (at most ``SMALL`` tokens) costs ``t_small`` (moving average): on CPU,
+    and for decode on GPU, mostly reading the weights. The cap is the number of extra tokens a
+    step may carry beside another tenant's decodes while staying within ``TARGET`` x
+    ``t_small``: it starts at ``c0 / c1`` of a linear fit between small steps and large ones
+    (at least ``LARGE`` tokens), then follows the capped steps actually measured (x0.85 when one
+    was too long, x1.05 when not), since small chunks cost more per token than the fit says.
+    """
+
+    SMALL, LARGE, ALPHA, TARGET = 32, 128, 0.2, 1.8
 
     def __init__(self) -> None:
         self.small: tuple[float, float] | None = None  # (mean tokens, mean seconds)
         self.large: tuple[float, float] | None = None
+        self.cap: float | None = None
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, capped: bool = False) -> None:
+        """Records one step; ``capped``: the stall-free cap limited it."""
+        if capped and self.cap is not None and self.small is not None:
+            too_long = seconds > self.TARGET * self.small[1]
+            self.cap = max(4.0, self.cap * (0.85 if too_long else 1.05))
+            return
         if num_tokens <= self.SMALL:
             self.small = self._ema(self.small, num_tokens, seconds)
         elif num_tokens >= self.LARGE:
             self.large = self._ema(self.large, num_tokens, seconds)
+        if self.cap is None and self.small is not None and self.large is not None:
+            (ns, ts), (nl, tl) = self.small, self.large
+            c1 = (tl - ts) / (nl - ns)
+            c0 = ts - c1 * ns
+            if c1 > 0 and c0 > 0:
+                self.cap = c0 / c1
 
     def _ema(self, old: tuple[float, float] | None, n: float, t: float) -> tuple[float, float]:
         if old is None:
@@ -65,16 +82,8 @@ class StepCostModel:
         return (1 - a) * old[0] + a * n, (1 - a) * old[1] + a * t
 
     def interactive_tokens(self) -> int | None:
-        """Tokens a step can add to a decode-only step without doubling it (``c0 / c1``),
-        or None until both kinds of step were seen."""
-        if self.small is None or self.large is None:
-            return None
-        (ns, ts), (nl, tl) = self.small, self.large
-        c1 = (tl - ts) / (nl - ns)
-        c0 = ts - c1 * ns
-        if c1 <= 0 or c0 <= 0:
-            return None
-        return max(1, int(c0 / c1))
+        """The cap in tokens, or None until a small and a large step were seen."""
+        return None if self.cap is None else max(1, int(self.cap))
 
 
 class LLMEngine:
@@ -244,7 +253,8 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the whole step failed; maybe only this once
             return self._fail_step(sched, e)
         self.consecutive_step_failures = 0
-        self.step_costs.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
+        self.step_costs.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0,
+                                capped=sched.capped)
         if self.config.interactive_step_tokens is None:  # measured, not configured
             self.scheduler.interactive_step_tokens = self.step_costs.interactive_tokens()
         for rid, reason in result.failed.items():

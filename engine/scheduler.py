@@ -69,6 +69,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
+    capped: bool = False  # the stall-free cap limited this step's budget
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -106,6 +107,7 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.policy = policy
         self.interactive_step_tokens = interactive_step_tokens
+        self._light: set[TenantId] = set()  # this step's light tenants (``_step_budget``)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -252,26 +254,43 @@ class Scheduler:
             ScheduledRequest(self.requests[rid], self.requests[rid].num_computed_tokens, n,
                              tuple(self.kv.get_block_ids(rid)))
             for rid, n in granted.items())
-        return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted))
+        return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted),
+                               capped=budget < self.max_num_batched_tokens)
 
     def _step_budget(self) -> int:
-        """``max_num_batched_tokens``, or the stall-free cap while tenants mix decodes and
-        prefills (module docstring)."""
+        """``max_num_batched_tokens``, or the stall-free cap while a light tenant shares the
+        step with a heavy one (module docstring).
+
+        A tenant is light when all it can run now fits its fair share of the full budget (a
+        decode, a short prompt); heavy otherwise. With a light and a heavy tenant, the step is
+        the decodes plus ``interactive_step_tokens``, or enough for every light tenant's whole
+        need at its share if that is more, so a light tenant's tokens never wait behind a long
+        step. Light tenants are planned first (max-min fairness: a demand under its fair share
+        is served whole), so their need always fits the step.
+        """
         budget = self.max_num_batched_tokens
+        self._light = set()
         if self.policy != "fair" or not self.interactive_step_tokens:
             return budget
-        decoding: set[TenantId] = set()
-        prefilling: set[TenantId] = {r.tenant_id for r in self.waiting}
+        need: dict[TenantId, int] = {}
         num_decodes = 0
         for r in self.running:
-            if r.num_tokens - r.num_computed_tokens == 1:
-                decoding.add(r.tenant_id)
-                num_decodes += 1
-            else:
-                prefilling.add(r.tenant_id)
-        if decoding and prefilling and (len(decoding) > 1 or prefilling != decoding):
-            budget = min(budget, num_decodes + self.interactive_step_tokens)
-        return budget
+            n = r.num_tokens - r.num_computed_tokens
+            need[r.tenant_id] = need.get(r.tenant_id, 0) + n
+            num_decodes += n == 1
+        for r in self.waiting:
+            need[r.tenant_id] = need.get(r.tenant_id, 0) + r.num_tokens
+        self._light: set[TenantId] = set()
+        if len(need) < 2:
+            return budget
+        total_weight = sum(self.weights[t] for t in need)
+        light = [t for t, n in need.items() if n * total_weight <= budget * self.weights[t]]
+        if not light or len(light) == len(need):
+            return budget  # nobody light, or everybody fits anyway
+        self._light = set(light)
+        # Each light tenant's whole need at its weight share of the capped step.
+        room = max(-(-need[t] * total_weight // self.weights[t]) for t in light)
+        return min(budget, max(num_decodes + self.interactive_step_tokens, room))
 
     def _plan(self, budget: int) -> dict[str, int]:
         """Divides this step's token budget between requests by weighted fair queuing.
@@ -328,13 +347,14 @@ class Scheduler:
             need[req.request_id] = req.num_tokens
             grant(req.tenant_id, req, min(req.num_tokens, budget, self.fair_quantum_tokens),
                   waiting)
-        heap: list[tuple[float, int, TenantId]] = []
+        light = self._light
+        heap: list[tuple[bool, float, int, TenantId]] = []
         for seq, t in enumerate(queues):
             if queues[t]:
-                heapq.heappush(heap, (vtime[t], seq, t))
+                heapq.heappush(heap, (t not in light, vtime[t], seq, t))
         seq = len(queues)
         while heap and budget > 0:
-            t = heapq.heappop(heap)[2]
+            t = heapq.heappop(heap)[3]
             q = queues[t]
             req = q[0]
             rid = req.request_id
@@ -354,7 +374,7 @@ class Scheduler:
                 give = min(give, self.fair_quantum_tokens)
             grant(t, req, min(give, budget), into)
             if q:
-                heapq.heappush(heap, (vtime[t], seq, t))
+                heapq.heappush(heap, (t not in light, vtime[t], seq, t))
                 seq += 1
         return {**running, **waiting}
 

@@ -251,3 +251,85 @@ def test_admin_sets_weight_and_cache_bounds_and_the_engine_gets_them(env):
         == (1, None, None)
     audit = env.client.get("/admin/audit", headers=h, params={"tenant": env.tenant_a}).json()
     assert any("weight=3" in e["detail"] for e in audit["data"])
+
+
+def test_cli_set_share_and_list(tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    runner = CliRunner()
+    dd = ["--data-dir", str(tmp_path)]
+    assert runner.invoke(main, ["tenants", "create", "acme", *dd]).exit_code == 0
+    r = runner.invoke(main, ["tenants", "set-share", "acme", "--weight", "4",
+                             "--max-cache-blocks", "300", *dd])
+    assert r.exit_code == 0, r.output
+    assert "weight=4 min_cache_blocks=None max_cache_blocks=300" in r.output
+    r = runner.invoke(main, ["tenants", "set-share", "acme", "--max-cache-blocks", "none",
+                             "--min-cache-blocks", "10", *dd])
+    assert "weight=4 min_cache_blocks=10 max_cache_blocks=None" in r.output
+    assert "weight=4" in runner.invoke(main, ["tenants", "list", *dd]).output
+    for bad in (["--weight", "0"], ["--min-cache-blocks", "-3"], ["--max-cache-blocks", "x"]):
+        r = runner.invoke(main, ["tenants", "set-share", "acme", *bad, *dd])
+        assert r.exit_code == 2, (bad, r.output)
+    r = runner.invoke(main, ["tenants", "set-share", "acme", "--max-cache-blocks", "5", *dd])
+    assert r.exit_code == 1 and "must not exceed" in r.output  # min 10 > max 5: unchanged
+    assert "max_cache_blocks=None" in runner.invoke(main, [
+        "tenants", "set-share", "acme", *dd]).output
+
+
+def test_metrics_export_cache_share_and_over_share_evictions(app_env_builder, tmp_path):
+    with app_env_builder(tmp_path, metrics_token="scrape", num_gpu_blocks_override=40) as env:
+        # A caches 2 prompts of 8 blocks; B floods unique prompts: B goes over its share (20)
+        # and pays for its own evictions, A keeps its blocks.
+        for i in range(2):
+            r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
+                "model": env.model, "prompt": list(range(1000 + 200 * i, 1129 + 200 * i)),
+                "max_tokens": 1})
+            assert r.status_code == 200
+        for i in range(12):
+            r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
+                "model": env.model, "prompt": list(range(5000 + 200 * i, 5129 + 200 * i)),
+                "max_tokens": 1})
+            assert r.status_code == 200
+        text = env.client.get("/metrics", headers={"Authorization": "Bearer scrape"}).text
+
+        def value(name: str, tenant: str) -> float:
+            for line in text.splitlines():
+                if line.startswith(f"saltserve:{name}{{") and f'tenant="{tenant}"' in line:
+                    return float(line.rsplit(" ", 1)[1])
+            raise AssertionError(f"{name} for {tenant} not exported")
+
+        assert value("prefix_cache_share_blocks", env.tenant_a) == 20
+        assert value("prefix_cache_share_blocks", env.tenant_b) == 20
+        assert value("prefix_cache_resident_blocks", env.tenant_a) == 16  # untouched
+        assert value("prefix_cache_over_share_evictions_total", env.tenant_b) > 0
+        assert value("prefix_cache_over_share_evictions_total", env.tenant_a) == 0
+        # A's repeat still hits all 8 of its blocks after B's flood.
+        r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
+            "model": env.model, "prompt": list(range(1000, 1129)), "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+
+
+def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from tests.app.conftest import make_repo
+    from tests.fake_engine import make_fake_engine_client
+
+    engine = make_fake_engine_client(model_dir, tokenizer, max_consecutive_step_failures=2)
+    repo = make_repo(tmp_path, None)
+    tenant = repo.create_tenant("t")
+    key, _ = repo.create_api_key(tenant.id)
+    died = threading.Event()
+    app = create_app(engine, repo, on_engine_death=died.set)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        engine.engine.runner.fail = True
+        h = {"Authorization": f"Bearer {key}"}
+        codes = [client.post("/v1/completions", headers=h, json={
+            "model": engine.model_info().served_model_name, "prompt": "hi",
+            "max_tokens": 2}).status_code for _ in range(2)]
+        assert codes == [500, 503]  # one failed step is survived; the second in a row is not
+        assert died.wait(5)
+        assert client.get("/health").status_code == 503

@@ -726,7 +726,7 @@ def test_fcfs_policy_is_running_first_then_waiting_in_order() -> None:
     assert rows == [("b1", 64, 36, True), ("a1", 0, 20, True)]
 
 
-def test_step_cost_model_estimates_the_interactive_cap() -> None:
+def test_step_cost_model_starts_from_the_fit_then_follows_capped_steps() -> None:
     from engine.llm_engine import StepCostModel
 
     m = StepCostModel()
@@ -735,6 +735,26 @@ def test_step_cost_model_estimates_the_interactive_cap() -> None:
         m.observe(4, 0.025 + 4 * 0.002)       # decode steps: c0 25 ms, c1 2 ms per token
     assert m.interactive_tokens() is None     # no large step seen yet
     m.observe(512, 0.025 + 512 * 0.002)
-    assert m.interactive_tokens() == 12       # 25 / 2: adding 12 tokens at most doubles
-    m.observe(64, 10.0)                       # mid-sized steps are ignored
+    assert m.interactive_tokens() == 12       # 25 / 2: the linear fit's doubling point
+    m.observe(64, 10.0)                       # mid-sized uncapped steps are ignored
     assert m.interactive_tokens() == 12
+    m.observe(16, 0.033 * 2.0, capped=True)   # a capped step over 1.8x the decode step
+    assert m.interactive_tokens() == 10       # 12.5 x 0.85
+    for _ in range(3):
+        m.observe(16, 0.040, capped=True)     # within 1.8 x 33 ms: grow again
+    assert m.interactive_tokens() == 12       # 10.625 x 1.05^3
+
+
+def test_light_tenants_short_prompt_gets_a_short_step_beside_a_heavy_prefill() -> None:
+    sched = make_scheduler(max_num_batched_tokens=256, interactive_step_tokens=8)
+    sched.add_request(make_request("b", range(200, 800), "B", max_tokens=1))     # 600 tokens
+    out, rows = step(sched)
+    assert rows == [("b", 0, 256, False)] and not out.capped  # B alone: the whole budget
+    sched.add_request(make_request("a", range(100, 120), "A", max_tokens=1))    # 20 tokens
+    out, rows = step(sched)
+    # A is light (20 tokens fit its half of 256): the step is A's whole need at its share
+    # (2 x 20 = 40 tokens), not 256: A's prompt does not wait behind a long step; light tenants
+    # are planned first, so A gets all 20.
+    assert rows == [("b", 256, 20, False), ("a", 0, 20, True)] and out.capped
+    _, rows = step(sched)
+    assert rows == [("b", 276, 256, False)]              # A done: B alone again
