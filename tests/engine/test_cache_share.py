@@ -180,3 +180,48 @@ def test_tenant_share_rejects_bad_weights(bad) -> None:
         TenantShare(weight=bad)
     with pytest.raises(ValueError, match="min_cache_blocks"):
         TenantShare(min_cache_blocks=-1)
+
+
+def test_max_cache_blocks_boundary_and_precedence_over_density() -> None:
+    pool = BlockPool(17)  # three tenants, equal weights: 5.67 blocks each
+    pool.set_tenant_share("C", TenantShare(max_cache_blocks=2))
+    a = cache(pool, "A", 2)
+    b = cache(pool, "B", 12)       # over its share (12 > 5.67), densest
+    c = cache(pool, "C", 3)        # within its share, but over its cap of 2
+    seen = evictions(pool)
+    # C over its cap goes first, although B is further over its weighted share.
+    assert take(pool, 1, "A") == c[:1]
+    # C at exactly its cap (2) is no longer over it: now B pays.
+    assert take(pool, 1, "A") == b[:1]
+    assert [o for _, o, _ in seen] == ["C", "B"]
+    assert pool.stats.over_share_evictions == {"C": 1, "B": 1} and a
+
+
+def test_density_is_resident_blocks_per_unit_of_weight() -> None:
+    pool = BlockPool(20)
+    pool.set_tenant_share("B", TenantShare(weight=2))
+    # Weights 1 (A), 2 (B), 1 (C): shares 5, 10, 5. A holds 7 (7 per weight), B 12 (6 per
+    # weight), C 1. A is further over its share per unit of weight although B holds more.
+    a = cache(pool, "A", 7)
+    b = cache(pool, "B", 12)
+    cache(pool, "C", 1)
+    assert take(pool, 1, "C") == a[:1]
+    # A 6 per weight, B 6 per weight: a tie, either may pay; both are over their share.
+    assert take(pool, 1, "C") in ([a[1]], [b[0]])
+    assert pool.stats.num_over_share_evictions == 2
+
+
+def test_skipped_pinned_tenant_is_found_again_once_its_blocks_are_free() -> None:
+    pool = BlockPool(12)
+    a = cache(pool, "A", 2)
+    b_blocks = pool.get_new_blocks(8, "B")         # B over its share, all pinned
+    for blk in b_blocks:
+        pool.cache_full_block(blk, f"h{next(_next_hash)}".encode(), "B")
+    c = cache(pool, "C", 2)
+    assert take(pool, 1, "C") == a[:1]            # B skipped (pinned): plain LRU, twice
+    assert take(pool, 1, "C") == a[1:]
+    pool.free_blocks(b_blocks[:3])
+    pool.check_integrity()
+    assert take(pool, 2, "C") == [b.block_id for b in b_blocks[:2]]  # B found again
+    assert pool.stats.over_share_evictions == {"B": 2} and c
+    assert all(len(e) == 4 and e[3] is not None or e[3] is None for e in pool._heap)

@@ -758,3 +758,16 @@ def test_light_tenants_short_prompt_gets_a_short_step_beside_a_heavy_prefill() -
     assert rows == [("b", 256, 20, False), ("a", 0, 20, True)] and out.capped
     _, rows = step(sched)
     assert rows == [("b", 276, 256, False)]              # A done: B alone again
+
+
+def test_fcfs_policy_respects_seats_and_an_exact_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=40, max_num_seqs=2, policy="fcfs")
+    for i, n in enumerate((20, 20, 5)):
+        sched.add_request(make_request(f"r{i}", range(100 * i + 100, 100 * i + 100 + n), "A",
+                                       max_tokens=2))
+    _, rows = step(sched)
+    assert rows == [("r0", 0, 20, True), ("r1", 0, 20, True)]  # budget used exactly; 2 seats
+    _, rows = step(sched)
+    assert rows == [("r0", 20, 1, True), ("r1", 20, 1, True)]  # r2 has no seat
+    _, rows = step(sched)
+    assert rows == [("r2", 0, 5, True)]
