@@ -18,7 +18,8 @@ resident blocks)``, raised to its ``min_cache_blocks`` and lowered to its ``max_
 (``engine.request.TenantShare``). When a cached block must be reused, it is the LRU free block of
 the tenant furthest over its share: a tenant over its ``max_cache_blocks`` first, then the one
 with the most resident blocks per unit of weight; a tenant at or under its ``min_cache_blocks``
-is never chosen. When no tenant with a free cached block is over its share (always the case with
+is never chosen. The allocating tenant counts with the blocks it is taking: a tenant at its
+share pays for its own growth from its own LRU blocks. When no tenant with a free cached block is over its share (always the case with
 one tenant), it is the head of the free queue: exactly plain LRU. Each tenant's free cached
 blocks are kept in their own LRU list and tenants in a lazy max-heap, so picking a victim costs
 O(log tenants) per block, never a scan.
@@ -191,22 +192,28 @@ class BlockPool:
                              f"{self.get_num_free_blocks()} free")
         out = []
         for _ in range(num_blocks):
-            block = self._pop_free_block(tenant)
+            block = self._pop_free_block(tenant, num_blocks)
             assert block.ref_cnt == 0, f"{block} in free queue with refs"
             block.ref_cnt = 1
             self.num_used_blocks += 1
             out.append(block)
         return out
 
-    def _pop_free_block(self, tenant: TenantId) -> KVCacheBlock:
+    def _pop_free_block(self, tenant: TenantId, allocating: int) -> KVCacheBlock:
         """Takes the next free block to reuse: an unhashed one, else the LRU cached block of the
-        owner furthest over its share, else the LRU cached block (plain LRU)."""
+        owner furthest over its share, else the LRU cached block (plain LRU). ``tenant``
+        counts with the ``allocating`` blocks it is taking now (they will hold its KV)."""
         head = self.free_block_queue.peek()
         if head is None:
             raise IndexError("no free blocks")
         if head.block_hash is None:
             return self.free_block_queue.popleft()
         owner = self._furthest_over_share()
+        others = self._num_resident_owners - (self.stats.resident_blocks.get(tenant, 0) > 0)
+        if others and self.evictable.get(tenant) and self._is_over_share(tenant, allocating) \
+                and (owner is None
+                     or self._density(tenant, allocating) > self._density(owner)):
+            owner = tenant  # the allocating tenant is (or is about to be) the furthest over
         over_share = owner is not None
         if not over_share:
             block = head
@@ -371,14 +378,24 @@ class BlockPool:
             self._heap = [e for e in self._heap if e[2] == self._version[e[3]]]
             heapq.heapify(self._heap)
 
-    def _is_over_share(self, tenant: TenantId) -> bool:
-        resident = self.stats.resident_blocks.get(tenant, 0)
+    def _density(self, tenant: TenantId, extra: int = 0) -> tuple[bool, float]:
+        """(over its cap, resident blocks per unit of weight): the order of "furthest over"."""
+        resident = self.stats.resident_blocks.get(tenant, 0) + extra
+        share = self.shares.get(tenant, _DEFAULT_SHARE)
+        over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
+        return over_max, resident / share.weight
+
+    def _is_over_share(self, tenant: TenantId, extra: int = 0) -> bool:
+        """Whether ``tenant`` (with ``extra`` more blocks) is over its cache share."""
+        current = self.stats.resident_blocks.get(tenant, 0)
+        resident = current + extra
         share = self.shares.get(tenant, _DEFAULT_SHARE)
         if share.max_cache_blocks is not None and resident > share.max_cache_blocks:
             return True
         if share.min_cache_blocks is not None and resident <= share.min_cache_blocks:
             return False
-        return resident * self.resident_weight > self.num_blocks * share.weight
+        total_weight = self.resident_weight + (share.weight if current == 0 else 0)
+        return resident * total_weight > self.num_blocks * share.weight
 
     def _furthest_over_share(self) -> TenantId | None:
         """The owner with a free cached block that is furthest over its share, or None when no

@@ -14,11 +14,18 @@ from click.testing import CliRunner
 from app.cli import _serve_options, _settings, serve
 from app.settings import Settings
 from engine.block_hash import HASH_ALGOS
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 
 ENGINE_FIELDS = [f for f in fields(EngineConfig) if f.name != "model"]
 CHOICE_CONSTANTS = {"prefix_caching_hash_algo": HASH_ALGOS, "dtype": DTYPES, "device": DEVICES,
-                    "attention_backend": ATTENTION_BACKENDS}
+                    "attention_backend": ATTENTION_BACKENDS,
+                    "scheduling_policy": SCHEDULING_POLICIES}
 
 
 @pytest.fixture(autouse=True)

@@ -49,15 +49,29 @@ def test_one_tenant_is_plain_lru() -> None:
 
 
 def test_all_tenants_within_share_is_plain_lru() -> None:
+    pool = BlockPool(6)  # A and B: 3 blocks each
+    a_old, b, a_new, b_new = (cache(pool, "A", 2), cache(pool, "B", 2), cache(pool, "A", 1),
+                              cache(pool, "B", 1))
+    seen = evictions(pool)
+    # C (no cached blocks, taking 2: within its share) evicts in plain LRU order.
+    assert take(pool, 2, "C") == a_old
+    assert [o for _, o, _ in seen] == ["A", "A"]
+    assert pool.stats.num_over_share_evictions == 0
+    assert a_new and b and b_new
+    assert pool.stats.resident_blocks == {"A": 1, "B": 3}
+
+
+def test_a_tenant_at_its_share_pays_for_its_own_growth() -> None:
     pool = BlockPool(8)  # equal weights: 4 blocks each
     a_old, b, a_new, b_new = (cache(pool, "A", 2), cache(pool, "B", 3), cache(pool, "A", 2),
                               cache(pool, "B", 1))
     seen = evictions(pool)
-    assert take(pool, 3, "B") == a_old + b[:1]  # A's blocks are older: LRU takes them first
-    assert [o for _, o, _ in seen] == ["A", "A", "B"]
-    assert pool.stats.num_over_share_evictions == 0
-    assert a_new and b_new
-    assert pool.stats.resident_blocks == {"A": 2, "B": 3}
+    # B holds its share (4); taking 3 more would put it over: it pays from its own LRU blocks,
+    # not from A's older ones (A keeps its guaranteed share).
+    assert take(pool, 3, "B") == b
+    assert [o for _, o, _ in seen] == ["B", "B", "B"]
+    assert pool.stats.over_share_evictions == {"B": 3}
+    assert pool.stats.resident_blocks == {"A": 4, "B": 1} and a_old and a_new and b_new
 
 
 def test_tenant_over_its_share_loses_its_own_lru_block_first() -> None:
@@ -70,9 +84,12 @@ def test_tenant_over_its_share_loses_its_own_lru_block_first() -> None:
     assert seen == [(i, "B", "A") for i in b[:3]]
     assert pool.stats.over_share_evictions == {"B": 3}
     assert pool.stats.resident_blocks == {"A": 2, "B": 5}
-    # B at exactly its share (5 of 10) is no longer over it: plain LRU again (A's block 0).
-    assert take(pool, 1, "B") == a[:1]
+    # A (2, taking 1) and every other tenant within its share: plain LRU (A's block 0) ...
+    assert take(pool, 1, "A") == a[:1]
     assert pool.stats.over_share_evictions == {"B": 3}
+    # ... but B at exactly its share (5 of 10), taking one more, pays for it itself.
+    assert take(pool, 1, "B") == b[3:4]
+    assert pool.stats.over_share_evictions == {"B": 4}
 
 
 def test_weights_set_the_share() -> None:
@@ -103,8 +120,8 @@ def test_graded_tenants_the_furthest_over_pays_first() -> None:
     assert sorted(take(pool, 2, "A")) == sorted([b[0], c[2]])
     assert pool.stats.over_share_evictions == {"C": 3, "B": 1}
     assert pool.stats.resident_blocks == {"A": 1, "B": 5, "C": 5}
-    # ... and with everyone within its share, plain LRU takes A's old block.
-    assert take(pool, 1, "B") == a
+    # ... and with everyone within its share, plain LRU takes A's old block (A taking it).
+    assert take(pool, 1, "A") == a
     assert [o for _, o, _ in seen][:2] == ["C", "C"] and len(seen) == 5
 
 
