@@ -152,6 +152,7 @@ def bench_compute(args: argparse.Namespace) -> None:
 def _plain_lru(engine: LLMEngine) -> None:
     """The eviction order before the fair cache share: never pick an over-share owner."""
     engine.block_pool._furthest_over_share = lambda: None
+    engine.block_pool._is_over_share = lambda tenant, extra=0: False
 
 
 def run_cache_phase(engine: LLMEngine, flood: bool, rounds: int, b_prompt_tokens: int,
