@@ -171,11 +171,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Builds one step: which requests compute which tokens (see the module docstring).
 
-        Three phases: (1) plan: divide the token budget between tenants by weighted fair
-        queuing, pure arithmetic; (2) running requests, in admission order, allocate their
-        planned tokens, preempting when the pool is short; (3) waiting requests are admitted in
-        plan order. Tokens a request cannot use (a victim's plan, cache hits found at admission)
-        are spare and go to the requests after it, so a lone tenant uses the whole budget.
+        Four phases: (1) plan: divide the step's budget (``_step_budget``) between tenants by
+        weighted fair queuing, pure arithmetic; (2) running requests, in admission order,
+        allocate their planned tokens, preempting when the pool is short; (3) waiting requests
+        are admitted in plan order; (4) budget still unused (an admission that did not fit) goes
+        to running requests, so the engine always makes progress. Tokens a request cannot use
+        (a victim's plan, cache hits found at admission) are spare and go to the requests after
+        it, so a lone tenant uses the whole budget.
         """
         budget = self._step_budget()
         plan = self._plan(budget)
