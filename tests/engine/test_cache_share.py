@@ -242,3 +242,21 @@ def test_skipped_pinned_tenant_is_found_again_once_its_blocks_are_free() -> None
     assert take(pool, 2, "C") == [b.block_id for b in b_blocks[:2]]  # B found again
     assert pool.stats.over_share_evictions == {"B": 2} and c
     assert all(len(e) == 4 and e[3] is not None or e[3] is None for e in pool._heap)
+
+
+def test_cache_share_arithmetic() -> None:
+    pool = BlockPool(10)
+    pool.set_tenant_share("B", TenantShare(weight=2))
+    cache(pool, "A", 2)
+    # A alone has the whole pool; B (no cached blocks yet) is counted as if it had some:
+    # 10 x 2 // (1 + 2) = 6 blocks, whole blocks only.
+    assert (pool.cache_share("A"), pool.cache_share("B")) == (10, 6)
+    cache(pool, "B", 1)
+    assert (pool.cache_share("A"), pool.cache_share("B")) == (3, 6)
+    assert isinstance(pool.cache_share("A"), int)
+    pool.set_tenant_share("C", TenantShare(min_cache_blocks=5, max_cache_blocks=7))
+    assert pool.cache_share("C") == 5           # 10 x 1 // 4 = 2, raised to its minimum
+    pool.set_tenant_share("C", TenantShare(weight=9, max_cache_blocks=7))
+    assert pool.cache_share("C") == 7           # 10 x 9 // 12 = 7 ... at most 7 anyway
+    pool.set_tenant_share("C", TenantShare(weight=30, max_cache_blocks=7))
+    assert pool.cache_share("C") == 7           # 10 x 30 // 33 = 9, lowered to its maximum
