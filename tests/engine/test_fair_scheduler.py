@@ -771,3 +771,23 @@ def test_fcfs_policy_respects_seats_and_an_exact_budget() -> None:
     assert rows == [("r0", 20, 1, True), ("r1", 20, 1, True)]  # r2 has no seat
     _, rows = step(sched)
     assert rows == [("r2", 0, 5, True)]
+
+
+def test_a_victim_granted_earlier_in_the_step_gives_its_tokens_back() -> None:
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32)
+    x = make_request("x", range(100, 148), "X", max_tokens=10, ignore_eos=True)   # 3 blocks
+    sched.add_request(x)
+    _, rows = step(sched)
+    assert rows == [("x", 0, 32, False)]
+    sched.add_request(make_request("y", range(300, 380), "Y", max_tokens=1))     # 80 tokens
+    _, rows = step(sched)
+    assert rows == [("x", 32, 16, True), ("y", 0, 16, False)]  # x: 4 blocks needed next
+    vtime_x = sched.vtime["X"]
+    out, rows = step(sched)
+    # x's decode was granted first (its 4th block), then y needed 2 blocks: X holds the most
+    # blocks, so x is preempted and its token goes back to the budget, which y then uses
+    # whole (31 planned + the 1 refunded).
+    assert out.preempted_ids == ("x",)
+    assert rows == [("y", 16, 32, False)]
+    assert sched.vtime["X"] == vtime_x  # the refunded token is not charged to X
+    assert x.status == RequestStatus.PREEMPTED and x.num_preemptions == 1
