@@ -175,7 +175,8 @@ class Scheduler:
         weighted fair queuing, pure arithmetic; (2) running requests, in admission order,
         allocate their planned tokens, preempting when the pool is short; (3) waiting requests
         are admitted in plan order; (4) budget still unused (an admission that did not fit) goes
-        to running requests, so the engine always makes progress. Tokens a request cannot use
+        to running requests where blocks are free (never by preempting), so the engine always
+        makes progress. Tokens a request cannot use
         (a victim's plan, cache hits found at admission) are spare and go to the requests after
         it, so a lone tenant uses the whole budget.
         """
@@ -241,16 +242,26 @@ class Scheduler:
             used += num_new
             self._charge(req.tenant_id, num_new)
 
-        # Phase 4: budget a failed admission left unused goes to running requests (progress).
+        # Phase 4: budget a failed admission left unused goes to running requests (progress),
+        # only where blocks are free: leftover budget never preempts anyone.
         for req in list(self.running):
             if used >= budget:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue
             done = granted.get(req.request_id, 0)
             more = min(req.num_tokens - req.num_computed_tokens - done, budget - used)
-            if more > 0:
-                grow(req, done + more)
+            if more <= 0:
+                continue
+            try:
+                fits = self.kv.allocate_slots(req, done + more) is not None
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                self._fail_in_step(req, e)
+                used -= granted.pop(req.request_id, 0)
+                self._charge(req.tenant_id, -done)
+                continue
+            if fits:
+                granted[req.request_id] = done + more
+                used += more
+                self._charge(req.tenant_id, more)
 
         scheduled = tuple(
             ScheduledRequest(self.requests[rid], self.requests[rid].num_computed_tokens, n,
@@ -408,13 +419,13 @@ class Scheduler:
             return 0
         self.waiting.remove(req)
         self.running.append(req)
+        req.status = RequestStatus.RUNNING
         if req.num_cached_tokens < 0:  # first admission: the only time hits count
             req.num_cached_tokens = num_hit_tokens
             if self.kv.uses_prefix_cache(req):
                 self.stats.record_first_admission(req.tenant_id, req.num_tokens, num_hit_tokens)
         else:  # re-admission after preemption: recompute, never a hit
             self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
-        req.status = RequestStatus.RUNNING
         return num_new
 
     def _fail_in_step(self, req: Request, error: Exception) -> None:
