@@ -86,6 +86,7 @@ class Lease:
         self._limiter, self._tenant_id, self._entry = limiter, tenant_id, entry
         self.headers = headers  # x-ratelimit-* as of admission (empty when no limits are set)
         self.released = False
+        self._request_time: float | None = None  # the call's entry in the rpm window
 
     def release(self, used_tokens: int | None = None) -> None:
         """Frees the concurrency slot and corrects the token reservation.
@@ -148,7 +149,8 @@ class RateLimiter:
                 raise RateLimitExceeded(
                     f"rate limit reached: {limits.rpm} requests per minute",
                     self._headers(w, limits, now, retry_after=wait))
-            if limits.tpm is not None and w.tokens_used + tokens > limits.tpm:
+            need = max(tokens, 1)  # a call admitted before its size is known needs a free token
+            if limits.tpm is not None and w.tokens_used + need > limits.tpm:
                 if tokens > limits.tpm:
                     message = (f"request too large: it may use up to {tokens} tokens (prompt + "
                                f"max_tokens) and this tenant allows {limits.tpm} tokens per "
@@ -156,25 +158,28 @@ class RateLimiter:
                     wait = self._window_s
                 else:
                     message = f"rate limit reached: {limits.tpm} tokens per minute"
-                    wait = self._tokens_free_at(w, limits.tpm - tokens, now) - now
+                    wait = self._tokens_free_at(w, limits.tpm - need, now) - now
                 raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
             w.requests.append(now)
             entry = _Entry(now, tokens)
             w.tokens.append(entry)
             w.tokens_used += tokens
             w.in_flight += 1
-            return Lease(self, tenant_id, entry, self._headers(w, limits, now))
+            lease = Lease(self, tenant_id, entry, self._headers(w, limits, now))
+            lease._request_time = now
+            return lease
 
     def _reserve(self, lease: Lease, limits: TenantLimits, tokens: int) -> None:
         with self._lock:
             entry = lease._entry
-            if lease.released or entry is None or limits.tpm is None or tokens <= 0:
-                if entry is not None and not lease.released and tokens > 0:
-                    self._add_tokens(self._tenants[lease._tenant_id], entry, tokens)
+            if lease.released or entry is None or tokens <= 0:
                 return
             now = self._clock()
             w = self._tenants[lease._tenant_id]
             self._prune(w, now)
+            if limits.tpm is None:
+                self._renew(w, lease, tokens, now)
+                return
             if w.tokens_used + tokens > limits.tpm:
                 if entry.tokens + tokens > limits.tpm:
                     message = (f"request too large: it may use up to {tokens} tokens (prompt + "
@@ -185,14 +190,22 @@ class RateLimiter:
                     message = f"rate limit reached: {limits.tpm} tokens per minute"
                     wait = self._tokens_free_at(w, limits.tpm - tokens, now) - now
                 raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
-            self._add_tokens(w, entry, tokens)
+            self._renew(w, lease, tokens, now)
             lease.headers = self._headers(w, limits, now)
 
     @staticmethod
-    def _add_tokens(w: _TenantWindow, entry: _Entry, tokens: int) -> None:
-        entry.tokens += tokens
-        if not entry.pruned:  # a pruned entry no longer counts in the window
-            w.tokens_used += tokens
+    def _renew(w: _TenantWindow, lease: Lease, tokens: int, now: float) -> None:
+        """Re-dates the call's token entry to ``now`` with ``tokens`` more: tokens count from
+        when they are reserved, even if the admission entry already left the window."""
+        old = lease._entry
+        assert old is not None
+        if not old.pruned:
+            w.tokens.remove(old)
+            w.tokens_used -= old.tokens
+        new = _Entry(now, old.tokens + tokens)
+        w.tokens.append(new)
+        w.tokens_used += new.tokens
+        lease._entry = new
 
     def in_flight(self, tenant_id: str) -> int:
         """Calls of this tenant holding a lease now."""
@@ -209,10 +222,12 @@ class RateLimiter:
             w.in_flight -= 1
             assert w.in_flight >= 0, "rate limiter released more leases than it granted"
             entry = lease._entry
-            if cancel and entry is not None and not entry.pruned:
-                w.requests.remove(entry.time)  # equal timestamps are interchangeable
-                w.tokens.remove(entry)
-                w.tokens_used -= entry.tokens
+            if cancel and entry is not None:
+                if lease._request_time in w.requests:  # equal timestamps are interchangeable
+                    w.requests.remove(lease._request_time)
+                if not entry.pruned:
+                    w.tokens.remove(entry)
+                    w.tokens_used -= entry.tokens
                 return
             if entry is not None and used_tokens is not None and used_tokens < entry.tokens:
                 used = max(0, used_tokens)

@@ -32,6 +32,7 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from app.errors import APIError, error_body
@@ -288,7 +289,13 @@ class CompletionsService:
         handed_off = False  # True once a streaming response owns finalisation
         try:
             call.lease = self._admit(call)  # before the body is read: a 429 costs nothing
-            raw = await read_body()
+            try:
+                raw = await read_body()
+            except ClientDisconnect:
+                call.status = "aborted"
+                return JSONResponse(error_body(400, "the client disconnected while sending the "
+                                               "body", None, "client_disconnected"),
+                                    status_code=400)
             body = await self.preprocessor.parse(auth.tenant_id, model_cls, raw,
                                                  self.info.max_model_len)
             call.prompt_ids = await self.preprocessor.run(
@@ -432,7 +439,7 @@ class CompletionsService:
         """Reserves prompt + n * max_tokens tokens on the call's lease (tpm).
 
         Raises:
-            APIError: 429 over the tenant's tpm; the lease is undone (nothing counted).
+            APIError: 429 over the tenant's tpm; the call counts as one request, no tokens.
         """
         params = call.params
         if call.lease is None or params is None:
@@ -444,7 +451,8 @@ class CompletionsService:
         try:
             call.lease.reserve(self._limits(call.auth), n_prompt + params.n * max_tokens)
         except RateLimitExceeded as e:
-            call.lease.cancel()
+            # The body was read and tokenised: the call counts as a request, with no tokens.
+            call.lease.release(0)
             call.lease = None
             raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 

@@ -114,11 +114,15 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="saltserve-parent-watch").start()
 
 
-def _parse_pool(renew: bool = False) -> ProcessPoolExecutor:
-    """The process-wide parse pool (spawned lazily; ``spawn``: never fork a threaded server)."""
+def _parse_pool(broken: ProcessPoolExecutor | None = None) -> ProcessPoolExecutor:
+    """The process-wide parse pool (spawned lazily; ``spawn``: never fork a threaded server).
+    ``broken``: a pool that lost a worker; replaced (and shut down) if it is still current."""
     global _process_pool
     with _process_pool_lock:
-        if _process_pool is None or renew:
+        if broken is not None and _process_pool is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            _process_pool = None
+        if _process_pool is None:
             _process_pool = ProcessPoolExecutor(
                 default_workers(), mp_context=multiprocessing.get_context("spawn"),
                 initializer=_exit_with_parent, initargs=(os.getpid(),))
@@ -178,11 +182,12 @@ class Preprocessor:
         Raises:
             RequestValidationError, APIError: as ``parse_body`` and ``run``.
         """
+        pool = _parse_pool()
         try:
             kind, value = await self.run(tenant_id, _parse_remote, model_cls, raw, max_items,
-                                         executor=_parse_pool())
-        except BrokenProcessPool:  # a worker died (e.g. killed): start a new pool
-            _parse_pool(renew=True)
+                                         executor=pool)
+        except BrokenProcessPool:  # a worker died (e.g. killed): start a new pool, once
+            _parse_pool(broken=pool)
             raise APIError(503, "the request could not be parsed; retry", None,
                            "server_busy") from None
         if kind == "invalid":

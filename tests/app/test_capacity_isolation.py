@@ -333,3 +333,19 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
         assert codes == [500, 503]  # one failed step is survived; the second in a row is not
         assert died.wait(5)
         assert client.get("/health").status_code == 503
+
+
+def test_tpm_refusal_after_tokenising_counts_one_request_and_no_tokens(env):
+    svc = env.client.app.state.completions
+    env.repo.update_tenant(env.tenant_b, tpm_limit=50, rpm_limit=100)
+    try:
+        w_before = len(getattr(svc.limiter._tenants.get(env.tenant_b), "requests", []))
+        r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
+            "model": env.model, "prompt": "hello there", "max_tokens": 100})
+        assert r.status_code == 429 and "request too large" in r.json()["error"]["message"]
+        w = svc.limiter._tenants[env.tenant_b]
+        # The body was read and tokenised: the call counts against rpm (a tenant cannot make
+        # the server tokenise without limit), but reserves no tokens.
+        assert (len(w.requests) - w_before, w.tokens_used, w.in_flight) == (1, 0, 0)
+    finally:
+        env.repo.update_tenant(env.tenant_b, tpm_limit=None, rpm_limit=None)

@@ -366,3 +366,50 @@ def test_body_over_4_mib_gets_413(env, clock, chunked):
     assert err["message"] == f"request body exceeds {4 << 20} bytes"
     assert err["type"] == "invalid_request_error"
     assert env.engine_state() == (128, 128, False)
+
+
+# -- admission before the body is read, tokens reserved after tokenisation -----------------------
+def test_tokens_reserved_after_a_slow_body_count_from_when_they_are_reserved() -> None:
+    clock = FakeClock()
+    lim = RateLimiter(clock)
+    limits = TenantLimits(tpm=1000)
+    slow = lim.acquire("t", limits, 0)          # admitted; its body takes 61 s to arrive
+    clock.now += 61                              # the admission entry leaves the window
+    slow.reserve(limits, 700)
+    assert lim._tenants["t"].tokens_used == 700  # counted, although admitted 61 s ago
+    other = lim.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded):
+        other.reserve(limits, 400)               # 700 + 400 > 1000
+    other.release(0)
+    clock.now += 59
+    late = lim.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded):       # still inside 60 s of the reservation
+        late.reserve(limits, 400)
+    late.release(0)
+    clock.now += 2                               # 61 s after the reservation: it left
+    lim.acquire("t", limits, 0).reserve(limits, 400)
+    assert lim._tenants["t"].tokens_used == 400
+
+
+def test_a_full_token_window_refuses_at_admission_before_the_body_is_read() -> None:
+    clock = FakeClock()
+    lim = RateLimiter(clock)
+    limits = TenantLimits(tpm=100)
+    lim.acquire("t", limits, 0).reserve(limits, 100)   # the window is exactly full
+    with pytest.raises(RateLimitExceeded, match="tokens per minute") as e:
+        lim.acquire("t", limits, 0)
+    assert e.value.headers["Retry-After"] == "60"
+    clock.now += 60.5
+    lim.acquire("t", limits, 0)                         # free again
+
+
+def test_cancel_after_reserve_still_removes_the_rpm_entry() -> None:
+    clock = FakeClock()
+    lim = RateLimiter(clock)
+    limits = TenantLimits(rpm=5, tpm=1000)
+    lease = lim.acquire("t", limits, 0)
+    clock.now += 1
+    lease.reserve(limits, 300)                          # re-dated token entry
+    lease.cancel()
+    w = lim._tenants["t"]
+    assert (len(w.requests), w.tokens_used, len(w.tokens), w.in_flight) == (0, 0, 0, 0)
