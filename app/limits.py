@@ -151,15 +151,7 @@ class RateLimiter:
                     self._headers(w, limits, now, retry_after=wait))
             need = max(tokens, 1)  # a call admitted before its size is known needs a free token
             if limits.tpm is not None and w.tokens_used + need > limits.tpm:
-                if tokens > limits.tpm:
-                    message = (f"request too large: it may use up to {tokens} tokens (prompt + "
-                               f"max_tokens) and this tenant allows {limits.tpm} tokens per "
-                               "minute; lower max_tokens")
-                    wait = self._window_s
-                else:
-                    message = f"rate limit reached: {limits.tpm} tokens per minute"
-                    wait = self._tokens_free_at(w, limits.tpm - need, now) - now
-                raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
+                raise self._tpm_exceeded(w, limits, now, tokens, need)
             w.requests.append(now)
             entry = _Entry(now, tokens)
             w.tokens.append(entry)
@@ -181,17 +173,24 @@ class RateLimiter:
                 self._renew(w, lease, tokens, now)
                 return
             if w.tokens_used + tokens > limits.tpm:
-                if entry.tokens + tokens > limits.tpm:
-                    message = (f"request too large: it may use up to {tokens} tokens (prompt + "
-                               f"max_tokens) and this tenant allows {limits.tpm} tokens per "
-                               "minute; lower max_tokens")
-                    wait = self._window_s
-                else:
-                    message = f"rate limit reached: {limits.tpm} tokens per minute"
-                    wait = self._tokens_free_at(w, limits.tpm - tokens, now) - now
-                raise RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
+                raise self._tpm_exceeded(w, limits, now, entry.tokens + tokens, tokens)
             self._renew(w, lease, tokens, now)
             lease.headers = self._headers(w, limits, now)
+
+    def _tpm_exceeded(self, w: _TenantWindow, limits: TenantLimits, now: float,
+                      call_tokens: int, need: int) -> RateLimitExceeded:
+        """The tpm refusal of a call that may use ``call_tokens`` in all and needs ``need`` more
+        tokens of the window now (``acquire`` and ``Lease.reserve``)."""
+        assert limits.tpm is not None
+        if call_tokens > limits.tpm:
+            message = (f"request too large: it may use up to {call_tokens} tokens (prompt + "
+                       f"max_tokens) and this tenant allows {limits.tpm} tokens per minute; "
+                       "lower max_tokens")
+            wait = self._window_s
+        else:
+            message = f"rate limit reached: {limits.tpm} tokens per minute"
+            wait = self._tokens_free_at(w, limits.tpm - need, now) - now
+        return RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
 
     @staticmethod
     def _renew(w: _TenantWindow, lease: Lease, tokens: int, now: float) -> None:

@@ -342,10 +342,7 @@ class BlockPool:
         """The tenant's guaranteed share of the pool now, in blocks (see the module docstring);
         for a tenant without resident blocks, as if it had some."""
         share = self.shares.get(tenant, _DEFAULT_SHARE)
-        total = self.resident_weight
-        if self.stats.resident_blocks.get(tenant, 0) == 0:
-            total += share.weight
-        blocks = self.num_blocks * share.weight // total
+        blocks = self.num_blocks * share.weight // self._total_weight_with(tenant)
         if share.max_cache_blocks is not None:
             blocks = min(blocks, share.max_cache_blocks)
         if share.min_cache_blocks is not None:
@@ -367,12 +364,9 @@ class BlockPool:
         for tenant in self._dirty:
             version = self._version.get(tenant, 0) + 1
             self._version[tenant] = version
-            resident = self.stats.resident_blocks.get(tenant, 0)
-            if resident > 0:
-                share = self.shares.get(tenant, _DEFAULT_SHARE)
-                over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
-                heapq.heappush(self._heap, (-int(over_max), -resident / share.weight, version,
-                                            tenant))
+            if self.stats.resident_blocks.get(tenant, 0) > 0:
+                over_max, density = self._density(tenant)
+                heapq.heappush(self._heap, (-int(over_max), -density, version, tenant))
         self._dirty.clear()
         if len(self._heap) > 2 * len(self._version) + 64:  # drop stale entries, amortised
             self._heap = [e for e in self._heap if e[2] == self._version[e[3]]]
@@ -387,15 +381,20 @@ class BlockPool:
 
     def _is_over_share(self, tenant: TenantId, extra: int = 0) -> bool:
         """Whether ``tenant`` (with ``extra`` more blocks) is over its cache share."""
-        current = self.stats.resident_blocks.get(tenant, 0)
-        resident = current + extra
+        resident = self.stats.resident_blocks.get(tenant, 0) + extra
         share = self.shares.get(tenant, _DEFAULT_SHARE)
         if share.max_cache_blocks is not None and resident > share.max_cache_blocks:
             return True
         if share.min_cache_blocks is not None and resident <= share.min_cache_blocks:
             return False
-        total_weight = self.resident_weight + (share.weight if current == 0 else 0)
-        return resident * total_weight > self.num_blocks * share.weight
+        return resident * self._total_weight_with(tenant) > self.num_blocks * share.weight
+
+    def _total_weight_with(self, tenant: TenantId) -> int:
+        """The weights of the owners with cached blocks, ``tenant`` counted even if it has
+        none yet (its share as soon as it caches a block)."""
+        if self.stats.resident_blocks.get(tenant, 0) > 0:
+            return self.resident_weight
+        return self.resident_weight + self.shares.get(tenant, _DEFAULT_SHARE).weight
 
     def _furthest_over_share(self) -> TenantId | None:
         """The owner with a free cached block that is furthest over its share, or None when no
