@@ -6,66 +6,22 @@ asserts exact token counts and block ids and calls ``check_integrity()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
 from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import EngineRequest, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-
-BS = 16
-EOS = 2
-SALT = b"\x07" * 32
-
-
-def make_request(rid: str, tokens: list[int], tenant: str | None = "t1",
-                 salt: bytes | None = SALT, **params) -> Request:
-    params.setdefault("max_tokens", 16)
-    return Request(EngineRequest(rid, tuple(tokens), SamplingParams(**params),
-                                 tenant_id=tenant, cache_salt=salt))
-
-
-def make_scheduler(num_blocks: int = 32, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 256, max_model_len: int = 1024) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks), BS, get_hash_fn("sha256"))
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     eos_token_ids=[EOS])
-
-
-def check(sched: Scheduler) -> None:
-    sched.kv.check_integrity()
-    for req in sched.running:
-        assert req.status == RequestStatus.RUNNING
-    for req in sched.waiting:
-        assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert sched.kv.get_block_ids(req.request_id) == [], f"{req} waiting with blocks"
-        assert req.num_computed_tokens == 0
-
-
-def step(sched: Scheduler, token: int | Callable[[Request], int] = 1000,
-         ) -> tuple[SchedulerOutput, list[tuple[str, int, int, bool]]]:
-    """One engine step with a fake runner. Returns the output and (id, start, n, samples) rows."""
-    out = sched.schedule()
-    check(sched)
-    sampled = {s.request.request_id: (token(s.request) if callable(token) else token)
-               for s in out.scheduled if s.samples}
-    rows = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.samples)
-            for s in out.scheduled]
-    sched.update_from_output(out, sampled)
-    check(sched)
-    return out, rows
-
-
-def assert_idle(sched: Scheduler) -> None:
-    pool = sched.kv.block_pool
-    assert not sched.has_unfinished_requests()
-    assert sched.kv.req_to_blocks == {}
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from tests.engine.sched_helpers import (
+    BS,
+    EOS,
+    assert_idle,
+    check,
+    make_request,
+    make_scheduler,
+    step,
+)
 
 
 # -- chunked prefill and batching -----------------------------------------------------------------
