@@ -28,6 +28,7 @@ O(log tenants) per block, never a scan.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -62,8 +63,8 @@ class FreeBlockQueue:
     """Doubly linked list of free blocks with O(1) popleft, append, appendleft and remove."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)  # sentinels
-        self._tail = KVCacheBlock(-1)
+        self._head = KVCacheBlock(-1)  # sentinels  # pragma: no mutate
+        self._tail = KVCacheBlock(-1)  # pragma: no mutate
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
@@ -78,7 +79,7 @@ class FreeBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Removes and returns the head block. Raises: IndexError when empty."""
         block = self._head.next_free
-        if block is self._tail or block is None:
+        if block is self._tail:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
@@ -147,15 +148,16 @@ class BlockPool:
         self.stats = BlockPoolStats()
         self.num_used_blocks = 0
         # Fair share: each owner's free cached blocks in LRU order (a sub-sequence of the free
-        # queue), owners' shares, the summed weight of owners with resident blocks, and a lazy
-        # max-heap of (-over-max class, -resident per weight, version, owner).
+        # queue), owners' shares, the owners with resident blocks and their summed weight, and
+        # a lazy max-heap of (-over-max class, -resident per weight, version, owner).
         self.evictable: dict[TenantId, OrderedDict[int, KVCacheBlock]] = {}
         self.shares: dict[TenantId, TenantShare] = {}
+        self.resident_owners: set[TenantId] = set()
         self.resident_weight = 0
-        self._num_resident_owners = 0
         self._num_capped = 0  # shares with a max_cache_blocks
         self._heap: list[tuple[int, float, int, TenantId]] = []
-        self._version: dict[TenantId, int] = {}
+        self._versions = itertools.count()
+        self._version: dict[TenantId, int] = {}  # owner -> version of its live heap entry
         self._dirty: set[TenantId] = set()  # owners whose heap entry is out of date
 
     # -- queries -------------------------------------------------------------------------------
@@ -203,16 +205,15 @@ class BlockPool:
         """Takes the next free block to reuse: an unhashed one, else the LRU cached block of the
         owner furthest over its share, else the LRU cached block (plain LRU). ``tenant``
         counts with the ``allocating`` blocks it is taking now (they will hold its KV)."""
-        head = self.free_block_queue.peek()
-        if head is None:
-            raise IndexError("no free blocks")
+        head = self.free_block_queue.peek()  # not None: ``get_new_blocks`` counted them
         if head.block_hash is None:
             return self.free_block_queue.popleft()
         owner = self._furthest_over_share()
-        others = self._num_resident_owners - (self.stats.resident_blocks.get(tenant, 0) > 0)
-        if others and self.evictable.get(tenant) and self._is_over_share(tenant, allocating) \
+        # (A tenant with an evictable block is resident; alone, its LRU block is the head.)
+        if len(self.resident_owners) > 1 and self.evictable.get(tenant) \
+                and self._is_over_share(tenant, allocating) \
                 and (owner is None
-                     or self._density(tenant, allocating) > self._density(owner)):
+                     or self._density(tenant, allocating) > self._density(owner, 0)):
             owner = tenant  # the allocating tenant is (or is about to be) the furthest over
         over_share = owner is not None
         if not over_share:
@@ -249,7 +250,7 @@ class BlockPool:
         block.owner = owner
         self.cached_block_hash_to_block[block_hash] = block
         self.stats.record_cached(owner)
-        self._resident_changed(owner, +1)
+        self._resident_changed(owner)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Unpins blocks in the given order (callers pass a request's blocks tail first).
@@ -269,8 +270,8 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
 
     # -- eviction ------------------------------------------------------------------------------
-    def evict_cached_blocks(self, predicate: Callable[[KVCacheBlock], bool] | None = None,
-                            reason: str = "reset") -> int:
+    def evict_cached_blocks(self, predicate: Callable[[KVCacheBlock], bool] | None,
+                            reason: str) -> int:
         """Drops the hash of every cached block matching ``predicate`` (all when None).
 
         Dropped blocks become unreachable at once. Free ones move to the head of the free queue
@@ -323,7 +324,7 @@ class BlockPool:
             self.on_evict(block, reason, evicted_by)
         block.block_hash = None
         block.owner = None
-        self._resident_changed(owner, -1)
+        self._resident_changed(owner)
 
     # -- fair cache share ----------------------------------------------------------------------
     def set_tenant_share(self, tenant: TenantId, share: TenantShare) -> None:
@@ -334,9 +335,9 @@ class BlockPool:
         self.shares[tenant] = share
         self._num_capped += ((share.max_cache_blocks is not None)
                              - (old.max_cache_blocks is not None))
-        if self.stats.resident_blocks.get(tenant, 0) > 0:
+        if tenant in self.resident_owners:
             self.resident_weight += share.weight - old.weight
-        self._resident_changed(tenant, 0)
+        self._dirty.add(tenant)
 
     def cache_share(self, tenant: TenantId) -> int:
         """The tenant's guaranteed share of the pool now, in blocks (see the module docstring);
@@ -349,39 +350,41 @@ class BlockPool:
             blocks = max(blocks, share.min_cache_blocks)
         return blocks
 
-    def _resident_changed(self, tenant: TenantId, delta: int) -> None:
-        """O(1): the heap entry is refreshed lazily, at the next victim search."""
-        resident = self.stats.resident_blocks.get(tenant, 0)
-        if delta > 0 and resident == delta:
-            self.resident_weight += self.shares.get(tenant, _DEFAULT_SHARE).weight
-            self._num_resident_owners += 1
-        elif delta < 0 and resident == 0:
-            self.resident_weight -= self.shares.get(tenant, _DEFAULT_SHARE).weight
-            self._num_resident_owners -= 1
+    def _resident_changed(self, tenant: TenantId) -> None:
+        """After the tenant's resident count changed. O(1): the heap entry is refreshed
+        lazily, at the next victim search."""
+        resident = self.stats.resident_blocks[tenant] > 0
+        if resident != (tenant in self.resident_owners):
+            weight = self.shares.get(tenant, _DEFAULT_SHARE).weight
+            if resident:
+                self.resident_owners.add(tenant)
+                self.resident_weight += weight
+            else:
+                self.resident_owners.remove(tenant)
+                self.resident_weight -= weight
         self._dirty.add(tenant)
 
     def _refresh_heap(self) -> None:
-        for tenant in self._dirty:
-            version = self._version.get(tenant, 0) + 1
-            self._version[tenant] = version
-            if self.stats.resident_blocks.get(tenant, 0) > 0:
-                over_max, density = self._density(tenant)
-                heapq.heappush(self._heap, (-int(over_max), -density, version, tenant))
+        for tenant in self._dirty:  # (an owner without resident blocks sorts last: density 0)
+            version = self._version[tenant] = next(self._versions)
+            over_max, density = self._density(tenant, 0)
+            heapq.heappush(self._heap, (-int(over_max), -density, version, tenant))
         self._dirty.clear()
         if len(self._heap) > 2 * len(self._version) + 64:  # drop stale entries, amortised
             self._heap = [e for e in self._heap if e[2] == self._version[e[3]]]
             heapq.heapify(self._heap)
 
-    def _density(self, tenant: TenantId, extra: int = 0) -> tuple[bool, float]:
-        """(over its cap, resident blocks per unit of weight): the order of "furthest over"."""
-        resident = self.stats.resident_blocks.get(tenant, 0) + extra
+    def _density(self, tenant: TenantId, extra: int) -> tuple[bool, float]:
+        """(over its cap, resident blocks per unit of weight) with ``extra`` more blocks: the
+        order of "furthest over"."""
+        resident = self.stats.resident_blocks[tenant] + extra
         share = self.shares.get(tenant, _DEFAULT_SHARE)
         over_max = share.max_cache_blocks is not None and resident > share.max_cache_blocks
         return over_max, resident / share.weight
 
     def _is_over_share(self, tenant: TenantId, extra: int = 0) -> bool:
         """Whether ``tenant`` (with ``extra`` more blocks) is over its cache share."""
-        resident = self.stats.resident_blocks.get(tenant, 0) + extra
+        resident = self.stats.resident_blocks[tenant] + extra
         share = self.shares.get(tenant, _DEFAULT_SHARE)
         if share.max_cache_blocks is not None and resident > share.max_cache_blocks:
             return True
@@ -392,14 +395,14 @@ class BlockPool:
     def _total_weight_with(self, tenant: TenantId) -> int:
         """The weights of the owners with cached blocks, ``tenant`` counted even if it has
         none yet (its share as soon as it caches a block)."""
-        if self.stats.resident_blocks.get(tenant, 0) > 0:
+        if tenant in self.resident_owners:
             return self.resident_weight
         return self.resident_weight + self.shares.get(tenant, _DEFAULT_SHARE).weight
 
     def _furthest_over_share(self) -> TenantId | None:
         """The owner with a free cached block that is furthest over its share, or None when no
         such owner is over its share. O(log tenants) amortised."""
-        if self._num_resident_owners <= 1 and not self._num_capped:
+        if len(self.resident_owners) <= 1 and not self._num_capped:
             return None  # one owner is never over its share (the whole pool): plain LRU
         if self._dirty:
             self._refresh_heap()
@@ -441,6 +444,8 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block, \
                     f"{block} hashed but not in the cache map"
+            else:
+                assert block.owner is None, f"{block} unhashed but owned"
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, f"{block} cache map key mismatch"
         # Each owner's LRU list holds exactly its free cached blocks, in free-queue order.
@@ -458,8 +463,7 @@ class BlockPool:
         assert self.resident_weight == sum(
             self.shares.get(o, _DEFAULT_SHARE).weight for o, n in resident.items() if n), \
             "resident weight drift"
-        assert self._num_resident_owners == sum(1 for n in resident.values() if n), \
-            "resident owner count drift"
+        assert self.resident_owners == set(resident), "resident owner set drift"
         assert self._num_capped == sum(
             1 for s in self.shares.values() if s.max_cache_blocks is not None), "capped drift"
         # Unhashed free blocks sit before every hashed free block.

@@ -91,10 +91,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_tokens
         num_required = cdiv(num_total, self.block_size)
-        num_new = num_required - len(blocks) - len(new_computed_blocks)
+        num_new = max(num_required - len(blocks) - len(new_computed_blocks), 0)
         # Hit blocks with ref_cnt 0 sit in the free queue; touching them removes them from it.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_new, 0) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if num_new > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
 
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -102,7 +102,7 @@ class KVCacheManager:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id) if num_new > 0 else []
+        new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id)
         blocks.extend(new_blocks)
 
         if self.uses_prefix_cache(request):
@@ -134,6 +134,13 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = min(
             self.num_cached_block.get(request.request_id, 0), start)
         return dropped
+
+    def num_addable_tokens(self, request: Request) -> int:
+        """Tokens a running request can still add after its computed ones without anything
+        being preempted: its own free slots plus every free block (tokens)."""
+        num_blocks = len(self.req_to_blocks[request.request_id])
+        num_slots = (num_blocks + self.block_pool.get_num_free_blocks()) * self.block_size
+        return num_slots - request.num_computed_tokens
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks in the request's block table (0 when it has none)."""

@@ -22,6 +22,8 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
   and it goes back to the head of the waiting queue. A preempted request is admitted again before
   any fresh request (it already waited). Recompute is never a cache hit.
 - One step with a preemption admits nothing new.
+- A step is never empty while requests run: when the waiting requests' plans took the whole
+  budget and none of them fits, the oldest running request grows (preempting if need be).
 - Stall-free batching between tenants (Sarathi-Serve, Agrawal et al. 2024, applied across
   tenants): while one tenant has requests decoding and another tenant has prefill work, the step
   budget is the running decodes plus ``interactive_step_tokens``, so a tenant's long prompts
@@ -32,8 +34,9 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -107,7 +110,6 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.policy = policy
         self.interactive_step_tokens = interactive_step_tokens
-        self._light: set[TenantId] = set()  # this step's light tenants (``_step_budget``)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -174,23 +176,26 @@ class Scheduler:
         Four phases: (1) plan: divide the step's budget (``_step_budget``) between tenants by
         weighted fair queuing, pure arithmetic; (2) running requests, in admission order,
         allocate their planned tokens, preempting when the pool is short; (3) waiting requests
-        are admitted in plan order; (4) budget still unused (an admission that did not fit) goes
-        to running requests where blocks are free (never by preempting), so the engine always
-        makes progress. Tokens a request cannot use
-        (a victim's plan, cache hits found at admission) are spare and go to the requests after
-        it, so a lone tenant uses the whole budget.
+        are admitted in plan order (none after a preemption); (4) budget still unused goes to
+        running requests as far as their blocks and the free blocks hold them (never by
+        preempting), so the engine always makes progress. Tokens a request cannot use (cache
+        hits found at admission, a plan smaller than the budget left) are spare for the
+        requests after it, so a lone tenant uses the whole budget; a victim's unused plan is
+        left to phase 4.
         """
-        budget = self._step_budget()
-        plan = self._plan(budget)
+        budget, light = self._step_budget()
+        plan = self._plan(budget, light)
+        # Invariant: used + planned_left <= budget, and every plan is > 0; so an admission's
+        # room below is at least its own plan, and the plan's seat count holds.
         planned_left = sum(plan.values())  # plans not yet used
         granted: dict[str, int] = {}  # request id -> tokens this step, in batch order
         used = 0  # sum of granted
         preempted: list[Request] = []
 
-        def grow(req: Request, num_new: int) -> bool:
-            """Running ``req`` computes ``num_new`` tokens this step (preempting while the
-            pool is short); False when it was preempted or failed."""
-            nonlocal used, planned_left
+        def grow(req: Request, num_new: int) -> None:
+            """Running ``req`` computes ``num_new`` tokens this step, preempting while the
+            pool is short (``req`` itself may be the victim, or fail)."""
+            nonlocal used
             victims: list[Request] = []
             gone = victims
             try:
@@ -199,18 +204,14 @@ class Scheduler:
                 self._fail_in_step(req, e)
                 fits, gone = False, [*victims, req]
             preempted.extend(victims)
-            for r in gone:  # their tokens this step go back to the budget
-                n = granted.pop(r.request_id, 0)
-                used -= n
+            for r in gone:  # tokens granted to them this step go back to the budget (a plan
+                n = granted.pop(r.request_id, 0)  # not yet used stays reserved: phase 4 may
+                used -= n                         # use it, without preempting)
                 self._charge(r.tenant_id, -n)
-                planned_left -= plan.pop(r.request_id, 0)
-            if not fits:
-                return False
-            n = num_new - granted.get(req.request_id, 0)
-            granted[req.request_id] = num_new
-            used += n
-            self._charge(req.tenant_id, n)
-            return True
+            if fits:
+                granted[req.request_id] = num_new
+                used += num_new
+                self._charge(req.tenant_id, num_new)
 
         # Phase 2: running requests, in admission order: their plan plus what the plans after
         # them leave unused.
@@ -224,15 +225,12 @@ class Scheduler:
 
         # Phase 3: admissions in plan order (preempted requests first), none after a preemption.
         for rid, share in list(plan.items()):
-            planned_left -= share
             if preempted:
                 break
-            req = self.requests.get(rid)
-            room = budget - planned_left - used
-            if req is None or room <= 0 or len(self.running) >= self.max_num_seqs:
-                continue
+            planned_left -= share
+            req = self.requests[rid]
             try:
-                num_new = self._admit(req, room)
+                num_new = self._admit(req, budget - planned_left - used)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
                 continue
@@ -242,26 +240,33 @@ class Scheduler:
             used += num_new
             self._charge(req.tenant_id, num_new)
 
-        # Phase 4: budget a failed admission left unused goes to running requests (progress),
-        # only where blocks are free: leftover budget never preempts anyone.
+        # Progress: the plans of waiting requests that cannot be admitted (no free blocks) may
+        # hold the whole budget while every running request needs a new block; rather than an
+        # empty step (forever), the oldest running request grows, preempting as usual.
+        if not granted and self.running:
+            req = self.running[0]
+            grow(req, min(req.num_tokens - req.num_computed_tokens, budget))
+
+        # Phase 4: budget left unused (a plan a victim or a failed admission did not use) goes
+        # to running requests in admission order, as far as their blocks and the free blocks
+        # hold them: leftover budget never preempts anyone.
         for req in list(self.running):
-            if used >= budget:
-                break
             done = granted.get(req.request_id, 0)
-            more = min(req.num_tokens - req.num_computed_tokens - done, budget - used)
+            more = min(req.num_tokens - req.num_computed_tokens - done, budget - used,
+                       self.kv.num_addable_tokens(req) - done)
             if more <= 0:
                 continue
             try:
-                fits = self.kv.allocate_slots(req, done + more) is not None
+                blocks = self.kv.allocate_slots(req, done + more)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
                 used -= granted.pop(req.request_id, 0)
                 self._charge(req.tenant_id, -done)
                 continue
-            if fits:
-                granted[req.request_id] = done + more
-                used += more
-                self._charge(req.tenant_id, more)
+            assert blocks is not None, "a top-up within the free slots must fit"
+            granted[req.request_id] = done + more
+            used += more
+            self._charge(req.tenant_id, more)
 
         scheduled = tuple(
             ScheduledRequest(self.requests[rid], self.requests[rid].num_computed_tokens, n,
@@ -270,7 +275,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted),
                                capped=budget < self.max_num_batched_tokens)
 
-    def _step_budget(self) -> int:
+    def _step_budget(self) -> tuple[int, set[TenantId]]:
         """``max_num_batched_tokens``, or the stall-free cap while a light tenant shares the
         step with a heavy one (module docstring).
 
@@ -280,43 +285,43 @@ class Scheduler:
         need at its share if that is more, so a light tenant's tokens never wait behind a long
         step. Light tenants are planned first (max-min fairness: a demand under its fair share
         is served whole), so their need always fits the step.
+
+        Returns:
+            (the step's budget in tokens, the light tenants to plan first).
         """
         budget = self.max_num_batched_tokens
-        self._light = set()
         if self.policy != "fair" or not self.interactive_step_tokens:
-            return budget
-        need: dict[TenantId, int] = {}
+            return budget, set()
+        need: Counter[TenantId] = Counter()
         num_decodes = 0
         for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
-            need[r.tenant_id] = need.get(r.tenant_id, 0) + n
+            need[r.tenant_id] += n
             num_decodes += n == 1
         for r in self.waiting:
-            need[r.tenant_id] = need.get(r.tenant_id, 0) + r.num_tokens
-        self._light: set[TenantId] = set()
-        if len(need) < 2:
-            return budget
+            need[r.tenant_id] += r.num_tokens
         total_weight = sum(self.weights[t] for t in need)
-        light = [t for t, n in need.items() if n * total_weight <= budget * self.weights[t]]
+        light = {t for t, n in need.items() if n * total_weight <= budget * self.weights[t]}
         if not light or len(light) == len(need):
-            return budget  # nobody light, or everybody fits anyway
-        self._light = set(light)
+            return budget, set()  # nobody light, or everybody fits anyway (a lone tenant)
         # Each light tenant's whole need at its weight share of the capped step.
         room = max(-(-need[t] * total_weight // self.weights[t]) for t in light)
-        return min(budget, max(num_decodes + self.interactive_step_tokens, room))
+        return min(budget, max(num_decodes + self.interactive_step_tokens, room)), light
 
-    def _plan(self, budget: int) -> dict[str, int]:
+    def _plan(self, budget: int, light: set[TenantId]) -> dict[str, int]:
         """Divides this step's token budget between requests by weighted fair queuing.
 
+        Args:
+            budget: the step's token budget (``_step_budget``).
+            light: tenants planned before all others (``_step_budget``).
+
         Returns:
-            request id -> planned tokens, running requests first, then waiting requests in the
-            order they are to be admitted. Waiting requests are planned only while seats
-            (``max_num_seqs``) remain.
+            request id -> planned tokens (> 0), in grant order: phase 2 takes the running
+            requests' plans by id, and waiting requests are admitted in this order. Waiting
+            requests are planned only while seats (``max_num_seqs``) remain.
         """
         queues: dict[TenantId, deque[Request]] = {}
-        for r in self.running:
-            queues.setdefault(r.tenant_id, deque()).append(r)
-        for r in self.waiting:
+        for r in (*self.running, *self.waiting):
             queues.setdefault(r.tenant_id, deque()).append(r)
         if not queues:
             return {}
@@ -324,72 +329,71 @@ class Scheduler:
         for t in queues:  # bounded lag: no tenant banks more than one step of credit
             self.vtime[t] = max(self.vtime[t], lead - self.max_num_batched_tokens)
         vtime = {t: self.vtime[t] for t in queues}
-        need: dict[str, int] = {}
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
+        plan: dict[str, int] = {}
+        left: dict[str, int] = {}  # request id -> tokens it may still be planned
         seats = self.max_num_seqs - len(self.running)
         if self.policy == "fcfs":
-            plan: dict[str, int] = {}
             for r in (*self.running, *self.waiting):
-                if budget <= 0:
-                    break
                 if r.status != RequestStatus.RUNNING:
-                    if seats <= 0:
+                    if not seats:
                         break
                     seats -= 1
                 give = min(r.num_tokens - r.num_computed_tokens, budget)
                 plan[r.request_id] = give
                 budget -= give
+                if not budget:
+                    break
             return plan
 
-        def grant(t: TenantId, req: Request, give: int, into: dict[str, int]) -> None:
+        def grant(t: TenantId, req: Request, give: int) -> None:
             nonlocal budget
             rid = req.request_id
-            into[rid] = into.get(rid, 0) + give
+            plan[rid] = plan.get(rid, 0) + give
+            left[rid] -= give
             budget -= give
             vtime[t] += give / self.weights[t]
-            if into[rid] == need[rid]:
+            if not left[rid]:
                 queues[t].remove(req)
 
-        # Preempted requests (at the head of the waiting queue) get their first slice before
-        # anything else: they already waited, whatever their tenant's other requests do.
-        for req in self.waiting:
-            if req.status != RequestStatus.PREEMPTED or seats <= 0 or budget <= 0:
-                break
+        def seat(req: Request) -> bool:
+            """Plans ``req``'s need the first time it is seen; False when a waiting request
+            finds no seat."""
+            nonlocal seats
+            if req.request_id in left:
+                return True
+            if req.status == RequestStatus.RUNNING:
+                left[req.request_id] = req.num_tokens - req.num_computed_tokens
+                return True
+            if not seats:
+                return False
             seats -= 1
-            need[req.request_id] = req.num_tokens
-            grant(req.tenant_id, req, min(req.num_tokens, budget, self.fair_quantum_tokens),
-                  waiting)
-        light = self._light
-        heap: list[tuple[bool, float, int, TenantId]] = []
-        for seq, t in enumerate(queues):
-            if queues[t]:
-                heapq.heappush(heap, (t not in light, vtime[t], seq, t))
-        seq = len(queues)
-        while heap and budget > 0:
+            # An upper bound: cache hits are looked up at admission (blocks may be cached or
+            # evicted earlier in this step); what hits save is spare.
+            left[req.request_id] = req.num_tokens
+            return True
+
+        # When tenants compete, preempted requests (at the head of the waiting queue) get their
+        # first slice before anything else: they already waited, whatever their tenant's other
+        # requests do. A tenant alone: plain FCFS (running first), as ``fcfs`` and vLLM.
+        for req in self.waiting if len(queues) > 1 else ():
+            if req.status != RequestStatus.PREEMPTED or not budget or not seat(req):
+                break
+            grant(req.tenant_id, req, min(left[req.request_id], budget, self.fair_quantum_tokens))
+        order = itertools.count()  # ties: first come, first served
+        heap = [(t not in light, vtime[t], next(order), t) for t in queues if queues[t]]
+        heapq.heapify(heap)
+        while heap and budget:
             t = heapq.heappop(heap)[3]
-            q = queues[t]
-            req = q[0]
-            rid = req.request_id
-            if rid not in need:
-                if req.status == RequestStatus.RUNNING:
-                    need[rid] = req.num_tokens - req.num_computed_tokens
-                else:
-                    if seats <= 0:
-                        continue  # only waiting requests are left in this tenant's queue
-                    seats -= 1
-                    # An upper bound: cache hits are looked up at admission (blocks may be
-                    # cached or evicted earlier in this step); what hits save is spare.
-                    need[rid] = req.num_tokens
-            into = running if req.status == RequestStatus.RUNNING else waiting
-            give = need[rid] - into.get(rid, 0)
+            req = queues[t][0]
+            if not seat(req):
+                continue  # only waiting requests are left in this tenant's queue
+            give = left[req.request_id]
             if heap:  # competing: one slice per turn
                 give = min(give, self.fair_quantum_tokens)
-            grant(t, req, min(give, budget), into)
-            if q:
-                heapq.heappush(heap, (t not in light, vtime[t], seq, t))
-                seq += 1
-        return {**running, **waiting}
+            grant(t, req, min(give, budget))
+            if queues[t]:
+                heapq.heappush(heap, (t not in light, vtime[t], next(order), t))
+        return plan
 
     def _charge(self, tenant: TenantId, num_tokens: int) -> None:
         """Adds ``num_tokens`` (negative: a refund) to the tenant's service this step."""

@@ -17,6 +17,7 @@ Tenant ids are opaque; ``None`` is the tenant of requests submitted without one 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -52,7 +53,7 @@ class BlockPoolStats:
             allocation popped the block (reason ``capacity``), else None.
         num_evictions: ``reason -> blocks`` (global, kept independently of ``evictions``).
         resident_blocks: ``owner -> blocks that carry a hash now`` (free or in use; a gauge).
-            Owners whose count fell to 0 stay, with 0.
+            A ``Counter``: an unknown owner reads 0; owners whose count fell to 0 stay, with 0.
         over_share_evictions: ``owner -> capacity evictions`` that took the owner's block
             because it was over its cache share (not plain LRU order).
         num_over_share_evictions: the same, global (kept independently).
@@ -61,7 +62,7 @@ class BlockPoolStats:
     evictions: dict[tuple[TenantId, str, TenantId], int] = field(default_factory=dict)
     num_evictions: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
-    resident_blocks: dict[TenantId, int] = field(default_factory=dict)
+    resident_blocks: Counter[TenantId] = field(default_factory=Counter)
     over_share_evictions: dict[TenantId, int] = field(default_factory=dict)
     num_over_share_evictions: int = 0
 

@@ -6,6 +6,8 @@ Every scenario asserts exact block ids, hit counts and free-queue order, and cal
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 
 from engine.block_hash import get_hash_fn
@@ -325,14 +327,14 @@ def test_evict_cached_blocks_by_owner() -> None:
     kv.check_integrity()
     assert free_ids(kv) == [7, 3, 8, 9, 2, 1, 0, 6, 5, 4]
 
-    assert pool.evict_cached_blocks(lambda blk: blk.owner == "t1") == 3
+    assert pool.evict_cached_blocks(lambda blk: blk.owner == "t1", "reset") == 3
     kv.check_integrity()
     assert free_ids(kv) == [2, 1, 0, 7, 3, 8, 9, 6, 5, 4]
     assert cached_ids(kv) == {4, 5, 6}
     assert kv.get_computed_blocks(make_request("x1", PROMPT_55, SALT_A, "t1")) == ([], 0)
     hits, n = kv.get_computed_blocks(make_request("x2", PROMPT_55, SALT_B, "t2"))
     assert ([blk.block_id for blk in hits], n) == ([4, 5, 6], 48)
-    assert pool.evict_cached_blocks(lambda blk: blk.owner == "t1") == 0
+    assert pool.evict_cached_blocks(lambda blk: blk.owner == "t1", "reset") == 0
 
 
 def test_on_evict_capacity_reports_evicting_tenant() -> None:
@@ -359,10 +361,75 @@ def test_on_evict_capacity_reports_evicting_tenant() -> None:
 
 
 def test_block_pool_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_blocks must be positive, got 0"):
         BlockPool(0)
+    assert [b.block_id for b in BlockPool(1).get_new_blocks(1)] == [0]  # one block is a pool
     pool = BlockPool(2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot allocate 3 blocks; 2 free"):
         pool.get_new_blocks(3)
     pool.check_integrity()
     assert pool.free_block_queue.block_ids() == [0, 1]
+
+
+def test_free_block_queue_empty_and_block_repr() -> None:
+    pool = BlockPool(1)
+    q = pool.free_block_queue
+    (block,) = pool.get_new_blocks(1)
+    assert q.peek() is None and q.block_ids() == []
+    with pytest.raises(IndexError, match="no free blocks"):
+        q.popleft()
+    assert repr(block) == "KVCacheBlock(id=0, ref_cnt=1, cached=False)"
+    pool.cache_full_block(block, b"h0", "t1")
+    assert repr(block) == "KVCacheBlock(id=0, ref_cnt=1, cached=True)"  # never the hash
+    pool.free_blocks([block])
+    assert q.peek() is block and q.popleft() is block and q.peek() is None
+
+
+def test_cache_full_block_needs_caching_on_and_a_pinned_block() -> None:
+    off = BlockPool(2, enable_caching=False)
+    (block,) = off.get_new_blocks(1, "t1")
+    off.cache_full_block(block, b"h0", "t1")
+    assert block.block_hash is None and off.get_num_cached_blocks() == 0
+    off.check_integrity()
+    pool = BlockPool(2)
+    (block,) = pool.get_new_blocks(1, "t1")
+    pool.free_blocks([block])
+    with pytest.raises(AssertionError, match="only blocks being computed are cached"):
+        pool.cache_full_block(block, b"h0", "t1")
+    pool.check_integrity()
+
+
+def _corrupt(pool: BlockPool, how: str) -> None:
+    blocks = pool.get_new_blocks(3, "t1")
+    pool.cache_full_block(blocks[0], b"h0", "t1")
+    pool.cache_full_block(blocks[1], b"h1", "t1")
+    pool.free_blocks(blocks[::-1])
+    pool.check_integrity()
+    if how == "unhashed behind hashed":  # block 2 (unhashed) moved behind the hashed ones
+        pool.free_block_queue.remove(blocks[2])
+        pool.free_block_queue.append(blocks[2])
+    elif how == "owner list holds a pinned block":
+        pool.free_block_queue.remove(blocks[0])
+        blocks[0].ref_cnt = 1
+        pool.num_used_blocks += 1
+    elif how == "owner list holds another owner's block":
+        pool.evictable["t2"] = OrderedDict([(1, pool.evictable["t1"].pop(1))])
+    elif how == "unhashed block with an owner":
+        blocks[2].owner = "t1"
+    elif how == "free count drift":
+        pool.free_block_queue.num_free_blocks += 1
+
+
+@pytest.mark.parametrize("how, message", [
+    ("unhashed behind hashed", "unhashed free block behind a hashed one"),
+    ("owner list holds a pinned block", "holds a block that is not its free cached block"),
+    ("owner list holds another owner's block", "list of 't2' holds a block that is not its"),
+    ("unhashed block with an owner", "unhashed but owned"),
+    ("free count drift", "free count drift"),
+])
+def test_check_integrity_finds_each_corruption(how, message) -> None:
+    """The invariant checker that every engine test relies on does notice what it checks."""
+    pool = BlockPool(4)
+    _corrupt(pool, how)
+    with pytest.raises(AssertionError, match=message):
+        pool.check_integrity()

@@ -145,7 +145,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         owners = [b.owner for b in self.pool.cached_block_hash_to_block.values()]
         refs = [b.ref_cnt for b in self.pool.blocks]
-        dropped = self.pool.evict_cached_blocks(lambda b: b.owner == tenant)
+        dropped = self.pool.evict_cached_blocks(lambda b: b.owner == tenant, "reset")
         assert dropped == owners.count(tenant)
         assert self.pool.get_num_cached_blocks() == len(owners) - dropped
         assert all(b.owner != tenant for b in self.pool.cached_block_hash_to_block.values())

@@ -260,3 +260,55 @@ def test_cache_share_arithmetic() -> None:
     assert pool.cache_share("C") == 7           # 10 x 9 // 12 = 7 ... at most 7 anyway
     pool.set_tenant_share("C", TenantShare(weight=30, max_cache_blocks=7))
     assert pool.cache_share("C") == 7           # 10 x 30 // 33 = 9, lowered to its maximum
+
+
+def test_the_allocating_tenant_pays_only_while_it_is_the_densest() -> None:
+    pool = BlockPool(8)  # equal weights: 4 blocks each; every block cached and free
+    a = cache(pool, "A", 3)
+    b = cache(pool, "B", 5)        # B over its share (5 > 4)
+    seen = evictions(pool)
+    # A takes 3: it counts as 3 + 3 = 6 blocks per weight, denser than B (5): A pays first;
+    # then A (2 + 3 = 5) ties with B (5): the tie goes to B, the tenant already over; then B
+    # (4) is at its share and A (5 with its allocation) is over: A pays again.
+    assert take(pool, 3, "A") == [a[0], b[0], a[1]]
+    assert [o for _, o, _ in seen] == ["A", "B", "A"]
+    assert pool.stats.over_share_evictions == {"A": 2, "B": 1}
+    assert pool.stats.resident_blocks == {"A": 1, "B": 4}
+
+
+def test_a_tenant_exactly_at_its_share_with_its_allocation_takes_plain_lru() -> None:
+    pool = BlockPool(12)
+    pool.set_tenant_share("A", TenantShare(weight=2, max_cache_blocks=8))  # share 8 of 12
+    pinned = pool.get_new_blocks(1, None)   # keeps one block out of the free queue
+    b = cache(pool, "B", 4)                 # B at its share (4 of 12): within
+    a = cache(pool, "A", 7)                 # A: 7 + the 1 it takes = 8 = its share and cap
+    seen = evictions(pool)
+    assert take(pool, 1, "A") == b[:1]      # nobody over: B's LRU block, plain LRU order
+    assert seen == [(b[0], "B", "A")] and pool.stats.num_over_share_evictions == 0
+    # Taking 2 puts A (7 + 2 = 9) over its share and cap: A pays for the first block itself;
+    # then A (6 + 2 = 8) is at its share again and the second one is plain LRU (B's).
+    assert take(pool, 2, "A") == [a[0], b[1]]
+    assert pool.stats.over_share_evictions == {"A": 1} and pinned
+
+
+def test_a_tenant_exactly_at_its_cap_is_not_in_the_over_cap_class() -> None:
+    pool = BlockPool(12)  # three tenants, equal weights: 4 blocks each
+    pool.set_tenant_share("A", TenantShare(max_cache_blocks=5))
+    a = cache(pool, "A", 5)        # over its share, exactly at its cap
+    b = cache(pool, "B", 6)        # over its share, densest
+    cache(pool, "C", 1)
+    seen = evictions(pool)
+    assert take(pool, 1, "C") == b[:1]      # the densest pays; A is not over its cap
+    assert take(pool, 1, "C") in ([a[0]], [b[1]])  # A 5, B 5: a tie, both over their share
+    assert seen[0][1] == "B" and pool.stats.num_over_share_evictions == 2
+
+
+def test_a_weight_change_reorders_eviction_at_once() -> None:
+    pool = BlockPool(8)
+    pool.set_tenant_share("B", TenantShare(weight=3))   # shares: A 2, B 6
+    a = cache(pool, "A", 2)
+    b = cache(pool, "B", 6)
+    seen = evictions(pool)
+    pool.set_tenant_share("B", TenantShare(weight=1))   # shares: A 4, B 4: B (6) over
+    assert take(pool, 1, "C") == b[:1]                  # not A's older block (plain LRU)
+    assert seen == [(b[0], "B", "C")] and a

@@ -726,3 +726,30 @@ def test_a_victim_granted_earlier_in_the_step_gives_its_tokens_back() -> None:
     assert rows == [("y", 16, 32, False)]
     assert sched.vtime["X"] == vtime_x  # the refunded token is not charged to X
     assert x.status == RequestStatus.PREEMPTED and x.num_preemptions == 1
+
+
+def test_requests_after_a_victim_in_the_middle_keep_their_share() -> None:
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=24, fair_quantum_tokens=4)
+    a1 = make_request("a1", range(100, 130), "A", max_tokens=10, ignore_eos=True)  # 30 tokens
+    sched.add_request(a1)
+    assert step(sched)[1] == [("a1", 0, 24, False)]
+    a2 = make_request("a2", range(200, 220), "A", max_tokens=10, ignore_eos=True)
+    sched.add_request(a2)
+    assert step(sched)[1] == [("a1", 24, 6, True), ("a2", 0, 18, False)]
+    sched.add_request(make_request("b1", range(300, 364), "B", max_tokens=1))
+    sched.add_request(make_request("c1", range(400, 464), "C", max_tokens=1))
+    assert step(sched)[1] == [("a1", 30, 1, True), ("a2", 18, 2, True), ("b1", 0, 12, False),
+                              ("c1", 0, 9, False)]
+    assert step(sched)[1] == [("a1", 31, 1, True), ("a2", 20, 1, True), ("b1", 12, 10, False),
+                              ("c1", 9, 12, False)]
+    assert sched.kv.block_pool.get_num_free_blocks() == 0
+    assert [r.request_id for r in sched.running] == ["a1", "a2", "b1", "c1"]
+    # a1's decode needs a 3rd block: A holds the most (4 blocks), so its latest request a2 -
+    # second in the running list - is preempted. b1 and c1, after it, still get their plans
+    # (10 and 12: quantum-4 turns from B's and C's virtual times); a2's unused plan (1 token)
+    # is left to phase 4, where it goes to c1, the first with a free slot (b1's 2 blocks are
+    # full at 32 tokens).
+    out, rows = step(sched)
+    assert out.preempted_ids == ("a2",)
+    assert rows == [("a1", 32, 1, True), ("b1", 22, 10, False), ("c1", 21, 13, False)]
+    run_to_idle(sched)
