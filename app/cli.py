@@ -5,8 +5,10 @@ Every ``serve`` flag also reads ``SALTSERVE_<NAME>`` from the environment; flags
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import sys
 import types
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
@@ -17,6 +19,15 @@ import click
 
 from app.settings import Settings
 from engine.config import EngineConfig
+
+
+def _cli_actor() -> str:
+    """The audit actor of a CLI action: ``cli:<OS user>``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name for this uid (e.g. a bare container)
+        user = f"uid{os.getuid()}"
+    return f"cli:{user}"
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -108,9 +119,12 @@ def serve(**opts: Any) -> None:
                      settings.metrics_token, jwt_verifier=verifier,
                      on_engine_death=stop_serving)
     base = f"http://{settings.host}:{settings.port}"
-    if boot.demo_key:
+    if boot.demo_key and sys.stdout.isatty():
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
                    f"0600 in {boot.demo_key_file}):\n\n    {boot.demo_key}\n")
+    elif boot.demo_key:  # stdout is a log someone keeps: never the key itself
+        click.echo(f"\nCreated tenant 'demo' with an API key, saved with mode 0600 in "
+                   f"{boot.demo_key_file} (not printed: stdout is not a terminal).\n")
     key_file = boot.demo_key_file or "<file with your API key>"
     name = engine.served_model_name
     click.echo(f"""Try it:
@@ -157,7 +171,7 @@ def tenants_create(name: str, no_prefix_caching: bool, **opts: Any) -> None:
 
     repo = open_repository(_settings(**opts))
     try:
-        t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor="cli")
+        t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor=_cli_actor())
     except (DuplicateTenant, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} salt_version={t.current_salt_version}")
@@ -211,7 +225,7 @@ def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
     try:
         t = repo.tenants.update(_tenant_id(repo, tenant), weight=weight,
                                 min_cache_blocks=min_cache_blocks,
-                                max_cache_blocks=max_cache_blocks, actor="cli")
+                                max_cache_blocks=max_cache_blocks, actor=_cli_actor())
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} weight={t.weight} "
@@ -222,7 +236,7 @@ def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
     from app.bootstrap import open_repository
 
     repo = open_repository(_settings(**opts))
-    t = repo.tenants.update(_tenant_id(repo, tenant), disabled=disabled, actor="cli")
+    t = repo.tenants.update(_tenant_id(repo, tenant), disabled=disabled, actor=_cli_actor())
     click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
 
 
@@ -255,7 +269,7 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
 
     repo = open_repository(_settings(**opts))
     tenant_id = _tenant_id(repo, tenant)
-    version = repo.tenants.rotate_salt(tenant_id, actor="cli")
+    version = repo.tenants.rotate_salt(tenant_id, actor=_cli_actor())
     click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}")
 
 
@@ -265,12 +279,13 @@ def keys() -> None:
 
 
 def _tenant_id(repo, tenant: str) -> str:
-    """The id of the tenant named ``tenant``, else with id ``tenant`` (ClickException if none)."""
+    """The id of the tenant with id ``tenant``, else named ``tenant`` (ids first; ClickException
+    if none, or if it is one tenant's id and another's name)."""
     from tenants.errors import TenantNotFound
 
     try:
         return repo.tenants.resolve(tenant).id
-    except TenantNotFound as e:
+    except (TenantNotFound, ValueError) as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -285,7 +300,11 @@ def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **op
 
     repo = open_repository(_settings(**opts))
     expires = (datetime.now(UTC) + timedelta(days=expires_in_days)) if expires_in_days else None
-    key, info = repo.keys.create(_tenant_id(repo, tenant), name, expires, actor="cli")
+    try:
+        key, info = repo.keys.create(_tenant_id(repo, tenant), name, expires,
+                                     actor=_cli_actor())
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(f"key id {info.id} for tenant {tenant} (shown once):", err=True)
     click.echo(key)
 
@@ -312,7 +331,7 @@ def keys_revoke(key_id: str, **opts: Any) -> None:
     from tenants.errors import TenantError
 
     try:
-        open_repository(_settings(**opts)).keys.revoke(key_id, actor="cli")
+        open_repository(_settings(**opts)).keys.revoke(key_id, actor=_cli_actor())
     except TenantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"revoked {key_id}")
@@ -341,7 +360,7 @@ def keys_rotate_master(**opts: Any) -> None:
     new_text = generate_master_key()
     new_cipher = SaltCipher(decode_master_key(new_text))
     if settings.master_key:
-        n = repo.tenants.reencrypt_salts(new_cipher, actor="cli")
+        n = repo.tenants.reencrypt_salts(new_cipher, actor=_cli_actor())
         click.echo(f"re-encrypted {n} salts; set SALTSERVE_MASTER_KEY to the new key "
                    "(shown once) and restart servers:", err=True)
         click.echo(new_text)
@@ -350,7 +369,7 @@ def keys_rotate_master(**opts: Any) -> None:
     staged, backup = path.with_name(path.name + ".new"), path.with_name(path.name + ".bak")
     write_secret_file(staged, new_text)
     try:
-        n = repo.tenants.reencrypt_salts(new_cipher, actor="cli")
+        n = repo.tenants.reencrypt_salts(new_cipher, actor=_cli_actor())
     except BaseException:
         staged.unlink()
         raise
@@ -396,8 +415,11 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
                    "this token", err=True)
     key = load_or_create_platform_key(prepare_data_dir(settings.data_dir))
     subject = subject or (role if tenant_id is None else f"{role}:{tenant_id}")
-    click.echo(issue_token(key, config, subject=subject, role=role,  # type: ignore[arg-type]
-                           tenant_id=tenant_id, ttl_s=ttl))
+    token = issue_token(key, config, subject=subject, role=role,  # type: ignore[arg-type]
+                        tenant_id=tenant_id, ttl_s=ttl)
+    open_repository(settings).usage.audit(_cli_actor(), "token.issue", tenant_id,
+                                          f"role={role} sub={subject[:64]!r} ttl_s={ttl}")
+    click.echo(token)
 
 
 if __name__ == "__main__":

@@ -148,8 +148,10 @@ def create_app(engine: EngineClient, repo: TenantRepository,
 
     # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
+    # redirect_slashes=False: Starlette's slash redirect is absolute, built from the client's
+    # Host header (an open redirect); a path with a stray slash is a plain 404 instead.
     app = FastAPI(title="saltserve", version="0.1.0", lifespan=lifespan, openapi_url=None,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, redirect_slashes=False)
     info = engine.model_info()
     app.state.engine = engine
     app.state.repo = repo

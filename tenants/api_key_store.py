@@ -74,9 +74,11 @@ class ApiKeyStore:
 
         Raises:
             TenantNotFound: if there is no such tenant.
-            ValueError: if ``expires_at`` is naive.
+            ValueError: if ``expires_at`` is naive or not in the future (a key dead on arrival).
         """
         require_aware(expires_at, "expires_at")
+        if expires_at is not None and expires_at <= utcnow():
+            raise ValueError("expires_at must be in the future")
         for attempt in range(_KEY_ID_ATTEMPTS):
             new = generate_api_key()
             try:

@@ -116,6 +116,8 @@ class Tenant(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_tenant_id)
     name: Mapped[str] = mapped_column(String(255), unique=True)
+    # ``name.casefold()``: names are unique ignoring case (migration 0003).
+    name_key: Mapped[str] = mapped_column(String(255), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     disabled: Mapped[bool] = mapped_column(Boolean(), default=False, server_default=false())
     current_salt_version: Mapped[int] = mapped_column(Integer())

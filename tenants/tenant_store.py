@@ -10,6 +10,7 @@ Thread-safe: every method opens its own short session; the cipher swap is a sing
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from sqlalchemy import select
@@ -23,9 +24,44 @@ from tenants.records import TenantInfo
 from tenants.salts import SealedSalt, new_salt
 from tenants.usage import add_audit
 
-__all__ = ["MAX_TENANT_NAME_CHARS", "UNCHANGED", "SaltObserver", "TenantStore", "tenant_info"]
+__all__ = ["MAX_LIMIT", "MAX_TENANT_NAME_CHARS", "UNCHANGED", "SaltObserver", "TenantStore",
+           "check_tenant_name", "name_key", "tenant_info"]
 
 MAX_TENANT_NAME_CHARS = 255
+MAX_LIMIT = 2**31 - 1  # limits and cache bounds are 32-bit integer columns
+_ID_SHAPED = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def check_tenant_name(name: object) -> str:
+    """Returns the tenant name stripped of surrounding whitespace.
+
+    Raises:
+        ValueError: not a string of 1..255 printable characters (no control characters,
+            newlines or NUL), or shaped like a tenant id (32 hex characters), which would make
+            "name or id" arguments ambiguous.
+    """
+    name = name.strip() if isinstance(name, str) else ""
+    if not 1 <= len(name) <= MAX_TENANT_NAME_CHARS:
+        raise ValueError(f"tenant name must be 1 to {MAX_TENANT_NAME_CHARS} characters")
+    if not name.isprintable():
+        raise ValueError("tenant name must not contain control characters")
+    if _ID_SHAPED.fullmatch(name):
+        raise ValueError("tenant name must not look like a tenant id (32 hex characters)")
+    return name
+
+
+def name_key(name: str) -> str:
+    """The form names are compared in: ``str.casefold`` ("CAFÉ", "café" and "Café" match)."""
+    return name.casefold()
+
+
+def _check_int(name: str, value: object, low: int, high: int, none_means: str | None) -> None:
+    """Strict: a real int (not a bool) in [low, high], or None where ``none_means`` says."""
+    if value is None and none_means is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        alt = f"None ({none_means}) or " if none_means else ""
+        raise ValueError(f"{name} must be {alt}an integer in [{low}, {high}]")
 
 
 class _Unchanged:
@@ -104,7 +140,7 @@ class TenantStore:
         """Creates a tenant with salt version 1.
 
         Args:
-            name: unique display name, 1..255 chars after stripping whitespace.
+            name: display name (``check_tenant_name``), unique ignoring case.
             enable_prefix_caching: whether the tenant's requests use the prefix cache.
             actor: who did it, for the audit log.
 
@@ -112,21 +148,24 @@ class TenantStore:
             The new tenant.
 
         Raises:
-            ValueError: if ``name`` is empty or too long.
-            DuplicateTenant: if a tenant with this name exists.
+            ValueError: if ``name`` is not a valid tenant name (``check_tenant_name``) or
+                ``enable_prefix_caching`` is not a bool.
+            DuplicateTenant: if a tenant with this name exists, ignoring case.
         """
-        name = name.strip() if isinstance(name, str) else ""
-        if not 1 <= len(name) <= MAX_TENANT_NAME_CHARS:
-            raise ValueError(f"tenant name must be 1 to {MAX_TENANT_NAME_CHARS} characters")
+        name = check_tenant_name(name)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be true or false")  # noqa: TRY004 - a 400
         tenant_id = new_tenant_id()
         salt = new_salt()
         try:
             with self._session_factory.begin() as session:
-                if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+                if session.scalar(select(Tenant.id).where(
+                        Tenant.name_key == name_key(name))) is not None:
                     raise DuplicateTenant(f"tenant {name!r} already exists")
                 tenant = Tenant(
                     id=tenant_id,
                     name=name,
+                    name_key=name_key(name),
                     created_at=utcnow(),
                     disabled=False,
                     current_salt_version=1,
@@ -156,30 +195,41 @@ class TenantStore:
             return tenant_info(row)
 
     def get_by_name(self, name: str) -> TenantInfo:
-        """Returns a tenant by its unique name.
+        """Returns a tenant by its unique name, ignoring case.
 
         Raises:
             TenantNotFound: if there is no such tenant.
         """
         with self._session_factory() as session:
-            row = session.scalar(select(Tenant).where(Tenant.name == name))
+            row = session.scalar(select(Tenant).where(Tenant.name_key == name_key(name)))
             if row is None:
                 raise TenantNotFound(f"tenant {name!r} not found")
             return tenant_info(row)
 
     def resolve(self, name_or_id: str) -> TenantInfo:
-        """Returns the tenant with this name, else the one with this id.
+        """Returns the tenant with this id, else the one with this name (ids first: a name can
+        never shadow another tenant's id).
 
         Raises:
             TenantNotFound: if neither exists.
+            ValueError: if the string is one tenant's id and another tenant's name (possible
+                only for names stored before names could not look like ids).
         """
+        by_id = by_name = None
         try:
-            return self.get_by_name(name_or_id)
+            by_id = self.get(name_or_id)
         except TenantNotFound:
-            try:
-                return self.get(name_or_id)
-            except TenantNotFound:
-                raise TenantNotFound(f"no tenant named or with id {name_or_id!r}") from None
+            pass
+        try:
+            by_name = self.get_by_name(name_or_id)
+        except TenantNotFound:
+            pass
+        if by_id is not None and by_name is not None and by_id.id != by_name.id:
+            raise ValueError(f"{name_or_id!r} is one tenant's id and another tenant's name; "
+                             "use the id of the one you mean")
+        if by_id or by_name:
+            return by_id or by_name
+        raise TenantNotFound(f"no tenant named or with id {name_or_id!r}")
 
     def list_all(self) -> list[TenantInfo]:
         """Returns all tenants, oldest first."""
@@ -217,22 +267,25 @@ class TenantStore:
 
         Raises:
             TenantNotFound: if there is no such tenant.
-            ValueError: if a limit is not None, UNCHANGED or an int >= 1; a bad weight or cache
-                bound; or min_cache_blocks > max_cache_blocks after the change.
+            ValueError: if a flag is not a bool; a limit is not None, UNCHANGED or an int in
+                [1, ``MAX_LIMIT``]; a bad weight or cache bound (an int in [0, ``MAX_LIMIT``]);
+                or min_cache_blocks > max_cache_blocks after the change. Strict: a bool or a
+                string is never taken for a number, nor a string for a bool.
         """
+        for flag, value in (("disabled", disabled),
+                            ("enable_prefix_caching", enable_prefix_caching)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{flag} must be true or false")
         limits = dict(zip(_LIMIT_NAMES, (rpm_limit, tpm_limit, max_concurrent), strict=True))
         for name, value in limits.items():
-            if value is not UNCHANGED and value is not None and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None (unlimited) or an integer >= 1")
-        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)
-                                   or not 1 <= weight <= MAX_WEIGHT):
-            raise ValueError(f"weight must be an integer in [1, {MAX_WEIGHT}]")
+            if value is not UNCHANGED:
+                _check_int(name, value, 1, MAX_LIMIT, "unlimited")
+        if weight is not None:
+            _check_int("weight", weight, 1, MAX_WEIGHT, None)
         bounds = {"min_cache_blocks": min_cache_blocks, "max_cache_blocks": max_cache_blocks}
         for name, value in bounds.items():
-            if value is not UNCHANGED and value is not None and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None (no bound) or an integer >= 0")
+            if value is not UNCHANGED:
+                _check_int(name, value, 0, MAX_LIMIT, "no bound")
         limits.update(bounds)
         with self._session_factory.begin() as session:
             row = session.get(Tenant, tenant_id, with_for_update=True)

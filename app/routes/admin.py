@@ -24,7 +24,7 @@ from engine.protocol import EngineClient
 from tenants.api_key_store import ApiKeyStore
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.salt_versions import SaltVersions
-from tenants.tenant_store import TenantStore
+from tenants.tenant_store import MAX_LIMIT, MAX_TENANT_NAME_CHARS, TenantStore
 from tenants.usage import UsageStore
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -35,9 +35,12 @@ _NULLABLE_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent", "min_cache_block
                     "max_cache_blocks")
 
 
+# Admin bodies are strict (no coercion): ``"yes"`` is not a bool, ``true`` and ``"5"`` are not
+# numbers; every number has bounds its column can hold. A bad field is a 400 naming it.
 class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=255)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=MAX_TENANT_NAME_CHARS,
+                      description="printable, not 32 hex characters, unique ignoring case")
     enable_prefix_caching: bool = True
 
 
@@ -49,21 +52,23 @@ class TenantPatch(BaseModel):
     to the other tenants; ``min_cache_blocks`` / ``max_cache_blocks`` (int >= 0, or null for
     no bound) clamp its cache share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     disabled: bool | None = None
     enable_prefix_caching: bool | None = None
-    rpm_limit: int | None = Field(None, ge=1)
-    tpm_limit: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
+    rpm_limit: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm_limit: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
     weight: int | None = Field(None, ge=1, le=1000)
-    min_cache_blocks: int | None = Field(None, ge=0)
-    max_cache_blocks: int | None = Field(None, ge=0)
+    min_cache_blocks: int | None = Field(None, ge=0, le=MAX_LIMIT)
+    max_cache_blocks: int | None = Field(None, ge=0, le=MAX_LIMIT)
 
 
 class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str | None = Field(None, max_length=255)
-    expires_at: datetime | None = Field(None, description="timezone-aware ISO 8601")
+    # JSON has no datetime type: an ISO 8601 string (or unix seconds) is parsed.
+    expires_at: datetime | None = Field(None, strict=False,
+                                        description="timezone-aware ISO 8601, in the future")
 
 
 def _tenants(request: Request) -> TenantStore:
@@ -78,11 +83,13 @@ def _usage(request: Request) -> UsageStore:
     return request.app.state.repo.usage
 
 
-async def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+async def _in_thread(fn: Any, *args: Any, _param: str | None = None, **kwargs: Any) -> Any:
+    """Runs a blocking store call off the event loop; its ValueError is a 400 (``_param``
+    names the field it is about)."""
     try:
         return await run_in_threadpool(partial(fn, *args, **kwargs))
     except ValueError as e:  # the repository's own validation messages are client-safe
-        raise APIError(400, str(e), None, "invalid_value") from None
+        raise APIError(400, str(e), _param, "invalid_value") from None
 
 
 def _tenant_out(t: TenantInfo) -> dict:
@@ -110,7 +117,7 @@ async def list_tenants(request: Request, _: AdminPrincipal) -> dict:
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrincipal) -> dict:
     """Creates a tenant (salt version 1). 409 when the name is taken."""
-    t = await _in_thread(_tenants(request).create, body.name,
+    t = await _in_thread(_tenants(request).create, body.name, _param="name",
                          enable_prefix_caching=body.enable_prefix_caching, actor=admin.subject)
     return _tenant_out(t)
 
@@ -181,7 +188,7 @@ async def create_key(tenant_id: str, body: KeyCreate, request: Request,
                      admin: AdminPrincipal) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
     token, info = await _in_thread(_keys(request).create, tenant_id, body.name,
-                                   body.expires_at, actor=admin.subject)
+                                   body.expires_at, _param="expires_at", actor=admin.subject)
     return {**_key_out(info), "key": token}
 
 

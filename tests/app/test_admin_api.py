@@ -12,6 +12,7 @@ import io
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -112,6 +113,83 @@ def test_tenant_and_key_lifecycle(env):
     admin(env, "PATCH", f"/admin/tenants/{t['id']}", json={"disabled": False})
     assert env.client.post("/v1/completions", json=body,
                            headers=env.headers(key2)).status_code == 200
+
+
+# -- strict admin input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"rpm_limit": 2**63}, "rpm_limit"),          # was a 500 and a dropped connection
+    ({"rpm_limit": 2**31}, "rpm_limit"),          # one over what the column holds
+    ({"rpm_limit": True}, "rpm_limit"),           # was taken as 1
+    ({"tpm_limit": "10"}, "tpm_limit"),
+    ({"max_concurrent": 1.5}, "max_concurrent"),
+    ({"disabled": "yes"}, "disabled"),            # was taken as true: the tenant disabled
+    ({"disabled": 1}, "disabled"),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching"),
+    ({"weight": 1001}, "weight"),
+    ({"weight": 2.0}, "weight"),
+    ({"min_cache_blocks": -1}, "min_cache_blocks"),
+    ({"max_cache_blocks": 2**31}, "max_cache_blocks"),
+])
+def test_admin_patch_is_strict_and_changes_nothing_when_refused(env, body, param):
+    path = f"/admin/tenants/{env.tenant_b}"
+    before = admin(env, "GET", path).json()
+    r = admin(env, "PATCH", path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    assert admin(env, "GET", path).json() == before
+
+
+def test_admin_limits_take_the_ends_of_their_range(env):
+    t = admin(env, "POST", "/admin/tenants", json={"name": "bounds"}).json()
+    path = f"/admin/tenants/{t['id']}"
+    top = 2**31 - 1
+    r = admin(env, "PATCH", path, json={"rpm_limit": top, "tpm_limit": 1, "max_concurrent": top,
+                                        "weight": 1000, "min_cache_blocks": 0,
+                                        "max_cache_blocks": top})
+    assert r.status_code == 200, r.text
+    assert {k: r.json()[k] for k in ("rpm_limit", "tpm_limit", "max_concurrent", "weight",
+                                     "min_cache_blocks", "max_cache_blocks")} == {
+        "rpm_limit": top, "tpm_limit": 1, "max_concurrent": top, "weight": 1000,
+        "min_cache_blocks": 0, "max_cache_blocks": top}
+    assert admin(env, "PATCH", path, json={"rpm_limit": None}).json()["rpm_limit"] is None
+
+
+@pytest.mark.parametrize("name, status", [
+    ("evil\nname", 400), ("nul\u0000", 400), ("esc\u001b[2J", 400),
+    ("0123456789abcdef0123456789abcdef", 400),  # shaped like a tenant id
+    ("ACME-strict", 409),                        # case variant of an existing name
+    (123, 400), (True, 400),
+])
+def test_admin_tenant_names_are_checked(env, name, status):
+    admin(env, "POST", "/admin/tenants", json={"name": "acme-strict"})
+    count = len(admin(env, "GET", "/admin/tenants").json()["data"])
+    r = admin(env, "POST", "/admin/tenants", json={"name": name})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "name"
+    assert len(admin(env, "GET", "/admin/tenants").json()["data"]) == count
+
+
+def test_a_key_dead_on_arrival_is_refused(env):
+    path = f"/admin/tenants/{env.tenant_b}/keys"
+    before = len(admin(env, "GET", path).json()["data"])
+    for expires_at in ("2020-01-01T00:00:00Z", datetime.now(UTC).isoformat()):
+        r = admin(env, "POST", path, json={"expires_at": expires_at})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "expires_at", r.text
+        assert "in the future" in r.json()["error"]["message"]
+    r = admin(env, "POST", path, json={"expires_at": (datetime.now(UTC) + timedelta(days=1))
+                                       .isoformat()})
+    assert r.status_code == 201, r.text
+    assert len(admin(env, "GET", path).json()["data"]) == before + 1
+
+
+def test_no_redirect_echoes_the_host_header(env):
+    for path in ("/admin/tenants/", "/v1/models/", "/health/"):
+        r = env.client.get(path, headers={**env.headers(env.admin_token),
+                                          "Host": "evil.example"}, follow_redirects=False)
+        assert r.status_code == 404, (path, r.status_code)
+        assert "evil.example" not in r.headers.get("location", "") + r.text
 
 
 # -- salt rotation --------------------------------------------------------------------------------

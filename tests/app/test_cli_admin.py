@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import getpass
 import re
 
 import pytest
 from click.testing import CliRunner
 
 from app.bootstrap import open_repository
-from app.cli import main
+from app.cli import _cli_actor, main
 from app.settings import Settings
 from tenants.crypto import MASTER_KEY_FILENAME
 from tenants.errors import InvalidToken, TenantDisabled
@@ -51,6 +52,14 @@ def test_token_issue(cli, tmp_path):
     assert r.exit_code == 1 and "no tenant" in r.output
     r = cli("token", "issue", "--role", "admin", "--ttl", "0", ok=False)
     assert r.exit_code == 2
+    # Each issued token is audited (role, subject, lifetime; never the token).
+    issued = [a for a in open_repository(Settings(data_dir=tmp_path)).list_audit()
+              if a.action == "token.issue"]
+    assert [a.detail for a in issued][::-1] == [
+        "role=admin sub='admin' ttl_s=60", f"role=tenant sub='tenant:{cli.tenant_id}' ttl_s=60",
+        "role=admin sub='alice' ttl_s=3600"]
+    assert all(a.actor == _cli_actor() and token not in (a.detail or "") for a in issued)
+    assert [a.tenant_id for a in issued][::-1] == [None, cli.tenant_id, cli.tenant_id]
     # Another data dir's key does not verify this one's tokens.
     other = JWTVerifier(JWTConfig(), load_or_create_platform_key(tmp_path / "x").public_key())
     with pytest.raises(InvalidToken):
@@ -67,7 +76,8 @@ def test_rotate_salt_disable_enable(cli, tmp_path):
     assert new.salt_version == 2 and new.effective_salt() != old.effective_salt()
     assert not old.salt_occurs_in(r.output) and not new.salt_occurs_in(r.output)
     audit = repo.list_audit(cli.tenant_id)
-    assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == "cli"
+    assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == _cli_actor()
+    assert _cli_actor() == f"cli:{getpass.getuser()}"
     assert audit[0].detail == "salt_version=2"
     assert "disabled" in cli("tenants", "disable", "acme").output
     with pytest.raises(TenantDisabled):
@@ -132,3 +142,21 @@ def test_jwt_settings_from_the_environment(tmp_path, monkeypatch):
     for bad in (["none"], ["HS256"], []):
         with pytest.raises(ValueError):
             Settings(data_dir=tmp_path, jwt_algorithms=bad).jwt_config()
+
+
+def test_keys_create_resolves_ids_first_and_refuses_dead_or_ambiguous(cli, tmp_path):
+    repo = open_repository(Settings(data_dir=tmp_path))
+    impostor = repo.create_tenant("impostor")
+    r = cli("keys", "create", "--tenant", cli.tenant_id)
+    assert repo.authenticate_api_key(r.stdout.strip()).tenant_id == cli.tenant_id
+    r = cli("keys", "create", "--tenant", "acme", "--expires-in-days", "-1", ok=False)
+    assert r.exit_code == 1 and "expires_at must be in the future" in r.output
+    # A legacy name equal to another tenant's id: refused as ambiguous, not acted upon.
+    from sqlalchemy import text
+    with repo.tenants._session_factory.begin() as session:
+        session.execute(text("UPDATE tenants SET name = :n, name_key = :n WHERE id = :i"),
+                        {"n": cli.tenant_id, "i": impostor.id})
+    r = cli("keys", "create", "--tenant", cli.tenant_id, ok=False)
+    assert r.exit_code == 1 and "another tenant's name" in r.output
+    assert len(repo.list_api_keys(impostor.id)) == 0
+    assert len(repo.list_api_keys(cli.tenant_id)) == 1

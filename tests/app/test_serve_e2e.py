@@ -52,6 +52,9 @@ def server(model_dir: Path, tmp_path_factory):
             proc.kill()
             out, _ = proc.communicate()
         assert "Traceback" not in out, out
+        # stdout is a pipe (a log), not a terminal: the demo key's file is named, the key never.
+        key = (data_dir / "demo-api-key").read_text().strip()
+        assert key not in out and "not printed: stdout is not a terminal" in out
 
 
 def test_openai_sdk_against_real_server(server):

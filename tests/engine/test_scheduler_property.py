@@ -21,6 +21,8 @@ And one equivalence: with a single tenant, the fair policy schedules exactly wha
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -31,6 +33,8 @@ from engine.scheduler import Scheduler
 from tests.engine.sched_helpers import BS, assert_idle, check, make_request, make_scheduler
 
 MAX_PROMPT, MAX_NEW = 60, 6
+# Fewer examples when mutmut runs the fast tests once per mutant (it sets MUTANT_UNDER_TEST).
+EXAMPLES = 60 if os.environ.get("MUTANT_UNDER_TEST") else 300
 TOKEN = 1000  # never EOS
 Rows = list[tuple[str, int, int]]
 
@@ -185,14 +189,14 @@ LIVELOCK = ({"policy": "fair", "num_blocks": 5, "max_num_batched_tokens": 1, "ma
              (0, "r3", "A", 1, 1, 1), (0, "r4", "C", 28, 6, 1)], [], [])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 @example(LIVELOCK)
 def test_every_step_keeps_the_rules_and_every_request_finishes(workload) -> None:
     run(*workload)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(tenants="A"))
 def test_a_single_tenant_is_scheduled_exactly_as_fcfs(workload) -> None:
     assert run(*workload, policy="fair") == run(*workload, policy="fcfs")

@@ -64,6 +64,54 @@ def test_duplicate_and_invalid_tenant_names(repo: TenantRepository) -> None:
     assert len(repo.list_tenants()) == 1
 
 
+@pytest.mark.parametrize("bad", ["bad\nname", "tab\there", "nul\x00", "bell\x07",
+                                 "esc\x1b[31m", "0123456789abcdef0123456789ABCDEF",
+                                 "deadbeefdeadbeefdeadbeefdeadbeef"])
+def test_names_are_printable_and_never_look_like_ids(repo: TenantRepository, bad) -> None:
+    with pytest.raises(ValueError, match="tenant name must not"):
+        repo.create_tenant(bad)
+    assert repo.list_tenants() == []
+
+
+def test_names_are_unique_ignoring_case_and_lookups_ignore_case(repo: TenantRepository) -> None:
+    acme = repo.create_tenant("  Café Ω  ")  # printable Unicode is fine; outer spaces go
+    assert acme.name == "Café Ω"
+    for clash in ("café ω", "CAFÉ Ω"):
+        with pytest.raises(DuplicateTenant):
+            repo.create_tenant(clash)
+    assert repo.get_tenant_by_name("CAFÉ ω") == acme
+    assert repo.tenants.resolve("café ω") == acme == repo.tenants.resolve(acme.id)
+    # 31 hex characters is a name, not an id.
+    assert repo.create_tenant("0123456789abcdef0123456789abcde").name.startswith("0123")
+
+
+def test_resolve_takes_ids_first_and_refuses_an_ambiguous_legacy_name(
+        repo: TenantRepository, engine: Engine) -> None:
+    victim = repo.create_tenant("victim")
+    other = repo.create_tenant("impostor")
+    # A name stored before names could look like ids: the victim's id as the impostor's name.
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE tenants SET name = :n, name_key = :n WHERE id = :i"),
+                     {"n": victim.id, "i": other.id})
+    with pytest.raises(ValueError, match="one tenant's id and another tenant's name"):
+        repo.tenants.resolve(victim.id)
+    assert repo.tenants.resolve(other.id).id == other.id
+    assert repo.tenants.resolve("victim").id == victim.id
+
+
+def test_a_tenant_rotated_100_times_still_serves(repo: TenantRepository) -> None:
+    t = repo.create_tenant("rotated")
+    token, _ = repo.create_api_key(t.id)
+    salts = {repo.authenticate_api_key(token).effective_salt(None)}
+    for version in range(2, 102):
+        assert repo.rotate_salt(t.id) == version
+        ctx = repo.authenticate_api_key(token)
+        assert ctx.salt_version == version
+        salts.add(ctx.effective_salt(None))
+    assert len(salts) == 101  # every version its own salt
+    assert repo.get_tenant(t.id).current_salt_version == 101
+
+
 def test_create_key_and_authenticate(repo: TenantRepository) -> None:
     acme = repo.create_tenant("acme")
     other = repo.create_tenant("other")
@@ -143,9 +191,10 @@ def test_expired_key_is_refused(repo: TenantRepository) -> None:
     with pytest.raises(InvalidToken) as exc_info:
         repo.authenticate_api_key(token, now=expires + timedelta(seconds=1))
     assert exc_info.value.reason == "expired"
-    past_token, _ = repo.create_api_key(t.id, expires_at=datetime.now(UTC) - timedelta(seconds=1))
-    with pytest.raises(InvalidToken):
-        repo.authenticate_api_key(past_token)
+    # A key dead on arrival is refused at creation, not handed out.
+    with pytest.raises(ValueError, match="expires_at must be in the future"):
+        repo.create_api_key(t.id, expires_at=datetime.now(UTC) - timedelta(seconds=1))
+    assert len(repo.list_api_keys(t.id)) == 1
     with pytest.raises(ValueError):
         repo.create_api_key(t.id, expires_at=datetime(2030, 1, 1))  # naive
 

@@ -121,3 +121,12 @@ def test_sealed_salt_leak_check() -> None:
         assert sealed.occurs_in(f"x{form}y")
     assert sealed.occurs_in(b"x" + raw + b"y") and sealed.occurs_in(raw.hex().encode())
     assert not sealed.occurs_in("nothing here") and not sealed.occurs_in(new_salt().hex())
+
+
+def test_effective_salt_takes_both_ends_of_the_version_range() -> None:
+    """Versions are 4 bytes big-endian: 0 and 2**32 - 1 are valid and distinct from their
+    neighbours (just outside the range is refused above)."""
+    salt = new_salt()
+    ends = [effective_salt(salt, v, None) for v in (0, 1, 2**32 - 2, 2**32 - 1)]
+    assert len(set(ends)) == 4 and all(len(e) == 32 for e in ends)
+    assert effective_salt(salt, 2**32 - 1, "u") != effective_salt(salt, 0, "u")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tenants.repository import UNCHANGED, TenantRepository
+from tenants.tenant_store import MAX_LIMIT
 
 
 def test_limits_default_to_unlimited_and_reach_auth_context(repo: TenantRepository) -> None:
@@ -42,9 +43,34 @@ def test_limit_changes_are_audited(repo: TenantRepository) -> None:
     assert repo.list_audit(t.id, limit=1)[0].id == entry.id
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "10", True])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "10", True, 2**31, 2**63])
 def test_bad_limit_values_are_refused(repo: TenantRepository, bad) -> None:
     t = repo.create_tenant("limited")
     with pytest.raises(ValueError, match="rpm_limit"):
         repo.update_tenant(t.id, rpm_limit=bad)
     assert repo.get_tenant(t.id).rpm_limit is None
+
+
+def test_limits_and_bounds_take_the_ends_of_their_range(repo: TenantRepository) -> None:
+    t = repo.create_tenant("limited")
+    info = repo.update_tenant(t.id, rpm_limit=1, tpm_limit=MAX_LIMIT, max_concurrent=MAX_LIMIT,
+                              weight=1000, min_cache_blocks=0, max_cache_blocks=MAX_LIMIT)
+    assert (info.rpm_limit, info.tpm_limit, info.max_concurrent, info.weight,
+            info.min_cache_blocks, info.max_cache_blocks) == (1, MAX_LIMIT, MAX_LIMIT, 1000, 0,
+                                                             MAX_LIMIT)
+    assert repo.get_tenant(t.id) == info  # stored and read back (a 32-bit column holds it)
+    for bad in (-1, MAX_LIMIT + 1, False):
+        with pytest.raises(ValueError, match="max_cache_blocks"):
+            repo.update_tenant(t.id, max_cache_blocks=bad)
+    with pytest.raises(ValueError, match="weight"):
+        repo.update_tenant(t.id, weight=1001)
+    assert repo.get_tenant(t.id) == info
+
+
+@pytest.mark.parametrize("flag", ["disabled", "enable_prefix_caching"])
+@pytest.mark.parametrize("bad", ["yes", "false", 1, 0])
+def test_flags_must_be_real_booleans(repo: TenantRepository, flag, bad) -> None:
+    t = repo.create_tenant("flags")
+    with pytest.raises(ValueError, match=flag):
+        repo.update_tenant(t.id, **{flag: bad})
+    assert repo.get_tenant(t.id) == t
