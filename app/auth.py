@@ -13,8 +13,12 @@ Dependencies:
 - ``CurrentTenant`` (OpenAI routes): API key or tenant JWT. An admin JWT is accepted here only
   when it names a tenant (it then acts as that tenant, e.g. for support); an admin JWT without a
   tenant gets 403.
-- ``AdminPrincipal`` (``/admin``): admin JWT only; tenant credentials get 403. Every refusal
-  writes an ``auth.admin_denied`` audit row (reason and path, never the token).
+- ``AdminPrincipal`` (``/admin``): admin JWT only; tenant credentials get 403. Refusals are
+  recorded without letting anyone flood the audit log (``AdminRefusals``): an unauthenticated
+  one is counted in ``saltserve:admin_auth_refusals_total`` and a rate-limited log line, never
+  an audit row; a forbidden one (valid credentials, not an admin) is aggregated into one
+  ``auth.admin_forbidden`` audit row per actor and minute, with a count and the first path
+  (truncated, percent-escaped). Never the token.
 - ``MetricsScraper`` (``/metrics``): the scrape token or an admin JWT; tenants get 403.
 
 ``CurrentTenant`` also notices a salt rotation done by another process (``saltserve tenants
@@ -27,8 +31,13 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
@@ -151,18 +160,90 @@ async def current_tenant(request: Request) -> AuthContext:
 CurrentTenant = Annotated[AuthContext, Depends(current_tenant)]
 
 
-def _deny_admin(request: Request, actor: str, reason: str) -> None:
-    try:
-        request.app.state.repo.usage.audit(
-            actor, "auth.admin_denied", None,
-            f"reason={reason} {request.method} {request.url.path}")
-    except Exception as e:  # noqa: BLE001 - a failing audit write must not turn 401 into 500
-        logger.error("could not write auth.admin_denied audit row: %s", type(e).__name__)
+MAX_AUDITED_PATH_CHARS = 128
+
+
+class AdminRefusals:
+    """Refused ``/admin`` calls, recorded so that no caller can flood the audit log.
+
+    - Unauthenticated (no, bad or expired credentials): ``anonymous`` counts them by reason
+      (``count_refusal``, the Prometheus counter) and logs at most one line per
+      ``log_interval_s`` with the number seen since the last line. No audit row: an anonymous
+      flood used to push real admin rows out of the reachable window.
+    - Forbidden (valid tenant credentials): ``forbidden`` aggregates per (actor, minute);
+      ``flush`` writes one ``auth.admin_forbidden`` row per closed minute with its count and the
+      first method and path seen (percent-escaped, at most 128 characters).
+
+    Thread-safe; ``now`` (seconds) is injectable for tests.
+
+    Args:
+        count_refusal: called with the reason of each unauthenticated refusal.
+        log_interval_s: at most one log line per this many seconds.
+        max_pending: (actor, minute) entries kept before a forced flush of every entry.
+    """
+
+    def __init__(self, count_refusal: Callable[[str], None] = lambda reason: None,
+                 log_interval_s: float = 10.0, max_pending: int = 10_000,
+                 now: Callable[[], float] = time.time) -> None:
+        self._count = count_refusal
+        self._log_interval_s = log_interval_s
+        self._max_pending = max_pending
+        self._now = now
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], list] = {}  # (actor, minute) -> [n, first request]
+        self._unlogged = 0
+        self._last_log = -float("inf")
+
+    def anonymous(self, reason: str) -> None:
+        self._count(reason)
+        with self._lock:
+            self._unlogged += 1
+            now = self._now()
+            if now - self._last_log < self._log_interval_s:
+                return
+            n, self._unlogged, self._last_log = self._unlogged, 0, now
+        logger.warning("refused %d unauthenticated /admin request(s) (latest reason: %s)",
+                       n, reason)
+
+    def forbidden(self, actor: str, method: str, path: str) -> bool:
+        """Counts one; True when too many entries are pending (the caller flushes all)."""
+        first = f"{method} {quote(path, safe='/')[:MAX_AUDITED_PATH_CHARS]}"
+        with self._lock:
+            entry = self._pending.setdefault((actor[:255], int(self._now() // 60)), [0, first])
+            entry[0] += 1
+            return len(self._pending) > self._max_pending
+
+    def flush(self, audit: Callable[..., None], everything: bool = False) -> int:
+        """Writes the aggregated rows of closed minutes (all with ``everything``, e.g. at
+        shutdown) through ``audit(actor, action, tenant_id, detail)``. Returns rows written;
+        entries whose write fails stay pending."""
+        minute = int(self._now() // 60)
+        with self._lock:
+            done = {k: v for k, v in self._pending.items() if everything or k[1] < minute}
+            for k in done:
+                del self._pending[k]
+        written = 0
+        for (actor, m), (n, first) in sorted(done.items(), key=lambda kv: kv[0][1]):
+            at = datetime.fromtimestamp(m * 60, UTC).strftime("%Y-%m-%dT%H:%MZ")
+            try:
+                audit(actor, "auth.admin_forbidden", None,
+                      f"reason=not_admin count={n} minute={at} first={first}")
+                written += 1
+            except Exception as e:  # noqa: BLE001 - kept for the next flush
+                logger.error("could not write auth.admin_forbidden audit row: %s",
+                             type(e).__name__)
+                with self._lock:
+                    self._pending.setdefault((actor, m), [0, first])[0] += n
+        return written
+
+
+def _refusals(request: Request) -> AdminRefusals:
+    return request.app.state.admin_refusals
 
 
 async def admin_principal(request: Request) -> Principal:
-    """An admin JWT (one naming a disabled tenant included). Failures are audited
-    (``auth.admin_denied``) and re-raised.
+    """An admin JWT (one naming a disabled tenant included). Refusals are recorded by
+    ``AdminRefusals`` and re-raised.
 
     Raises:
         APIError 401 / InvalidToken: missing or invalid credentials.
@@ -172,16 +253,18 @@ async def admin_principal(request: Request) -> Principal:
     try:
         principal = await authenticate(request)
     except InvalidToken as e:
-        await run_in_threadpool(_deny_admin, request, "anonymous", e.reason)
+        _refusals(request).anonymous(e.reason)
         raise
     except APIError as e:
-        await run_in_threadpool(_deny_admin, request, "anonymous", e.code or "missing")
+        _refusals(request).anonymous(e.code or "missing")
         raise
-    except Exception as e:
-        await run_in_threadpool(_deny_admin, request, "anonymous", type(e).__name__)
+    except TenantDisabled:
+        _refusals(request).anonymous("tenant_disabled")
         raise
     if principal.role != "admin":
-        await run_in_threadpool(_deny_admin, request, principal.subject, "not_admin")
+        refusals = _refusals(request)
+        if refusals.forbidden(principal.subject, request.method, request.url.path):
+            await run_in_threadpool(refusals.flush, request.app.state.repo.usage.audit, True)
         raise APIError(403, "this route needs an admin token", None, "admin_required")
     return principal
 

@@ -168,6 +168,10 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "usage.completion_tokens of API calls.", tl,
             registry=r)
+        self.admin_auth_refusals = Counter(
+            PREFIX + "admin_auth_refusals", "Unauthenticated /admin requests refused, by reason "
+            "(missing | malformed | bad_jwt | unknown_key | bad_secret | revoked | expired | "
+            "unknown_tenant | tenant_disabled); never audit rows.", ["reason"], registry=r)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Seconds from the API call's arrival to its "
             "first generated token.", tl, buckets=TTFT_BUCKETS, registry=r)

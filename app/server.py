@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.auth import AdminRefusals
 from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
 from app.metrics import ServerMetrics
@@ -24,7 +25,7 @@ from engine.protocol import EngineClient
 from tenants.repository import TenantRepository
 from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
-from tenants.usage import current_request_id
+from tenants.usage import current_client_request_id, current_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,11 @@ _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class RequestIdMiddleware:
-    """Gives every HTTP request an id: the client's ``X-Request-ID`` when it is a short safe
-    token, else a new uuid4 hex. It is echoed in the ``x-request-id`` response header and stamped
-    on every audit row written while serving the request (``tenants.usage.current_request_id``).
+    """Gives every HTTP request a server-generated id (uuid4 hex), echoed in the
+    ``x-request-id`` response header and stamped on every audit row written while serving the
+    request (``tenants.usage.current_request_id``). A client's own ``X-Request-ID``, when it is a
+    short safe token, is kept apart (``current_client_request_id``, the audit column
+    ``client_request_id``): a client can never choose the id the server records as its own.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -44,8 +47,10 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
+        request_id = uuid.uuid4().hex
         token = current_request_id.set(request_id)
+        client_token = current_client_request_id.set(
+            given if _REQUEST_ID_OK.fullmatch(given) else None)
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -57,6 +62,7 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            current_client_request_id.reset(client_token)
             current_request_id.reset(token)
 
 
@@ -131,6 +137,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
                 await run_in_threadpool(repo.flush_last_used)
             except Exception as e:  # noqa: BLE001 - retried next period, never kills the app
                 logger.error("flushing API-key last_used_at failed: %s", type(e).__name__)
+            await run_in_threadpool(app.state.admin_refusals.flush, repo.usage.audit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +152,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             app.state.completions.preprocessor.shutdown()
             engine.shutdown()
             repo.flush_last_used()
+            app.state.admin_refusals.flush(repo.usage.audit, everything=True)
 
     # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
@@ -157,6 +165,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.repo = repo
     app.state.started_at = int(time.time())
     app.state.metrics = ServerMetrics(info.served_model_name)
+    refusals = app.state.metrics.admin_auth_refusals
+    app.state.admin_refusals = AdminRefusals(lambda reason: refusals.labels(reason=reason).inc())
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
     app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation

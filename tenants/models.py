@@ -204,4 +204,5 @@ class AuditLogRow(Base):
     action: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)  # no FK: outlives tenants
     detail: Mapped[str | None] = mapped_column(Text())
-    request_id: Mapped[str | None] = mapped_column(String(128))
+    request_id: Mapped[str | None] = mapped_column(String(128))  # the server's, always
+    client_request_id: Mapped[str | None] = mapped_column(String(64))  # X-Request-ID sent

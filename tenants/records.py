@@ -121,3 +121,4 @@ class AuditEntry:
     tenant_id: str | None
     detail: str | None
     request_id: str | None
+    client_request_id: str | None = None

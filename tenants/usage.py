@@ -10,6 +10,7 @@ inside their own transaction so the audit row commits or rolls back with the cha
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import select
@@ -103,9 +104,12 @@ def select_usage(
     ]
 
 
-# The HTTP request being served (set per request by the app's RequestIdMiddleware); audit rows
-# written while serving it carry its id unless the caller passes one.
+# The HTTP request being served (set per request by the app's RequestIdMiddleware): audit rows
+# written while serving it carry the server's id for it unless the caller passes one, and the
+# client's own X-Request-ID (when it sent a safe one) in a column of its own.
 current_request_id: ContextVar[str | None] = ContextVar("current_request_id", default=None)
+current_client_request_id: ContextVar[str | None] = ContextVar("current_client_request_id",
+                                                               default=None)
 
 
 def add_audit(
@@ -134,18 +138,47 @@ def add_audit(
             tenant_id=tenant_id,
             detail=detail,
             request_id=request_id or current_request_id.get(),
+            client_request_id=current_client_request_id.get(),
         )
     )
 
 
-def select_audit(
-    session: Session, tenant_id: str | None = None, limit: int = 100
-) -> list[AuditEntry]:
-    """Returns the newest audit entries first (at most ``limit``), optionally one tenant's."""
+@dataclass(frozen=True)
+class AuditQuery:
+    """Filters of ``select_audit``; None means any. Times are timezone-aware; ``since`` is
+    inclusive, ``until`` exclusive. ``before_id``: only rows older than this one (the cursor of
+    the previous page)."""
+
+    tenant_id: str | None = None
+    action: str | None = None
+    actor: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    before_id: int | None = None
+
+
+def select_audit(session: Session, query: AuditQuery = AuditQuery(), limit: int = 100
+                 ) -> list[AuditEntry]:
+    """Returns the newest matching audit entries first (at most ``limit``), in insertion order
+    (``id``), so that ``before_id`` pages through them without gaps or repeats.
+
+    Raises:
+        ValueError: if ``since`` or ``until`` is naive.
+    """
+    require_aware(query.since, "since")
+    require_aware(query.until, "until")
     stmt = select(AuditLogRow)
-    if tenant_id is not None:
-        stmt = stmt.where(AuditLogRow.tenant_id == tenant_id)
-    stmt = stmt.order_by(AuditLogRow.time.desc(), AuditLogRow.id.desc()).limit(limit)
+    for column, value in ((AuditLogRow.tenant_id, query.tenant_id),
+                          (AuditLogRow.action, query.action), (AuditLogRow.actor, query.actor)):
+        if value is not None:
+            stmt = stmt.where(column == value)
+    if query.since is not None:
+        stmt = stmt.where(AuditLogRow.time >= query.since)
+    if query.until is not None:
+        stmt = stmt.where(AuditLogRow.time < query.until)
+    if query.before_id is not None:
+        stmt = stmt.where(AuditLogRow.id < query.before_id)
+    stmt = stmt.order_by(AuditLogRow.id.desc()).limit(limit)
     return [
         AuditEntry(
             id=r.id,
@@ -155,6 +188,7 @@ def select_audit(
             tenant_id=r.tenant_id,
             detail=r.detail,
             request_id=r.request_id,
+            client_request_id=r.client_request_id,
         )
         for r in session.scalars(stmt)
     ]
@@ -217,7 +251,15 @@ class UsageStore:
         with self._session_factory.begin() as session:
             add_audit(session, actor, action, tenant_id, detail, request_id)
 
-    def list_audit(self, tenant_id: str | None = None, limit: int = 100) -> list[AuditEntry]:
-        """Returns the newest audit records first (at most ``limit``), optionally one tenant's."""
+    def list_audit(self, tenant_id: str | None = None, limit: int = 100,
+                   query: AuditQuery | None = None) -> list[AuditEntry]:
+        """Returns the newest audit records first (at most ``limit``): one tenant's, or those
+        matching ``query`` (``select_audit``).
+
+        Raises:
+            ValueError: if a time in ``query`` is naive.
+        """
+        if query is None:
+            query = AuditQuery(tenant_id=tenant_id)
         with self._session_factory() as session:
-            return select_audit(session, tenant_id, limit)
+            return select_audit(session, query, limit)

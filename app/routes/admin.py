@@ -25,7 +25,7 @@ from tenants.api_key_store import ApiKeyStore
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.salt_versions import SaltVersions
 from tenants.tenant_store import MAX_LIMIT, MAX_TENANT_NAME_CHARS, TenantStore
-from tenants.usage import UsageStore
+from tenants.usage import AuditQuery, UsageStore
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 schema_router = APIRouter(tags=["admin"])
@@ -201,10 +201,29 @@ async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> di
 # -- audit and usage ------------------------------------------------------------------------------
 @router.get("/audit")
 async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = None,
+                    action: str | None = Query(None, max_length=64),
+                    actor: str | None = Query(None, max_length=255),
+                    since: datetime | None = None, until: datetime | None = None,
+                    cursor: str | None = Query(None, max_length=32),
                     limit: int = Query(100, ge=1, le=1000)) -> dict:
-    """Newest first. Rows hold salt versions and key ids, never salts or secrets."""
-    rows = await _in_thread(_usage(request).list_audit, tenant, limit)
-    return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
+    """Audit rows, newest first, filtered by ``tenant``, ``action``, ``actor`` and time
+    (``since`` inclusive, ``until`` exclusive; timezone-aware ISO 8601). Pages: pass the
+    previous page's ``next_cursor`` as ``cursor`` (None on the last page). Rows hold salt
+    versions and key ids, never salts or secrets."""
+    before_id = None
+    if cursor is not None:
+        if not cursor.isdigit():
+            raise APIError(400, "cursor must be a next_cursor value from a previous page",
+                           "cursor", "invalid_value")
+        before_id = int(cursor)
+    query = AuditQuery(tenant_id=tenant, action=action, actor=actor, since=since, until=until,
+                       before_id=before_id)
+    rows = await _in_thread(_usage(request).list_audit, limit=limit + 1, query=query,
+                            _param="since")
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {"object": "list", "data": [dataclasses.asdict(r) for r in rows], "has_more": more,
+            "next_cursor": str(rows[-1].id) if more else None}
 
 
 _USAGE_COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]

@@ -320,8 +320,9 @@ def test_audit_rows_record_versions_never_salts(env):
     assert by_action["api_key.create"]["detail"] == f"key_id={k['id']} salt_version=1"
     assert by_action["api_key.revoke"]["detail"] == f"key_id={k['id']} salt_version=1"
     assert {row["actor"] for row in rows} == {"test-admin"}
+    env.client.app.state.admin_refusals.flush(env.repo.usage.audit, everything=True)
     everything = admin(env, "GET", "/admin/audit", params={"limit": 1000}).text
-    assert "auth.admin_denied" in everything
+    assert "auth.admin_forbidden" in everything
     for tid in (t["id"], env.tenant_a, env.tenant_b):
         assert not leaks_salt(env, tid, everything)
     assert k["key"] not in everything and env.key_a not in everything
@@ -351,24 +352,91 @@ def test_usage_report_json_and_csv(env):
                  params={"since": "2020-01-01T00:00:00"}).status_code == 400  # naive time
 
 
-def test_audit_rows_carry_the_http_request_id(env):
+def test_audit_rows_carry_the_servers_request_id_and_the_clients_apart(env):
     import re
 
     h = {**env.headers(env.admin_token), "X-Request-ID": "trace-123"}
     r = env.client.post("/admin/tenants", json={"name": "traced"}, headers=h)
-    assert r.status_code in (200, 201) and r.headers["x-request-id"] == "trace-123"
+    assert r.status_code == 201
+    server_id = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", server_id)  # never the client's value
     tenant_id = r.json()["id"]
     r = admin(env, "POST", f"/admin/tenants/{tenant_id}/rotate-salt")
     generated = r.headers["x-request-id"]
-    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    assert re.fullmatch(r"[0-9a-f]{32}", generated) and generated != server_id
     rows = {e.action: e for e in env.repo.list_audit(tenant_id)}
-    assert rows["tenant.create"].request_id == "trace-123"
-    assert rows["tenant.rotate_salt"].request_id == generated
-    bad = {**env.headers(env.key_a), "X-Request-ID": "denied-1"}
-    r = env.client.get("/admin/audit", headers=bad)
-    assert r.status_code == 403 and r.headers["x-request-id"] == "denied-1"
-    assert any(e.action == "auth.admin_denied" and e.request_id == "denied-1"
-               for e in env.repo.list_audit(limit=1000))
-    # A header that is not a short safe token is replaced, never echoed.
-    r = env.client.get("/health", headers={"X-Request-ID": "x" * 65})
-    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    created = rows["tenant.create"]
+    assert (created.request_id, created.client_request_id) == (server_id, "trace-123")
+    assert (rows["tenant.rotate_salt"].request_id,
+            rows["tenant.rotate_salt"].client_request_id) == (generated, None)
+    # A client sending a server's id as its own is only ever recorded as client_request_id.
+    h = {**env.headers(env.admin_token), "X-Request-ID": generated}
+    env.client.post(f"/admin/tenants/{tenant_id}/cache/reset", headers=h)
+    reset = next(e for e in env.repo.list_audit(tenant_id) if e.action == "cache.reset")
+    assert reset.request_id != generated and reset.client_request_id == generated
+    # A header that is not a short safe token is dropped.
+    r = env.client.post(f"/admin/tenants/{tenant_id}/cache/reset",
+                        headers={**env.headers(env.admin_token), "X-Request-ID": "x" * 65})
+    latest = env.repo.list_audit(tenant_id, limit=1)[0]
+    assert latest.client_request_id is None and latest.request_id == r.headers["x-request-id"]
+
+
+def test_an_anonymous_flood_leaves_the_audit_log_alone(env):
+    """1,100 refused anonymous calls used to push the real admin rows out of the newest 1,000."""
+    admin(env, "POST", f"/admin/tenants/{env.tenant_b}/cache/reset")
+    real = env.repo.list_audit(limit=1)[0]
+    assert real.action == "cache.reset"
+    counted = metric(env, "admin_auth_refusals_total", reason="malformed")
+    for _ in range(1100):
+        assert env.client.get("/admin/tenants", headers=env.headers("x")).status_code == 401
+    env.client.app.state.admin_refusals.flush(env.repo.usage.audit, everything=True)
+    assert env.repo.list_audit(limit=1)[0] == real          # no row was written
+    assert metric(env, "admin_auth_refusals_total", reason="malformed") == counted + 1100
+    rows = admin(env, "GET", "/admin/audit", params={"limit": 1000}).json()["data"]
+    assert rows[0]["id"] == real.id
+
+
+def test_a_forbidden_paths_row_is_truncated_and_escaped(env):
+    refusals = env.client.app.state.admin_refusals
+    refusals.flush(env.repo.usage.audit, everything=True)
+    path = "/admin/tenants/" + "x" * 300 + "%0aFAKE%20ROW%00"
+    assert env.client.get(path, headers=env.headers(env.key_b)).status_code == 403
+    refusals.flush(env.repo.usage.audit, everything=True)
+    row = env.repo.list_audit(limit=1)[0]
+    assert row.action == "auth.admin_forbidden"
+    first = row.detail.split(" first=", 1)[1]
+    assert first.startswith("GET /admin/tenants/xxx") and len(first) == len("GET ") + 128
+    assert first.isprintable() and "\n" not in row.detail and " " not in first[4:]
+
+
+def test_audit_pages_and_filters(env):
+    t = admin(env, "POST", "/admin/tenants", json={"name": "paged"}).json()
+    start = datetime.now(UTC)
+    for _ in range(5):
+        admin(env, "POST", f"/admin/tenants/{t['id']}/cache/reset")
+    admin(env, "POST", f"/admin/tenants/{t['id']}/rotate-salt")
+    mine = [e.id for e in env.repo.list_audit(t["id"])]     # newest first
+    assert len(mine) == 7
+    seen, cursor = [], None
+    while True:
+        params = {"tenant": t["id"], "limit": 3, **({"cursor": cursor} if cursor else {})}
+        page = admin(env, "GET", "/admin/audit", params=params).json()
+        seen += [row["id"] for row in page["data"]]
+        assert page["has_more"] == (page["next_cursor"] is not None)
+        if not page["has_more"]:
+            break
+        cursor = page["next_cursor"]
+    assert seen == mine                                       # every row once, in order
+    q = {"tenant": t["id"], "action": "cache.reset"}
+    resets = admin(env, "GET", "/admin/audit", params=q).json()["data"]
+    assert len(resets) == 5 and {r["action"] for r in resets} == {"cache.reset"}
+    q = {"actor": "test-admin", "action": "tenant.rotate_salt", "tenant": t["id"],
+         "since": start.isoformat()}
+    assert len(admin(env, "GET", "/admin/audit", params=q).json()["data"]) == 1
+    q = {"tenant": t["id"], "until": start.isoformat()}
+    only = admin(env, "GET", "/admin/audit", params=q).json()["data"]
+    assert [r["action"] for r in only] == ["tenant.create"]
+    assert admin(env, "GET", "/admin/audit", params={"actor": "nobody"}).json()["data"] == []
+    for bad in ({"cursor": "abc"}, {"since": "2026-01-01T00:00:00"}, {"limit": 1001}):
+        r = admin(env, "GET", "/admin/audit", params=bad)
+        assert r.status_code == 400, (bad, r.text)

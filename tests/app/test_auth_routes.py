@@ -190,15 +190,44 @@ def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
     assert env.client.get("/v1/models", headers=env.headers(token)).status_code == 200
 
 
-def test_failed_admin_auth_is_audited_without_the_token(env):
+def test_refused_admin_calls_never_flood_the_audit_log(env):
+    """Unauthenticated refusals: counted, never audit rows. Forbidden ones (a tenant key): one
+    aggregated row per actor and minute with the count; never a token in either."""
+    refusals = env.client.app.state.admin_refusals
+    refusals._now = lambda: 1_800_000_000.0  # one fixed minute
+    refusals.flush(env.repo.usage.audit, everything=True)
+    before = [a.id for a in env.repo.list_audit(limit=1000)]
     expired = jwt.encode(admin_claims(exp=int(time.time()) - 3600, iat=int(time.time()) - 7200),
                          ed25519.Ed25519PrivateKey.generate(), algorithm="EdDSA")
-    for headers in ({}, env.headers(expired), env.headers(env.key_a)):
-        env.client.get("/admin/audit", headers=headers)
-    rows = [a for a in env.repo.list_audit(limit=1000) if a.action == "auth.admin_denied"]
-    details = " ".join(a.detail or "" for a in rows)
-    assert "reason=not_admin" in details and "reason=bad_jwt" in details
-    assert "GET /admin/audit" in details
-    assert any(a.actor.startswith("key:") for a in rows)
-    assert expired not in details and env.key_a not in details
-    assert env.key_a.split("-", 2)[2] not in details  # the secret (it may contain "-")
+    for headers in ({}, env.headers(expired), env.headers("x")):
+        assert env.client.get("/admin/audit", headers=headers).status_code == 401
+    for _ in range(5):
+        assert env.client.get("/admin/audit", headers=env.headers(env.key_a)).status_code == 403
+    assert [a.id for a in env.repo.list_audit(limit=1000)] == before  # nothing written yet
+    refusals._now = lambda: 1_800_000_060.0  # the minute has closed
+    assert refusals.flush(env.repo.usage.audit) == 1
+    rows = [a for a in env.repo.list_audit(limit=1000) if a.id not in before]
+    assert len(rows) == 1 and rows[0].action == "auth.admin_forbidden"
+    assert rows[0].actor.startswith("key:") and rows[0].tenant_id is None
+    assert rows[0].detail == ("reason=not_admin count=5 minute=2027-01-15T08:00Z "
+                              "first=GET /admin/audit")
+    assert expired not in rows[0].detail and env.key_a not in rows[0].detail
+
+
+def test_unauthenticated_refusals_log_at_most_one_line_per_interval(caplog):
+    from app.auth import AdminRefusals
+
+    now = [1000.0]
+    counted: list[str] = []
+    refusals = AdminRefusals(counted.append, log_interval_s=10.0, now=lambda: now[0])
+    with caplog.at_level("WARNING", logger="app.auth"):
+        for i in range(500):
+            now[0] = 1000.0 + i * 0.01                      # 500 refusals in 5 s
+            refusals.anonymous("bad_jwt" if i % 2 else "malformed")
+        now[0] = 1011.0
+        refusals.anonymous("expired")
+    lines = [r.getMessage() for r in caplog.records if r.name == "app.auth"]
+    assert lines == ["refused 1 unauthenticated /admin request(s) (latest reason: malformed)",
+                     "refused 500 unauthenticated /admin request(s) (latest reason: expired)"]
+    assert len(counted) == 501 and counted[-1] == "expired"
+    assert refusals.flush(lambda *a: None, everything=True) == 0  # none are audit rows
