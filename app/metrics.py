@@ -186,7 +186,8 @@ class ServerMetrics:
         """Counts one API call when its usage is recorded (every call, rejected ones included).
 
         Token counters and histograms only count calls that reached the engine (calls rejected
-        at validation have no choices and count in ``requests_total{status="error"}`` only).
+        before it have no choices, record 0 tokens, and count in
+        ``requests_total{status="error"}`` only).
         """
         rec = job.usage_record()
         labels = (self.model_name, tenant_label(rec.tenant_id))

@@ -151,7 +151,10 @@ class CompletionCall:
                              else 0))
 
     def usage_record(self) -> UsageRecord:
-        u = self.usage()
+        """The call's usage row. A call refused before it reached the engine (400, 429)
+        processed nothing and records 0 tokens, whatever its prompt: usage sums then equal the
+        Prometheus token counters (``ServerMetrics.observe_request``)."""
+        u = self.usage() if self.submitted else UsageInfo()
         return UsageRecord(
             request_id=self.request_id, tenant_id=self.auth.tenant_id, key_id=self.auth.key_id,
             model=self.model, endpoint=self.endpoint, status=self.status or "error",

@@ -120,14 +120,15 @@ def test_success_is_recorded_once(env, service, stream):
 def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, service, stream):
     """A token id outside the vocabulary passes the API checks and the lease, then the engine's
     single validation refuses it: 400 with param, one error record; the call counts as one
-    request (it was admitted before its body was read) and no tokens."""
+    request (it was admitted before its body was read) and no tokens, in its usage record
+    too (billing matches the work: nothing was processed)."""
     r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
         "model": env.model, "prompt": [1, 2, 10**9], "max_tokens": 3, "stream": stream})
     assert r.status_code == 400
     assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt", "invalid_value")
     records = service.record_usage.settled(1)
     assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [
-        ("error", 3, 0)]
+        ("error", 0, 0)]
     assert _in_flight(service, env) == 0
     assert _window_requests(service, env.tenant_a) == 1  # admitted, then refused
     assert _window_tokens(service, env.tenant_a) == 0

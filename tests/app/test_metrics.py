@@ -376,3 +376,41 @@ def test_docs_and_dashboard_name_only_exported_metrics(env):
     assert used and used <= exported, used - exported
     assert {"saltserve:prefix_cache_hits", "saltserve:prefix_cache_evictions",
             "saltserve:time_to_first_token_seconds", "saltserve:kv_cache_usage_perc"} <= used
+
+
+def test_usage_rows_sum_to_the_token_counters_rejected_calls_included(env):
+    """Billing matches the work: a call refused before the engine (400 at parsing, 400 after
+    tokenising, 429 for tokens per minute) records 0 tokens, so per-tenant usage sums equal
+    the Prometheus counters."""
+    t = env.repo.create_tenant("billing")
+    key, _ = env.repo.create_api_key(t.id)
+    env.repo.update_tenant(t.id, tpm_limit=100)
+    body = {"model": env.model, "max_tokens": 1, "temperature": 0}
+
+    def post(**kw):
+        return env.client.post("/v1/completions", json={**body, **kw}, headers=env.headers(key))
+
+    assert post(prompt=prompt_of(90, 120)).status_code == 429          # after tokenising
+    env.repo.update_tenant(t.id, tpm_limit=None)
+    assert post(prompt=prompt_of(91, 200), max_tokens=100).status_code == 400  # context length
+    assert post(prompt=prompt_of(92, 10), temperature=-1).status_code == 400   # at parsing
+    reset(env)
+    ok = [post(prompt=prompt_of(93, n)).json() for n in (40, 40, 23)]
+    assert [u["usage"]["prompt_tokens_details"]["cached_tokens"] for u in ok] == [0, 32, 16]
+    deadline = time.time() + 10
+    while len(rows := env.repo.list_usage(t.id)) < 6 and time.time() < deadline:
+        time.sleep(0.02)  # usage rows are written off the request path
+    assert len(rows) == 6
+    refused = [r for r in rows if r.status == "error"]
+    assert len(refused) == 3
+    assert all((r.prompt_tokens, r.cached_tokens, r.completion_tokens) == (0, 0, 0)
+               for r in refused)
+    assert sorted(r.prompt_tokens for r in rows if r.status == "ok") == [23, 40, 40]
+    s = scrape(env)
+    labels = {"model_name": env.model, "tenant": t.id}
+    assert s.total("requests_total", **labels) == 6
+    assert s.total("requests_total", status="error", **labels) == 3
+    assert s.get("prompt_tokens_total", **labels) == sum(r.prompt_tokens for r in rows) == 103
+    assert s.get("usage_cached_tokens_total", **labels) == sum(r.cached_tokens for r in rows)
+    assert s.get("generation_tokens_total", **labels) == sum(r.completion_tokens for r in rows)
+    assert sum(r.completion_tokens for r in rows) == 3
