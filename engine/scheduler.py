@@ -444,10 +444,10 @@ class Scheduler:
         """The most recently admitted running request of the tenant holding the most KV blocks
         per unit of weight (the tenant most over its share); with one tenant, plain
         last-admitted-first (vLLM)."""
-        held: dict[TenantId, int] = {}
+        held: Counter[TenantId] = Counter()
         last: dict[TenantId, int] = {}  # position of the tenant's last-admitted request
         for i, r in enumerate(self.running):
-            held[r.tenant_id] = held.get(r.tenant_id, 0) + self.kv.num_blocks_of(r.request_id)
+            held[r.tenant_id] += self.kv.num_blocks_of(r.request_id)
             last[r.tenant_id] = i
         t = max(held, key=lambda t: (held[t] / self.weights[t], last[t]))  # ties: latest
         return self.running[last[t]]

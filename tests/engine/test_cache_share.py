@@ -309,6 +309,7 @@ def test_a_weight_change_reorders_eviction_at_once() -> None:
     a = cache(pool, "A", 2)
     b = cache(pool, "B", 6)
     seen = evictions(pool)
+    assert take(pool, 1, "C") == a[:1]  # nobody over: plain LRU (this search ranks A and B)
     pool.set_tenant_share("B", TenantShare(weight=1))   # shares: A 4, B 4: B (6) over
     assert take(pool, 1, "C") == b[:1]                  # not A's older block (plain LRU)
-    assert seen == [(b[0], "B", "C")] and a
+    assert seen == [(a[0], "A", "C"), (b[0], "B", "C")]

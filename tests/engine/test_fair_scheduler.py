@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine.faults
 from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
@@ -753,3 +754,143 @@ def test_requests_after_a_victim_in_the_middle_keep_their_share() -> None:
     assert out.preempted_ids == ("a2",)
     assert rows == [("a1", 32, 1, True), ("b1", 22, 10, False), ("c1", 21, 13, False)]
     run_to_idle(sched)
+
+
+def replay(arrivals: list[tuple[int, str, str, int, int, int]], **kwargs
+           ) -> list[tuple[list[tuple[str, int, int]], tuple[str, ...]]]:
+    """Runs arrivals ``(step, id, tenant, prompt tokens, max_tokens, weight)`` to idle (every
+    step checked by ``step``). Returns per step ([(id, start, n)], preempted ids)."""
+    sched = make_scheduler(**kwargs)
+    trace = []
+    for k in range(100):
+        for at, rid, tenant, n, max_tokens, weight in arrivals:
+            if at == k:
+                base = 1000 * int(rid[1:]) + 100
+                sched.add_request(make_request(rid, range(base, base + n), tenant,
+                                               max_tokens=max_tokens, ignore_eos=True,
+                                               weight=weight))
+        if k > max(a[0] for a in arrivals) and not sched.has_unfinished_requests():
+            break
+        out, rows = step(sched)
+        trace.append(([r[:3] for r in rows], out.preempted_ids))
+    assert_idle(sched)
+    return trace
+
+
+def test_a_tenant_waiting_without_a_seat_does_not_stop_the_others_sharing() -> None:
+    trace = replay([(0, "r1", "C", 21, 1, 1), (0, "r2", "A", 9, 2, 2), (1, "r0", "B", 5, 2, 1)],
+                   num_blocks=7, max_num_batched_tokens=8, fair_quantum_tokens=4,
+                   max_num_seqs=2)
+    assert trace == [
+        ([("r1", 0, 4), ("r2", 0, 4)], ()),
+        ([("r1", 4, 4), ("r2", 4, 4)], ()),
+        # B (least served) comes first but has no seat (2 of 2 taken): C and A still split
+        # the step, A's decode included; B's turn must not end the plan.
+        ([("r1", 8, 7), ("r2", 8, 1)], ()),
+        ([("r1", 15, 6), ("r2", 9, 1)], ()),
+        ([("r0", 0, 5)], ()),
+        ([("r0", 5, 1)], ()),
+    ]
+
+
+def test_a_preempted_requests_first_slice_is_one_quantum() -> None:
+    trace = replay([(0, "r1", "B", 37, 3, 2), (1, "r0", "C", 24, 4, 3)], num_blocks=4,
+                   max_num_batched_tokens=16, fair_quantum_tokens=4, interactive_step_tokens=4)
+    assert trace[4] == ([("r0", 24, 1)], ("r1",))
+    # r1 comes back with one quantum (4 tokens), not the whole budget: C's decode still runs.
+    assert trace[5] == ([("r0", 25, 1), ("r1", 16, 4)], ())
+    assert trace[6] == ([("r0", 26, 1), ("r1", 20, 4)], ())
+    assert trace[7:] == [([("r1", 24, 13)], ()), ([("r1", 37, 1)], ()), ([("r1", 38, 1)], ())]
+
+
+def test_a_short_preempted_request_is_planned_its_need_not_a_quantum() -> None:
+    trace = replay([(0, "r1", "A", 13, 6, 2), (0, "r2", "B", 20, 5, 1), (1, "r3", "B", 5, 4, 2),
+                    (2, "r0", "A", 35, 2, 2)], num_blocks=5, max_num_batched_tokens=8,
+                   fair_quantum_tokens=16, interactive_step_tokens=4)
+    assert trace[7] == ([("r1", 16, 1), ("r2", 21, 1), ("r0", 12, 4)], ("r3",))
+    # r3 (7 tokens, under the 16-token quantum) is planned exactly its 7; the 8th token of the
+    # step goes to A's r0, not to a plan r3 cannot use.
+    assert trace[9] == ([("r0", 16, 1), ("r3", 0, 7)], ())
+    assert trace[10] == ([("r2", 23, 1), ("r0", 17, 4), ("r3", 7, 1)], ())
+
+
+# -- faults at the scheduler's own fault points (engine/faults.py) -------------------------------
+class InjectedFault(RuntimeError):
+    pass
+
+
+def test_faults_in_allocation_and_stop_checks_fail_only_their_request(caplog) -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    for rid, tenant in (("a", "A"), ("b", "B"), ("c", "C")):
+        sched.add_request(make_request(rid, range(100, 110), tenant, max_tokens=3,
+                                       ignore_eos=True))
+    armed: set[tuple[str, str]] = {("allocate", "a")}
+
+    def injector(point: str, request_id: str | None) -> None:
+        if (point, request_id) in armed:
+            raise InjectedFault(point)
+
+    with engine.faults.inject(injector), caplog.at_level("ERROR", logger="engine.scheduler"):
+        # a's admission fails: b and c, planned after it, are still admitted this step.
+        _, rows = step(sched)
+        assert rows == [("b", 0, 10, True), ("c", 0, 10, True)]
+        assert [(r.request_id, reason) for r, reason in sched.failed] == [
+            ("a", "the request failed while its KV blocks were allocated")]
+        a = sched.failed[0][0]
+        assert a.status == RequestStatus.FINISHED_ERROR and a.num_computed_tokens == 0
+        assert sched.kv.get_block_ids("a") == [] and "a" not in sched.requests
+        sched.failed.clear()
+        # b's stop checks fail: its token is taken back, and c, after it, still advances.
+        armed = {("stop", "b")}
+        _, rows = step(sched)
+        assert rows == [("b", 10, 1, True), ("c", 10, 1, True)]
+        b = sched.failed[0][0]
+        assert [(r.request_id, reason) for r, reason in sched.failed] == [
+            ("b", "the request failed in its stop checks")]
+        assert b.num_output_tokens == 1 and b.status == RequestStatus.FINISHED_ERROR
+        c = sched.requests["c"]
+        assert c.num_output_tokens == 2 and c.num_computed_tokens == 11
+        sched.failed.clear()
+        # A running request's failed allocation keeps its computed tokens (it was running).
+        armed = {("allocate", "c")}
+        _, rows = step(sched)
+        assert rows == [] and c.status == RequestStatus.FINISHED_ERROR
+        assert c.num_computed_tokens == 11
+        sched.failed.clear()
+    assert_idle(sched)
+    # The log names the request and the exception type only: never tokens or a prompt.
+    assert [r.getMessage() for r in caplog.records] == [
+        "request a failed while scheduling: InjectedFault",
+        "request b failed in its stop checks: InjectedFault",
+        "request c failed while scheduling: InjectedFault"]
+
+
+def test_step_budget_sums_each_tenants_need_and_classes_it_at_the_exact_share() -> None:
+    sched = make_scheduler(max_num_batched_tokens=256, interactive_step_tokens=4)
+    sched.add_request(make_request("b", range(1000, 1300), "B"))          # heavy: 300 tokens
+    sched.add_request(make_request("a1", range(100, 110), "A"))           # A: 10 + 12 = 22
+    sched.add_request(make_request("a2", range(200, 212), "A"))
+    # A's whole need at its half share: 2 x 22 = 44 tokens, not 2 x 12 (its last request).
+    assert sched._step_budget() == (44, {"A"})
+    step(sched)                                        # A's both prefill whole, B gets the rest
+    # Running: a1 and a2 decode, b prefills. A's need is both decodes (2): at its half share
+    # that is 4 tokens, more than the 2 decodes + an interactive cap of 1.
+    sched.interactive_step_tokens = 1
+    assert sched._step_budget() == (4, {"A"})
+    sched.interactive_step_tokens = 4
+    sched.add_request(make_request("c", range(300, 310), "C"))
+    # Running: a1 and a2 decode (1 + 1), b still prefills; C waits with 10 tokens. Two
+    # decodes + 4 = 6, but C's need at its third of the step is 30: the step is 30.
+    assert sched._step_budget() == (30, {"A", "C"})
+
+
+@pytest.mark.parametrize("weight, need, light", [(1, 32, True), (1, 33, False),
+                                                 (3, 48, True), (3, 49, False)])
+def test_a_tenant_is_light_up_to_exactly_its_weighted_share(weight, need, light) -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, interactive_step_tokens=4)
+    sched.add_request(make_request("b", range(1000, 1100), "B"))          # heavy
+    sched.add_request(make_request("a", range(100, 100 + need), "A", weight=weight))
+    # A's share of 64 is 64 x w / (w + 1): 32 for weight 1, 48 for weight 3.
+    budget, light_set = sched._step_budget()
+    assert light_set == ({"A"} if light else set())
+    assert budget == 64  # A's whole need at its share fills the step either way

@@ -428,7 +428,9 @@ def test_add_request_validation() -> None:
         sched.add_request(make_request("a", [4, 5]))
     sched.add_request(make_request("ok", list(range(19))))
     assert [r.request_id for r in sched.waiting] == ["a", "ok"]
-    with pytest.raises(ValueError):
-        make_scheduler(max_num_batched_tokens=0)
-    with pytest.raises(ValueError):
-        make_scheduler(max_num_seqs=0)
+    with pytest.raises(AssertionError, match="unvalidated request"):  # no room for a token
+        sched.add_request(make_request("full", list(range(20))))
+    for bad in ({"max_num_batched_tokens": 0}, {"max_num_seqs": 0}, {"fair_quantum_tokens": 0}):
+        with pytest.raises(ValueError, match="must be at least 1"):
+            make_scheduler(**bad)
+    make_scheduler(max_num_batched_tokens=1, max_num_seqs=1, fair_quantum_tokens=1)

@@ -189,15 +189,45 @@ LIVELOCK = ({"policy": "fair", "num_blocks": 5, "max_num_batched_tokens": 1, "ma
              (0, "r3", "A", 1, 1, 1), (0, "r4", "C", 28, 6, 1)], [], [])
 
 
+def _fair(num_blocks: int, budget: int, seqs: int, quantum: int) -> dict:
+    return {"policy": "fair", "num_blocks": num_blocks, "max_num_batched_tokens": budget,
+            "max_num_seqs": seqs, "fair_quantum_tokens": quantum, "interactive_step_tokens": None}
+
+
+# Shrunk workloads that broke a rule under a deliberately wrong scheduler (mutation testing);
+# kept so that the rule is always exercised, not only when the random draw finds such a case.
+EXAMPLES_FOUND = [
+    # The progress rule with two running requests (the oldest one must grow).
+    (_fair(5, 1, 2, 1), [(0, "r0", "A", 1, 1, 3), (0, "r1", "B", 13, 6, 1),
+                         (0, "r2", "A", 45, 6, 3)], [], []),
+    # The progress rule with a budget larger than the request's remaining tokens.
+    (_fair(5, 7, 2, 1), [(0, "r0", "A", 30, 4, 1), (2, "r1", "B", 33, 2, 1)], [], []),
+    # Several phase-4 top-ups in one step.
+    (_fair(6, 7, 4, 1), [(0, "r0", "A", 16, 2, 1), (0, "r1", "B", 20, 1, 1),
+                         (0, "r2", "A", 1, 1, 1), (0, "r3", "A", 1, 1, 1),
+                         (0, "r4", "A", 1, 1, 1), (0, "r5", "C", 19, 1, 1)], [], []),
+    # A preempted request's first slice when the budget is below the quantum.
+    (_fair(5, 1, 2, 4), [(1, "r0", "B", 1, 1, 1), (0, "r1", "A", 29, 6, 1),
+                         (0, "r2", "B", 28, 6, 1)], [], []),
+]
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 @example(LIVELOCK)
+@example(EXAMPLES_FOUND[0])
+@example(EXAMPLES_FOUND[1])
+@example(EXAMPLES_FOUND[2])
+@example(EXAMPLES_FOUND[3])
 def test_every_step_keeps_the_rules_and_every_request_finishes(workload) -> None:
     run(*workload)
 
 
 @settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(tenants="A"))
+# Found by this test: a lone tenant's preempted request went before its running sibling.
+@example((_fair(5, 16, 2, 16), [(0, "r0", "A", 1, 1, 1), (0, "r1", "A", 13, 6, 1),
+                                (0, "r2", "A", 49, 1, 1)], [], []))
 def test_a_single_tenant_is_scheduled_exactly_as_fcfs(workload) -> None:
     assert run(*workload, policy="fair") == run(*workload, policy="fcfs")
 
