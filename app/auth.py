@@ -29,6 +29,7 @@ before it is served. Tokens, keys and salts are never logged.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -47,6 +48,7 @@ from tenants.api_keys import looks_like_api_key
 from tenants.authenticator import Authenticator
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.records import AuthContext
+from tenants.revocations import TokenRevocations
 from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 
@@ -84,14 +86,18 @@ def bearer_token(request: Request) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _authenticate_sync(authenticator: Authenticator, verifier: JWTVerifier | None,
-                       token: str) -> Principal:
-    if looks_like_api_key(token):
-        ctx = authenticator.authenticate_api_key(token)
-        return Principal(f"key:{ctx.key_id}", "tenant", "api_key", ctx)
+def _api_key_principal(authenticator: Authenticator, token: str) -> Principal:
+    ctx = authenticator.authenticate_api_key(token)
+    return Principal(f"key:{ctx.key_id}", "tenant", "api_key", ctx)
+
+
+def _jwt_principal(authenticator: Authenticator, verifier: JWTVerifier | None,
+                   revocations: TokenRevocations, token: str) -> Principal:
     if verifier is None:
         raise InvalidToken("bad_jwt")
     claims = verifier.verify(token)
+    if claims.jti is not None and revocations.is_revoked(claims.jti):
+        raise InvalidToken("revoked")
     ctx, disabled = None, False
     if claims.tenant_id is not None:
         try:
@@ -120,8 +126,12 @@ async def authenticate(request: Request) -> Principal:
     if token is None:
         raise _missing()
     state = request.app.state
-    principal = await run_in_threadpool(_authenticate_sync, state.repo.authenticator,
-                                        getattr(state, "jwt_verifier", None), token)
+    if looks_like_api_key(token):
+        principal = await run_in_threadpool(_api_key_principal, state.repo.authenticator, token)
+    else:  # JWTs on their own few threads: a slow JWKS fetch never holds up API-key requests
+        principal = await asyncio.get_running_loop().run_in_executor(
+            state.jwt_executor, _jwt_principal, state.repo.authenticator,
+            getattr(state, "jwt_verifier", None), state.repo.revocations, token)
     request.state.principal = principal
     return principal
 

@@ -390,7 +390,7 @@ def token() -> None:
 @click.option("--role", type=click.Choice(["tenant", "admin"]), default="tenant",
               show_default=True)
 @click.option("--ttl", type=click.IntRange(min=1), default=3600, show_default=True,
-              help="Lifetime in seconds.")
+              help="Lifetime in seconds, at most SALTSERVE_JWT_MAX_TOKEN_TTL_S. [30 days]")
 @click.option("--subject", default=None,
               help="The sub claim, recorded as the audit actor. [admin | tenant:<id>]")
 @_common
@@ -398,7 +398,7 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
                 **opts: Any) -> None:
     """Print a signed JWT (shown once, never stored)."""
     from app.bootstrap import open_repository, prepare_data_dir
-    from tenants.tokens import issue_token, load_or_create_platform_key
+    from tenants.tokens import issue_token, load_or_create_platform_key, token_jti
 
     settings = _settings(**opts)
     tenant_id = None
@@ -415,11 +415,31 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
                    "this token", err=True)
     key = load_or_create_platform_key(prepare_data_dir(settings.data_dir))
     subject = subject or (role if tenant_id is None else f"{role}:{tenant_id}")
-    token = issue_token(key, config, subject=subject, role=role,  # type: ignore[arg-type]
-                        tenant_id=tenant_id, ttl_s=ttl)
-    open_repository(settings).usage.audit(_cli_actor(), "token.issue", tenant_id,
-                                          f"role={role} sub={subject[:64]!r} ttl_s={ttl}")
+    try:
+        token = issue_token(key, config, subject=subject, role=role,  # type: ignore[arg-type]
+                            tenant_id=tenant_id, ttl_s=ttl)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    jti = token_jti(token)
+    open_repository(settings).usage.audit(
+        _cli_actor(), "token.issue", tenant_id,
+        f"role={role} sub={subject[:64]!r} ttl_s={ttl} jti={jti}")
+    click.echo(f"jti {jti} (revoke with: saltserve token revoke {jti})", err=True)
     click.echo(token)
+
+
+@token.command("revoke")
+@click.argument("jti")
+@_common
+def token_revoke(jti: str, **opts: Any) -> None:
+    """Revoke a platform JWT by its jti: refused from its next request on, on every server."""
+    from app.bootstrap import open_repository
+
+    try:
+        open_repository(_settings(**opts)).revocations.revoke(jti, actor=_cli_actor())
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"revoked jti {jti}")
 
 
 if __name__ == "__main__":

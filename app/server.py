@@ -8,6 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -153,6 +154,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             engine.shutdown()
             repo.flush_last_used()
             app.state.admin_refusals.flush(repo.usage.audit, everything=True)
+            app.state.jwt_executor.shutdown(wait=False, cancel_futures=True)
 
     # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
@@ -164,6 +166,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.engine = engine
     app.state.repo = repo
     app.state.started_at = int(time.time())
+    # JWT verification (which may fetch an IdP's JWKS) runs on its own threads.
+    app.state.jwt_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jwt")
     app.state.metrics = ServerMetrics(info.served_model_name)
     refusals = app.state.metrics.admin_auth_refusals
     app.state.admin_refusals = AdminRefusals(lambda reason: refusals.labels(reason=reason).inc())

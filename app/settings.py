@@ -67,6 +67,8 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     jwt_jwks_url: str | None = None
     jwt_tenant_claim: str = "tenant"
     jwt_role_claim: str = "role"
+    jwt_jwks_refetch_cooldown_s: float = 30.0
+    jwt_max_token_ttl_s: int = 30 * 86400
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'saltserve.db').resolve()}"
@@ -77,7 +79,9 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
             algorithms=tuple(self.jwt_algorithms), issuer=self.jwt_issuer,
             audience=self.jwt_audience, leeway_s=self.jwt_leeway_s,
             tenant_claim=self.jwt_tenant_claim, role_claim=self.jwt_role_claim,
-            public_key_file=self.jwt_public_key_file, jwks_url=self.jwt_jwks_url)
+            public_key_file=self.jwt_public_key_file, jwks_url=self.jwt_jwks_url,
+            jwks_refetch_cooldown_s=self.jwt_jwks_refetch_cooldown_s,
+            max_token_ttl_s=self.jwt_max_token_ttl_s)
 
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""

@@ -206,3 +206,13 @@ class AuditLogRow(Base):
     detail: Mapped[str | None] = mapped_column(Text())
     request_id: Mapped[str | None] = mapped_column(String(128))  # the server's, always
     client_request_id: Mapped[str | None] = mapped_column(String(64))  # X-Request-ID sent
+
+
+class RevokedToken(Base):
+    """A revoked platform JWT, by its ``jti`` (refused on every request from then on)."""
+
+    __tablename__ = "revoked_tokens"
+
+    jti: Mapped[str] = mapped_column(String(64), primary_key=True)
+    revoked_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    actor: Mapped[str] = mapped_column(String(255))

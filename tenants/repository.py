@@ -6,7 +6,8 @@ It composes one object per concern, sharing one session factory and cipher:
 - ``keys``: ``ApiKeyStore`` (create, revoke, list API keys);
 - ``authenticator``: ``Authenticator`` (API key or JWT tenant -> ``AuthContext``; salt cache;
   buffered ``last_used_at``);
-- ``usage``: ``UsageStore`` (usage records and the audit log).
+- ``usage``: ``UsageStore`` (usage records and the audit log);
+- ``revocations``: ``TokenRevocations`` (platform JWTs revoked by ``jti``).
 
 New code should use those attributes; the methods below delegate to them and keep their old
 names. Everything returns plain frozen dataclasses (``tenants.records``, re-exported here),
@@ -24,6 +25,7 @@ from tenants.api_key_store import ApiKeyStore
 from tenants.authenticator import Authenticator
 from tenants.crypto import SaltCipher
 from tenants.records import ApiKeyInfo, AuditEntry, AuthContext, TenantInfo, UsageRecord
+from tenants.revocations import TokenRevocations
 from tenants.tenant_store import MAX_TENANT_NAME_CHARS, UNCHANGED, TenantStore, _Unchanged
 from tenants.usage import UsageStore
 
@@ -51,6 +53,7 @@ class TenantRepository:
         keys: the ``ApiKeyStore``.
         authenticator: the ``Authenticator`` (told about new salts by ``tenants``).
         usage: the ``UsageStore``.
+        revocations: the ``TokenRevocations``.
     """
 
     def __init__(self, session_factory: sessionmaker[Session], cipher: SaltCipher) -> None:
@@ -58,6 +61,7 @@ class TenantRepository:
         self.tenants = TenantStore(session_factory, cipher, observer=self.authenticator)
         self.keys = ApiKeyStore(session_factory)
         self.usage = UsageStore(session_factory)
+        self.revocations = TokenRevocations(session_factory)
 
     def __repr__(self) -> str:
         return "TenantRepository(<redacted>)"

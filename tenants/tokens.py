@@ -7,8 +7,12 @@ A token is accepted only if all of these hold:
   abused as an HMAC secret), *and* it belongs to the family of the key that verifies it
   (``EdDSA`` for Ed25519, ``RS*``/``PS*`` for RSA, ``ES*`` for EC): no algorithm confusion;
 - the signature verifies with the platform key (header ``kid`` = the platform key's kid), a
-  JWKS key with that ``kid`` (``PyJWKClient``; an unknown kid refetches the set, so IdP key
-  rotation needs no restart) or the configured public key file;
+  JWKS key with that ``kid`` (``PyJWKClient``: the key set is cached; an unknown kid refetches
+  it at most once per ``jwks_refetch_cooldown_s``, so IdP key rotation needs no restart and a
+  flood of junk kids causes at most one fetch per cooldown) or the configured public key file.
+  The token's structure, algorithm and ``kid`` are checked before any fetch;
+- a platform token (signed with the platform key) lives at most ``max_token_ttl_s``
+  (``exp - iat``); ``issue_token`` refuses longer ones;
 - ``exp``, ``iat``, ``iss``, ``aud`` and ``sub`` are present; ``iss``/``aud`` match the
   configuration; ``exp``/``iat`` are checked with the configured leeway (seconds);
 - the role claim is ``tenant`` or ``admin``; a ``tenant`` token names a tenant id in the tenant
@@ -26,7 +30,7 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,6 +68,8 @@ class JWTConfig:
         role_claim: claim holding ``tenant`` or ``admin``.
         public_key_file: PEM public key of an external identity provider, or None.
         jwks_url: JWKS endpoint of an external identity provider, or None.
+        jwks_refetch_cooldown_s: least seconds between two JWKS fetches for unknown kids.
+        max_token_ttl_s: longest lifetime of a platform token (seconds).
     """
 
     algorithms: tuple[str, ...] = ("EdDSA", "RS256")
@@ -74,6 +80,8 @@ class JWTConfig:
     role_claim: str = "role"
     public_key_file: Path | None = None
     jwks_url: str | None = None
+    jwks_refetch_cooldown_s: float = 30.0
+    max_token_ttl_s: int = 30 * 86400
 
     def __post_init__(self) -> None:
         bad = [a for a in self.algorithms if a not in _SUPPORTED]
@@ -85,15 +93,21 @@ class JWTConfig:
             raise ValueError("SALTSERVE_JWT_LEEWAY_S must be >= 0")
         if not self.tenant_claim or not self.role_claim:
             raise ValueError("SALTSERVE_JWT_TENANT_CLAIM / _ROLE_CLAIM must not be empty")
+        if self.jwks_refetch_cooldown_s < 0:
+            raise ValueError("SALTSERVE_JWT_JWKS_REFETCH_COOLDOWN_S must be >= 0")
+        if self.max_token_ttl_s < 1:
+            raise ValueError("SALTSERVE_JWT_MAX_TOKEN_TTL_S must be >= 1")
 
 
 @dataclass(frozen=True)
 class TokenClaims:
-    """The verified identity of a JWT: ``sub``, role and (optional for admins) tenant id."""
+    """The verified identity of a JWT: ``sub``, role, (optional for admins) tenant id, and the
+    ``jti`` when the token has one (every platform token does; revocable by it)."""
 
     subject: str
     role: Role
     tenant_id: str | None
+    jti: str | None = field(default=None, compare=False)  # not part of the identity
 
 
 def key_id(public_key: Any) -> str:
@@ -147,18 +161,25 @@ def issue_token(private_key: ed25519.Ed25519PrivateKey, config: JWTConfig, *, su
         subject: ``sub`` (the actor recorded in the audit log).
         role: ``tenant`` or ``admin``.
         tenant_id: required for ``tenant``; optional for ``admin``.
-        ttl_s: lifetime in seconds (> 0).
+        ttl_s: lifetime in seconds, 1 to ``config.max_token_ttl_s``.
         now: issue time (unix seconds); default now.
 
+    Returns:
+        The token; its ``jti`` (a fresh uuid4 hex) is what ``revoke`` takes (``token_jti``).
+
     Raises:
-        ValueError: bad role, missing tenant for a tenant token, empty subject or ttl <= 0.
+        ValueError: bad role, missing tenant for a tenant token, empty subject, or ttl_s out
+            of range.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}")
     if role == "tenant" and not tenant_id:
         raise ValueError("a tenant token needs a tenant")
-    if not subject or ttl_s <= 0:
-        raise ValueError("subject must be non-empty and ttl_s > 0")
+    if not subject:
+        raise ValueError("subject must be non-empty")
+    if not 1 <= ttl_s <= config.max_token_ttl_s:
+        raise ValueError(f"ttl_s must be 1 to {config.max_token_ttl_s} seconds "
+                         "(SALTSERVE_JWT_MAX_TOKEN_TTL_S)")
     iat = int(time.time() if now is None else now)
     claims: dict[str, Any] = {"iss": config.issuer, "aud": config.audience, "sub": subject,
                               "iat": iat, "exp": iat + int(ttl_s), "jti": uuid.uuid4().hex,
@@ -167,6 +188,15 @@ def issue_token(private_key: ed25519.Ed25519PrivateKey, config: JWTConfig, *, su
         claims[config.tenant_claim] = tenant_id
     return jwt.encode(claims, private_key, algorithm="EdDSA",
                       headers={"kid": key_id(private_key.public_key())})
+
+
+def token_jti(token: str) -> str | None:
+    """The ``jti`` claim of a token, unverified (to show or revoke a token one holds)."""
+    try:
+        jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
+    except jwt.InvalidTokenError:
+        return None
+    return jti if isinstance(jti, str) else None
 
 
 def _algorithms_for(key: Any, allowed: tuple[str, ...]) -> list[str]:
@@ -204,8 +234,9 @@ class JWTVerifier:
         self._jwks: jwt.PyJWKClient | None = None
         if config.jwks_url:
             try:
-                self._jwks = jwt.PyJWKClient(config.jwks_url, cache_keys=False, lifespan=300,
-                                             cooldown_duration=0, timeout=5)
+                self._jwks = jwt.PyJWKClient(
+                    config.jwks_url, cache_jwk_set=True, lifespan=300, timeout=5,
+                    cooldown_duration=config.jwks_refetch_cooldown_s)
             except jwt.PyJWKClientError as e:
                 raise ValueError(f"SALTSERVE_JWT_JWKS_URL: {e}") from None
 
@@ -223,6 +254,9 @@ class JWTVerifier:
                 keys.append(self._jwks.get_signing_key_from_jwt(token).key)
             except jwt.PyJWKClientError:
                 pass  # unknown kid even after a refresh, or the endpoint is down
+            except Exception as e:  # noqa: BLE001 - a broken IdP key set is "no key", not a 500
+                logger.warning("the JWKS endpoint returned an unusable key set: %s",
+                               type(e).__name__)
         if self._file_key is not None:
             keys.append(self._file_key)
         return keys
@@ -242,8 +276,14 @@ class JWTVerifier:
         alg, kid = header.get("alg"), header.get("kid")
         if not isinstance(alg, str) or alg not in self.config.algorithms:
             raise InvalidToken("bad_jwt")
-        if kid is not None and not isinstance(kid, str):
+        if kid is not None and (not isinstance(kid, str) or not 0 < len(kid) <= 256):
             raise InvalidToken("bad_jwt")
+        try:  # the whole structure (a JSON object payload), still before any key fetch
+            unverified = jwt.decode(token, options={"verify_signature": False})
+        except jwt.InvalidTokenError:
+            raise InvalidToken("malformed") from None
+        if not isinstance(unverified, dict):
+            raise InvalidToken("malformed")
         claims: dict[str, Any] | None = None
         for key in self._candidates(token, kid):
             algorithms = _algorithms_for(key, self.config.algorithms)
@@ -254,11 +294,15 @@ class JWTVerifier:
                     token, key, algorithms=algorithms, audience=self.config.audience,
                     issuer=self.config.issuer, leeway=self.config.leeway_s,
                     options={"require": _REQUIRED_CLAIMS})
-                break
             except jwt.InvalidSignatureError:
                 continue
             except jwt.InvalidTokenError:
                 raise InvalidToken("bad_jwt") from None
+            if key is self._platform and not (
+                    isinstance(claims["exp"], int) and isinstance(claims["iat"], int)
+                    and claims["exp"] - claims["iat"] <= self.config.max_token_ttl_s):
+                raise InvalidToken("bad_jwt")  # a platform token longer-lived than allowed
+            break
         if claims is None:
             raise InvalidToken("bad_jwt")
         role, tenant = claims.get(self.config.role_claim), claims.get(self.config.tenant_claim)
@@ -269,4 +313,7 @@ class JWTVerifier:
             raise InvalidToken("bad_jwt")
         if role == "tenant" and tenant is None:
             raise InvalidToken("bad_jwt")
-        return TokenClaims(subject=subject, role=role, tenant_id=tenant)
+        jti = claims.get("jti")
+        if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= 64):
+            raise InvalidToken("bad_jwt")
+        return TokenClaims(subject=subject, role=role, tenant_id=tenant, jti=jti)

@@ -198,6 +198,21 @@ async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> di
     return _key_out(await _in_thread(_keys(request).revoke, key_id, actor=admin.subject))
 
 
+# -- platform tokens ------------------------------------------------------------------------------
+class TokenRevoke(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    jti: str = Field(min_length=1, max_length=64,
+                     description="the token's jti (printed by `saltserve token issue`)")
+
+
+@router.post("/tokens/revoke")
+async def revoke_token(body: TokenRevoke, request: Request, admin: AdminPrincipal) -> dict:
+    """Revokes a platform JWT by its ``jti`` (idempotent): refused from its next request on."""
+    revoked_at = await _in_thread(request.app.state.repo.revocations.revoke, body.jti,
+                                  _param="jti", actor=admin.subject)
+    return {"jti": body.jti, "revoked_at": revoked_at}
+
+
 # -- audit and usage ------------------------------------------------------------------------------
 @router.get("/audit")
 async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = None,

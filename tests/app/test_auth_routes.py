@@ -231,3 +231,80 @@ def test_unauthenticated_refusals_log_at_most_one_line_per_interval(caplog):
                      "refused 500 unauthenticated /admin request(s) (latest reason: expired)"]
     assert len(counted) == 501 and counted[-1] == "expired"
     assert refusals.flush(lambda *a: None, everything=True) == 0  # none are audit rows
+
+
+def test_a_revoked_platform_token_is_refused_on_its_next_request(env):
+    from tenants.tokens import token_jti
+
+    token = env.issue("tenant", env.tenant_a)
+    assert env.client.get("/v1/models", headers=env.headers(token)).status_code == 200
+    r = env.client.post("/admin/tokens/revoke", headers=env.headers(env.admin_token),
+                        json={"jti": token_jti(token)})
+    assert r.status_code == 200 and r.json()["jti"] == token_jti(token)
+    r = env.client.get("/v1/models", headers=env.headers(token))
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # Revoked elsewhere (the CLI, another replica): seen on the next request too.
+    other = env.issue("admin", None, subject="ops")
+    assert env.client.get("/admin/tenants", headers=env.headers(other)).status_code == 200
+    env.repo.revocations.revoke(token_jti(other), actor="cli:ops")
+    assert env.client.get("/admin/tenants", headers=env.headers(other)).status_code == 401
+    for bad in ({"jti": ""}, {"jti": 5}, {"jti": "x" * 65}, {}):
+        r = env.client.post("/admin/tokens/revoke", headers=env.headers(env.admin_token),
+                            json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "jti", bad
+    assert env.client.get("/v1/models", headers=env.headers(env.key_a)).status_code == 200
+
+
+def test_a_slow_identity_provider_never_slows_api_key_requests(env, request):
+    """A flood of JWTs whose kid makes the verifier fetch a slow JWKS (the worst case: no
+    refetch cooldown) keeps the JWT threads busy; API-key requests do not wait for them. The
+    shared worker-thread pool is cut to 6 so that the flood (10) would exhaust it, were JWTs
+    verified there."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import anyio.to_thread
+
+    from tenants.tokens import JWTConfig, JWTVerifier
+
+    class SlowJWKS(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(0.3)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"keys": []}).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowJWKS)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request.addfinalizer(server.shutdown)
+    state = env.client.app.state
+    saved = state.jwt_verifier
+    state.jwt_verifier = JWTVerifier(JWTConfig(
+        jwks_url=f"http://127.0.0.1:{server.server_address[1]}/jwks",
+        jwks_refetch_cooldown_s=0), saved._platform)
+    request.addfinalizer(lambda: setattr(state, "jwt_verifier", saved))
+    def set_shared_threads(n: int) -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = n
+
+    env.client.portal.call(set_shared_threads, 6)
+    request.addfinalizer(lambda: env.client.portal.call(set_shared_threads, 40))
+    key = ed25519.Ed25519PrivateKey.generate()
+    junk = [jwt.encode(admin_claims(), key, algorithm="EdDSA", headers={"kid": f"junk-{i}"})
+            for i in range(10)]
+    with ThreadPoolExecutor(10) as pool:
+        flood = [pool.submit(env.client.get, "/admin/tenants", headers=env.headers(t))
+                 for t in junk]
+        time.sleep(0.3)  # the JWT threads are now waiting on the JWKS
+        latencies = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert env.client.get("/v1/models", headers=env.headers(env.key_a)).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+        assert all(f.result().status_code == 401 for f in flood)
+    assert max(latencies) < 0.5, latencies

@@ -13,7 +13,13 @@ from app.cli import _cli_actor, main
 from app.settings import Settings
 from tenants.crypto import MASTER_KEY_FILENAME
 from tenants.errors import InvalidToken, TenantDisabled
-from tenants.tokens import JWTConfig, JWTVerifier, TokenClaims, load_or_create_platform_key
+from tenants.tokens import (
+    JWTConfig,
+    JWTVerifier,
+    TokenClaims,
+    load_or_create_platform_key,
+    token_jti,
+)
 
 ENV = {"SALTSERVE_MASTER_KEY": "", "SALTSERVE_JWT_ISSUER": "saltserve",
        "SALTSERVE_JWT_AUDIENCE": "saltserve"}
@@ -55,9 +61,10 @@ def test_token_issue(cli, tmp_path):
     # Each issued token is audited (role, subject, lifetime; never the token).
     issued = [a for a in open_repository(Settings(data_dir=tmp_path)).list_audit()
               if a.action == "token.issue"]
-    assert [a.detail for a in issued][::-1] == [
+    assert [re.sub(r" jti=[0-9a-f]{32}$", "", a.detail) for a in issued][::-1] == [
         "role=admin sub='admin' ttl_s=60", f"role=tenant sub='tenant:{cli.tenant_id}' ttl_s=60",
         "role=admin sub='alice' ttl_s=3600"]
+    assert issued[0].detail.endswith(f"jti={token_jti(token)}")
     assert all(a.actor == _cli_actor() and token not in (a.detail or "") for a in issued)
     assert [a.tenant_id for a in issued][::-1] == [None, cli.tenant_id, cli.tenant_id]
     # Another data dir's key does not verify this one's tokens.
@@ -160,3 +167,20 @@ def test_keys_create_resolves_ids_first_and_refuses_dead_or_ambiguous(cli, tmp_p
     assert r.exit_code == 1 and "another tenant's name" in r.output
     assert len(repo.list_api_keys(impostor.id)) == 0
     assert len(repo.list_api_keys(cli.tenant_id)) == 1
+
+
+def test_token_revoke_and_maximum_lifetime(cli, tmp_path):
+    r = cli("token", "issue", "--role", "admin", "--ttl", "60")
+    token = r.stdout.strip()
+    jti = token_jti(token)
+    assert f"jti {jti}" in r.stderr and token not in r.stderr
+    repo = open_repository(Settings(data_dir=tmp_path))
+    assert not repo.revocations.is_revoked(jti)
+    assert cli("token", "revoke", jti).output.strip() == f"revoked jti {jti}"
+    assert repo.revocations.is_revoked(jti)
+    cli("token", "revoke", jti)  # idempotent: one audit row
+    rows = [a for a in repo.list_audit() if a.action == "token.revoke"]
+    assert [(a.detail, a.actor) for a in rows] == [(f"jti={jti}", _cli_actor())]
+    r = cli("token", "issue", "--role", "admin", "--ttl", str(30 * 86400 + 1), ok=False)
+    assert r.exit_code == 2 and "ttl_s must be 1 to 2592000" in r.output
+    assert cli("token", "revoke", "x" * 65, ok=False).exit_code == 2

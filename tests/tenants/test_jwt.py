@@ -24,6 +24,7 @@ from tenants.tokens import (
     issue_token,
     key_id,
     load_or_create_platform_key,
+    token_jti,
 )
 
 CFG = JWTConfig()
@@ -182,7 +183,7 @@ def test_jwks_with_kid_rotation(request):
     request.addfinalizer(server.shutdown)
     publish("k1")
     url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
-    v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url))
+    v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=0))
     t1 = sign(keys["k1"], claims(), "RS256", kid="k1")
     assert v.verify(t1).subject == "alice"
     publish("k2")                                   # the IdP rotates: an unknown kid refetches
@@ -191,6 +192,61 @@ def test_jwks_with_kid_rotation(request):
     rejected(v, t1)                                  # k1 is gone from the set
     rejected(v, sign(keys["k1"], claims(), "RS256", kid="k2"))  # k2's kid, k1's signature
     rejected(v, sign(keys["k1"], claims(), "RS256", kid=None))
+
+
+def test_junk_kids_cause_at_most_one_jwks_fetch_per_cooldown(request):
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    fetches = []
+
+    class JWKS(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            fetches.append(self.path)
+            jwk = jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key(), as_dict=True)
+            body = json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), JWKS)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request.addfinalizer(server.shutdown)
+    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=30))
+    # Junk that fails the structure or algorithm checks never reaches the key set.
+    for junk in ("x", "a.b.c", sign(key, claims(), "RS256", kid="k" * 300),
+                 jwt.encode(claims(), "s" * 32, algorithm="HS256", headers={"kid": "k9"})):
+        rejected(v, junk)
+    assert fetches == []
+    assert v.verify(sign(key, claims(), "RS256", kid="k1")).subject == "alice"
+    assert len(fetches) == 1
+    for i in range(50):  # 50 well-formed tokens with unknown kids: no fetch in the cooldown
+        rejected(v, sign(key, claims(), "RS256", kid=f"junk-{i}"))
+    assert len(fetches) == 1
+    assert v.verify(sign(key, claims(sub="bob"), "RS256", kid="k1")).subject == "bob"
+
+
+def test_platform_tokens_have_a_jti_and_a_maximum_lifetime(platform):
+    cfg = JWTConfig(max_token_ttl_s=3600)
+    v = JWTVerifier(cfg, platform.public_key())
+    token = issue_token(platform, cfg, subject="ops", role="admin", tenant_id=None, ttl_s=3600)
+    jti = token_jti(token)
+    assert jti is not None and len(jti) == 32 and v.verify(token).jti == jti
+    other = issue_token(platform, cfg, subject="ops", role="admin", tenant_id=None, ttl_s=60)
+    assert token_jti(other) != jti                    # one per token
+    with pytest.raises(ValueError, match="ttl_s must be 1 to 3600"):
+        issue_token(platform, cfg, subject="ops", role="admin", tenant_id=None, ttl_s=3601)
+    # A platform-signed token living longer than the maximum (issued under a looser
+    # configuration) is refused by a verifier with the stricter one.
+    loose = JWTConfig(max_token_ttl_s=7200)
+    long_lived = issue_token(platform, loose, subject="ops", role="admin", tenant_id=None,
+                             ttl_s=7200)
+    assert JWTVerifier(loose, platform.public_key()).verify(long_lived).subject == "ops"
+    rejected(v, long_lived)
+    assert token_jti("not a token") is None
 
 
 def test_no_key_source_refuses_everything(platform, tmp_path):
