@@ -209,6 +209,9 @@ EXAMPLES_FOUND = [
     # A preempted request's first slice when the budget is below the quantum.
     (_fair(5, 1, 2, 4), [(1, "r0", "B", 1, 1, 1), (0, "r1", "A", 29, 6, 1),
                          (0, "r2", "B", 28, 6, 1)], [], []),
+    # A phase-4 top-up that needs a new block.
+    (_fair(5, 32, 4, 1), [(0, "r0", "A", 32, 2, 1), (0, "r1", "A", 1, 1, 1),
+                          (0, "r2", "A", 14, 1, 1), (0, "r3", "B", 49, 1, 1)], [], []),
 ]
 
 
@@ -219,6 +222,7 @@ EXAMPLES_FOUND = [
 @example(EXAMPLES_FOUND[1])
 @example(EXAMPLES_FOUND[2])
 @example(EXAMPLES_FOUND[3])
+@example(EXAMPLES_FOUND[4])
 def test_every_step_keeps_the_rules_and_every_request_finishes(workload) -> None:
     run(*workload)
 
