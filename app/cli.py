@@ -117,7 +117,8 @@ def serve(**opts: Any) -> None:
 
     app = create_app(client, boot.repo, settings.max_request_body_bytes,
                      settings.metrics_token, jwt_verifier=verifier,
-                     on_engine_death=stop_serving)
+                     on_engine_death=stop_serving,
+                     usage_journal_dir=settings.data_dir / "usage-journal")
     base = f"http://{settings.host}:{settings.port}"
     if boot.demo_key and sys.stdout.isatty():
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "

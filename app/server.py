@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +28,7 @@ from tenants.repository import TenantRepository
 from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_client_request_id, current_request_id
+from tenants.usage_journal import UsageJournal
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
                metrics_token: str | None = None,
                jwt_verifier: JWTVerifier | None = None,
                last_used_flush_s: float = 60.0,
-               on_engine_death: Callable[[], None] | None = None) -> FastAPI:
+               on_engine_death: Callable[[], None] | None = None,
+               usage_journal_dir: Path | None = None) -> FastAPI:
     """Builds the app around an engine client and a tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
@@ -121,6 +124,10 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             so only API keys work and the admin API is closed.
         on_engine_death: called once, on the event loop, when the engine is declared dead
             (``saltserve serve`` stops the server and exits non-zero for a supervisor).
+        usage_journal_dir: where usage rows are journalled before they are written to the
+            database (``tenants.usage_journal``; ``saltserve serve`` uses
+            ``<data_dir>/usage-journal``); None writes them directly (no durability when the
+            database refuses).
     """
 
     async def watch_engine() -> None:
@@ -142,6 +149,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if journal is not None:
+            journal.start()  # first stores what an earlier process left
         engine.start()
         flusher = asyncio.create_task(flush_periodically())
         watchdog = asyncio.create_task(watch_engine())
@@ -155,6 +164,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             repo.flush_last_used()
             app.state.admin_refusals.flush(repo.usage.audit, everything=True)
             app.state.jwt_executor.shutdown(wait=False, cancel_futures=True)
+            if journal is not None:
+                journal.close()
 
     # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().
@@ -175,7 +186,12 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.jwt_verifier = jwt_verifier
     app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation
     # Owns the per-tenant rpm / tpm / concurrency limiter (``.limiter``, app/limits.py).
-    app.state.completions = CompletionsService(engine, repo.usage.record_usage, app.state.metrics,
+    journal = (UsageJournal(usage_journal_dir, repo.usage.record_usage_batch)
+               if usage_journal_dir is not None else None)
+    app.state.usage_journal = journal
+    app.state.completions = CompletionsService(engine,
+                                               journal.append if journal is not None
+                                               else repo.usage.record_usage, app.state.metrics,
                                                RateLimiter())
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)

@@ -219,6 +219,26 @@ class UsageStore:
         with self._session_factory.begin() as session:
             add_usage_record(session, record)
 
+    def record_usage_batch(self, records: list[UsageRecord]) -> int:
+        """Stores records in one transaction, skipping request ids already stored (replaying a
+        journal segment twice writes nothing twice). Returns the rows written.
+
+        Raises:
+            ValueError: as ``add_usage_record``.
+            sqlalchemy.exc.SQLAlchemyError: the database refused (nothing is written).
+        """
+        ids = {r.request_id for r in records}
+        with self._session_factory.begin() as session:
+            stored = set(session.scalars(select(UsageRecordRow.request_id).where(
+                UsageRecordRow.request_id.in_(ids)))) if ids else set()
+            fresh = {}
+            for r in records:
+                if r.request_id not in stored:
+                    fresh.setdefault(r.request_id, r)  # a request id twice in one batch: once
+            for r in fresh.values():
+                add_usage_record(session, r)
+        return len(fresh)
+
     def list_usage(
         self,
         tenant_id: str | None = None,

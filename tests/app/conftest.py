@@ -102,7 +102,7 @@ def build_app_env(make_llm_engine, model_dir: Path, tokenizer, tmp: Path,
     platform_key = load_or_create_platform_key(tmp)
     verifier = JWTVerifier(JWTConfig(), platform_key.public_key())
     app = create_app(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier,
-                     last_used_flush_s=last_used_flush_s)
+                     last_used_flush_s=last_used_flush_s, usage_journal_dir=tmp / "usage-journal")
     admin = issue_token(platform_key, JWTConfig(), subject="test-admin", role="admin",
                         tenant_id=None, ttl_s=3600)
     with TestClient(app, raise_server_exceptions=False) as client:
