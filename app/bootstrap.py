@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 from app.settings import Settings
 from tenants.crypto import SaltCipher, load_or_create_master_key
 from tenants.db import make_engine, make_session_factory, run_migrations
@@ -33,11 +35,44 @@ def prepare_data_dir(data_dir: Path) -> Path:
     return data_dir
 
 
+def check_sqlite_files(url: str) -> None:
+    """For a SQLite database file: the file and its ``-wal``/``-shm`` companions (when they
+    exist) and its directory must be writable (SQLite maps ``-shm`` into memory: an unwritable
+    one used to kill the server with SIGBUS), and they are made private (0600). No-op for
+    other databases.
+
+    Raises:
+        ValueError: one line naming the file that is not writable.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    db = Path(parsed.database)
+    if not os.access(db.parent, os.W_OK):
+        raise ValueError(f"the database directory {db.parent} is not writable by this user")
+    for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+        if not path.exists():
+            continue
+        if not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222:
+            raise ValueError(f"the database file {path} is not writable (mode "
+                             f"{path.stat().st_mode & 0o777:o}); saltserve needs to write it")
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)  # usage, audit and key hashes: not for other local users
+
+
 def open_repository(settings: Settings) -> TenantRepository:
-    """Migrates the database (idempotent) and returns the repository."""
+    """Checks the database files (``check_sqlite_files``), migrates the database (idempotent)
+    and returns the repository.
+
+    Raises:
+        ValueError: an unwritable SQLite file, or a secret file others may read.
+    """
     prepare_data_dir(settings.data_dir)
-    db = make_engine(settings.resolved_database_url())
+    url = settings.resolved_database_url()
+    check_sqlite_files(url)
+    db = make_engine(url)
     run_migrations(db)
+    check_sqlite_files(url)  # the files the first start just created
     key = load_or_create_master_key(settings.data_dir, settings.master_key)
     return TenantRepository(make_session_factory(db), SaltCipher(key))
 

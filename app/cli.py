@@ -21,6 +21,16 @@ from app.settings import Settings
 from engine.config import EngineConfig
 
 
+def _open_repository(settings: Settings):
+    """``app.bootstrap.open_repository``; a bad database file or key file is a one-line error."""
+    from app.bootstrap import open_repository
+
+    try:
+        return open_repository(settings)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def _cli_actor() -> str:
     """The audit actor of a CLI action: ``cli:<OS user>``."""
     try:
@@ -45,6 +55,7 @@ def _common(fn):  # --data-dir and --database-url for every command
 @click.group()
 def main() -> None:
     """saltserve: multi-tenant OpenAI-compatible LLM serving with tenant-salted prefix caching."""
+    os.umask(0o077)  # the database, journal and key files this process creates are private
     logging.basicConfig(level=os.environ.get("SALTSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "transformers", "alembic"):
@@ -102,8 +113,8 @@ def serve(**opts: Any) -> None:
 
     settings = _settings(**opts)
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
-    boot = bootstrap(settings)
     try:
+        boot = bootstrap(settings)
         verifier = make_jwt_verifier(settings)
         engine = LLMEngine(settings.engine_config(boot.model_dir))
     except ValueError as e:
@@ -167,10 +178,9 @@ def tenants() -> None:
 @_common
 def tenants_create(name: str, no_prefix_caching: bool, **opts: Any) -> None:
     """Create tenant NAME (with salt version 1)."""
-    from app.bootstrap import open_repository
     from tenants.errors import DuplicateTenant
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     try:
         t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor=_cli_actor())
     except (DuplicateTenant, ValueError) as e:
@@ -182,9 +192,8 @@ def tenants_create(name: str, no_prefix_caching: bool, **opts: Any) -> None:
 @_common
 def tenants_list(**opts: Any) -> None:
     """List tenants."""
-    from app.bootstrap import open_repository
 
-    for t in open_repository(_settings(**opts)).tenants.list_all():
+    for t in _open_repository(_settings(**opts)).tenants.list_all():
         state = "disabled" if t.disabled else "active"
         click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}  "
                    f"weight={t.weight}")
@@ -220,9 +229,8 @@ def _cache_bound(ctx: click.Context, param: click.Parameter, value: str | None) 
 def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
                       max_cache_blocks: Any, **opts: Any) -> None:
     """Set TENANT's capacity share (name or id); applies from its next request."""
-    from app.bootstrap import open_repository
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     try:
         t = repo.tenants.update(_tenant_id(repo, tenant), weight=weight,
                                 min_cache_blocks=min_cache_blocks,
@@ -234,9 +242,8 @@ def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
 
 
 def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
-    from app.bootstrap import open_repository
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     t = repo.tenants.update(_tenant_id(repo, tenant), disabled=disabled, actor=_cli_actor())
     click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
 
@@ -266,9 +273,8 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
     A running server sees the new version on the tenant's next request and drops the tenant's
     old cached blocks then (reason salt_rotation); they are unreachable from that moment.
     """
-    from app.bootstrap import open_repository
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     tenant_id = _tenant_id(repo, tenant)
     version = repo.tenants.rotate_salt(tenant_id, actor=_cli_actor())
     click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}")
@@ -297,9 +303,8 @@ def _tenant_id(repo, tenant: str) -> str:
 @_common
 def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **opts: Any) -> None:
     """Create an API key; the key is printed once and never stored in plain text."""
-    from app.bootstrap import open_repository
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     expires = (datetime.now(UTC) + timedelta(days=expires_in_days)) if expires_in_days else None
     try:
         key, info = repo.keys.create(_tenant_id(repo, tenant), name, expires,
@@ -315,9 +320,8 @@ def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **op
 @_common
 def keys_list(tenant: str, **opts: Any) -> None:
     """List a tenant's keys (display prefix and last 4 characters only)."""
-    from app.bootstrap import open_repository
 
-    repo = open_repository(_settings(**opts))
+    repo = _open_repository(_settings(**opts))
     for k in repo.keys.list_for_tenant(_tenant_id(repo, tenant)):
         state = "revoked" if k.revoked_at else "active"
         click.echo(f"{k.id}  {k.display_prefix}-...{k.last4}  {state}  name={k.name}")
@@ -328,11 +332,10 @@ def keys_list(tenant: str, **opts: Any) -> None:
 @_common
 def keys_revoke(key_id: str, **opts: Any) -> None:
     """Revoke key KEY_ID (effective on the next request)."""
-    from app.bootstrap import open_repository
     from tenants.errors import TenantError
 
     try:
-        open_repository(_settings(**opts)).keys.revoke(key_id, actor=_cli_actor())
+        _open_repository(_settings(**opts)).keys.revoke(key_id, actor=_cli_actor())
     except TenantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"revoked {key_id}")
@@ -348,7 +351,7 @@ def keys_rotate_master(**opts: Any) -> None:
     ``SALTSERVE_MASTER_KEY`` set, the new key is printed once: put it in the environment.
     Restart running servers afterwards.
     """
-    from app.bootstrap import open_repository, write_secret_file
+    from app.bootstrap import write_secret_file
     from tenants.crypto import (
         MASTER_KEY_FILENAME,
         SaltCipher,
@@ -357,7 +360,7 @@ def keys_rotate_master(**opts: Any) -> None:
     )
 
     settings = _settings(**opts)
-    repo = open_repository(settings)
+    repo = _open_repository(settings)
     new_text = generate_master_key()
     new_cipher = SaltCipher(decode_master_key(new_text))
     if settings.master_key:
@@ -398,13 +401,13 @@ def token() -> None:
 def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
                 **opts: Any) -> None:
     """Print a signed JWT (shown once, never stored)."""
-    from app.bootstrap import open_repository, prepare_data_dir
+    from app.bootstrap import prepare_data_dir
     from tenants.tokens import issue_token, load_or_create_platform_key, token_jti
 
     settings = _settings(**opts)
     tenant_id = None
     if tenant is not None:
-        tenant_id = _tenant_id(open_repository(settings), tenant)
+        tenant_id = _tenant_id(_open_repository(settings), tenant)
     elif role == "tenant":
         raise click.UsageError("--role tenant needs --tenant")
     try:
@@ -422,7 +425,7 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     jti = token_jti(token)
-    open_repository(settings).usage.audit(
+    _open_repository(settings).usage.audit(
         _cli_actor(), "token.issue", tenant_id,
         f"role={role} sub={subject[:64]!r} ttl_s={ttl} jti={jti}")
     click.echo(f"jti {jti} (revoke with: saltserve token revoke {jti})", err=True)
@@ -434,10 +437,9 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
 @_common
 def token_revoke(jti: str, **opts: Any) -> None:
     """Revoke a platform JWT by its jti: refused from its next request on, on every server."""
-    from app.bootstrap import open_repository
 
     try:
-        open_repository(_settings(**opts)).revocations.revoke(jti, actor=_cli_actor())
+        _open_repository(_settings(**opts)).revocations.revoke(jti, actor=_cli_actor())
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"revoked jti {jti}")

@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -69,6 +70,10 @@ _FIXED: dict[type[Exception], tuple[int, str, str | None, str, dict[str, str] | 
                       None),
     EngineDeadError: (503, "the inference engine is not available", None, "engine_unavailable",
                       None),
+    # A locked, read-only or unreachable database: admin writes (and lookups) fail with a
+    # retryable 503, never a 500 or a dropped connection; usage rows wait in the journal.
+    OperationalError: (503, "the database is unavailable; try again", None,
+                       "database_unavailable", {"Retry-After": "1"}),
 }
 
 

@@ -85,6 +85,18 @@ def decode_master_key(text: str) -> bytes:
     return raw
 
 
+def require_private_file(path: Path) -> None:
+    """Refuses a secret file that group or others may read or write.
+
+    Raises:
+        ValueError: naming the file, its mode and the command that fixes it.
+    """
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"{path} is accessible by group or others (mode {mode:o}); it holds a "
+                         f"secret: run chmod 600 {path}")
+
+
 def load_or_create_master_key(data_dir: Path, env_value: str | None) -> bytes:
     """Returns the master key: from the environment, else the key file, else a new key file.
 
@@ -100,7 +112,8 @@ def load_or_create_master_key(data_dir: Path, env_value: str | None) -> bytes:
         The 32 raw key bytes.
 
     Raises:
-        ValueError: if ``env_value`` or the key file does not hold a valid key.
+        ValueError: if ``env_value`` or the key file does not hold a valid key, or the key
+            file is accessible by group or others (``require_private_file``).
         OSError: if the key file cannot be read or written.
     """
     if env_value:
@@ -108,11 +121,7 @@ def load_or_create_master_key(data_dir: Path, env_value: str | None) -> bytes:
     path = Path(data_dir) / MASTER_KEY_FILENAME
     if not path.exists():
         _create_key_file(path)
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        logger.warning(
-            "master key file %s is accessible by group/others (mode %o); run chmod 600", path, mode
-        )
+    require_private_file(path)
     try:
         return decode_master_key(path.read_text(encoding="ascii"))
     except (ValueError, UnicodeDecodeError) as exc:

@@ -38,6 +38,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
+from tenants.crypto import require_private_file
 from tenants.errors import InvalidToken
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ def load_or_create_platform_key(data_dir: Path) -> ed25519.Ed25519PrivateKey:
     Written atomically (temporary file + ``os.link``), so concurrent first starts agree on one key.
 
     Raises:
-        ValueError: if the file exists but does not hold an Ed25519 private key.
+        ValueError: if the file exists but does not hold an Ed25519 private key, or group or
+            others may access it (``tenants.crypto.require_private_file``).
     """
     path = Path(data_dir) / PLATFORM_KEY_FILENAME
     if not path.exists():
@@ -144,6 +146,7 @@ def load_or_create_platform_key(data_dir: Path) -> ed25519.Ed25519PrivateKey:
                 logger.info("generated a new JWT signing key at %s", path)
         finally:
             os.unlink(tmp)
+    require_private_file(path)
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise ValueError(  # noqa: TRY004 - misconfiguration is a ValueError (STYLE.md)

@@ -184,3 +184,35 @@ def test_token_revoke_and_maximum_lifetime(cli, tmp_path):
     r = cli("token", "issue", "--role", "admin", "--ttl", str(30 * 86400 + 1), ok=False)
     assert r.exit_code == 2 and "ttl_s must be 1 to 2592000" in r.output
     assert cli("token", "revoke", "x" * 65, ok=False).exit_code == 2
+
+
+def test_unwritable_database_and_exposed_secrets_stop_the_start(tmp_path):
+    runner = CliRunner(env=ENV)
+    dd = ["--data-dir", str(tmp_path)]
+    assert runner.invoke(main, ["tenants", "create", "acme", *dd]).exit_code == 0
+    db = tmp_path / "saltserve.db"
+    # Files this CLI created are private (umask 077), the database included.
+    for path in (db, tmp_path / MASTER_KEY_FILENAME):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    # An older database left readable by others is made private on the next start.
+    db.chmod(0o644)
+    assert runner.invoke(main, ["tenants", "list", *dd]).exit_code == 0
+    assert db.stat().st_mode & 0o777 == 0o600
+    # A read-only database file: one clear line, no traceback.
+    db.chmod(0o444)
+    r = runner.invoke(main, ["tenants", "list", *dd])
+    assert r.exit_code == 1, r.output
+    assert f"the database file {db} is not writable (mode 444)" in r.output
+    assert "Traceback" not in r.output
+    db.chmod(0o600)
+    # A master key (or JWT signing key) readable by others stops the start with the fix.
+    key = tmp_path / MASTER_KEY_FILENAME
+    key.chmod(0o644)
+    r = runner.invoke(main, ["tenants", "list", *dd])
+    assert r.exit_code == 1 and f"run chmod 600 {key}" in r.output
+    key.chmod(0o600)
+    assert runner.invoke(main, ["token", "issue", "--role", "admin", *dd]).exit_code == 0
+    jwt_key = tmp_path / "jwt-signing-key.pem"
+    jwt_key.chmod(0o640)
+    with pytest.raises(ValueError, match=f"run chmod 600 {jwt_key}"):
+        load_or_create_platform_key(tmp_path)

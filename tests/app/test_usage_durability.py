@@ -46,3 +46,26 @@ def test_calls_while_the_database_is_locked_are_all_billed_once_it_unlocks(env):
     assert sorted(r.request_id for r in rows) == sorted(ids)
     assert all((r.status, r.prompt_tokens, r.completion_tokens) == ("ok", 3, 2) for r in rows)
     assert len(env.repo.list_usage(t.id)) == 9
+
+
+def test_an_admin_write_while_the_database_is_locked_is_a_503_that_changes_nothing(env):
+    path = f"/admin/tenants/{env.tenant_b}"
+    before = env.client.get(path, headers=env.headers(env.admin_token)).json()
+    locker = make_engine(f"sqlite:///{env.data_dir / 'app.db'}").raw_connection()
+    locker.execute("PRAGMA busy_timeout=0")
+    locker.execute("BEGIN EXCLUSIVE")
+    try:  # the server's connection waits its busy timeout (5 s), then gives up
+        r = env.client.patch(path, headers=env.headers(env.admin_token),
+                             json={"rpm_limit": 7})
+    finally:
+        locker.rollback()
+        locker.close()
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("service_unavailable", "database_unavailable")
+    assert r.headers["retry-after"] == "1" and "Traceback" not in r.text
+    assert env.client.get(path, headers=env.headers(env.admin_token)).json() == before
+    # ... and the same write succeeds once the database is free again.
+    r = env.client.patch(path, headers=env.headers(env.admin_token), json={"rpm_limit": 7})
+    assert r.status_code == 200 and r.json()["rpm_limit"] == 7
+    env.client.patch(path, headers=env.headers(env.admin_token), json={"rpm_limit": None})
