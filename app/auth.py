@@ -30,6 +30,7 @@ before it is served. Tokens, keys and salts are never logged.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import logging
 import threading
@@ -274,7 +275,9 @@ async def admin_principal(request: Request) -> Principal:
     if principal.role != "admin":
         refusals = _refusals(request)
         if refusals.forbidden(principal.subject, request.method, request.url.path):
-            await run_in_threadpool(refusals.flush, request.app.state.repo.usage.audit, True)
+            # In a fresh context: the rows are not this request's (no request ids on them).
+            await run_in_threadpool(contextvars.Context().run, refusals.flush,
+                                    request.app.state.repo.usage.audit, True)
         raise APIError(403, "this route needs an admin token", None, "admin_required")
     return principal
 

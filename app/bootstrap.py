@@ -57,7 +57,12 @@ def check_sqlite_files(url: str) -> None:
             raise ValueError(f"the database file {path} is not writable (mode "
                              f"{path.stat().st_mode & 0o777:o}); saltserve needs to write it")
         if path.stat().st_mode & 0o077:
-            os.chmod(path, 0o600)  # usage, audit and key hashes: not for other local users
+            try:
+                os.chmod(path, 0o600)  # usage, audit and key hashes: not for other local users
+            except OSError as e:
+                raise ValueError(f"the database file {path} is readable by other users and "
+                                 f"cannot be made private ({e.strerror}); run chmod 600 {path} "
+                                 "as its owner") from None
 
 
 def open_repository(settings: Settings) -> TenantRepository:

@@ -159,13 +159,19 @@ def create_app(engine: EngineClient, repo: TenantRepository,
         finally:
             flusher.cancel()
             watchdog.cancel()
-            app.state.completions.preprocessor.shutdown()
-            engine.shutdown()
-            repo.flush_last_used()
-            app.state.admin_refusals.flush(repo.usage.audit, everything=True)
-            app.state.jwt_executor.shutdown(wait=False, cancel_futures=True)
+            # Each step on its own: a database that refuses at shutdown (the case the usage
+            # journal exists for) must not skip the steps after it.
+            steps = [app.state.completions.preprocessor.shutdown, engine.shutdown]
             if journal is not None:
-                journal.close()
+                steps.append(journal.close)
+            steps += [repo.flush_last_used,
+                      lambda: app.state.admin_refusals.flush(repo.usage.audit, everything=True),
+                      lambda: app.state.jwt_executor.shutdown(wait=False, cancel_futures=True)]
+            for step in steps:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - logged; the next step still runs
+                    logger.error("shutdown step failed: %s", type(e).__name__)
 
     # Deny by default: no public /docs, /redoc or /openapi.json (only GET /health is public);
     # admins read the schema at GET /openapi.json (app.routes.admin); tests use app.openapi().

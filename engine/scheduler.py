@@ -284,7 +284,8 @@ class Scheduler:
         the decodes plus ``interactive_step_tokens``, or enough for every light tenant's whole
         need at its share if that is more, so a light tenant's tokens never wait behind a long
         step. Light tenants are planned first (max-min fairness: a demand under its fair share
-        is served whole), so their need always fits the step.
+        is served whole), so their need fits the step, except for what a preempted request's
+        first slice (planned before anything else) takes of it.
 
         Returns:
             (the step's budget in tokens, the light tenants to plan first).

@@ -117,7 +117,8 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_tenant_id)
     name: Mapped[str] = mapped_column(String(255), unique=True)
     # ``name.casefold()``: names are unique ignoring case (migration 0003).
-    name_key: Mapped[str] = mapped_column(String(255), unique=True)
+    name_key: Mapped[str] = mapped_column(String(255), index=True, unique=True,
+                                          server_default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     disabled: Mapped[bool] = mapped_column(Boolean(), default=False, server_default=false())
     current_salt_version: Mapped[int] = mapped_column(Integer())
@@ -179,7 +180,7 @@ class UsageRecordRow(Base):
     )
 
     id: Mapped[int] = mapped_column(_BigIntId, primary_key=True, autoincrement=True)
-    request_id: Mapped[str] = mapped_column(String(128))
+    request_id: Mapped[str] = mapped_column(String(128), index=True)  # journal replays (0006)
     tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id", ondelete="CASCADE"))
     key_id: Mapped[str | None] = mapped_column(String(12))  # None for JWT-authenticated requests
     model: Mapped[str] = mapped_column(String(255))

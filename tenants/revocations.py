@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenants.models import RevokedToken, utcnow
@@ -38,13 +39,17 @@ class TokenRevocations:
         if not isinstance(jti, str) or not 0 < len(jti) <= MAX_JTI_CHARS \
                 or not jti.isprintable():
             raise ValueError(f"jti must be 1 to {MAX_JTI_CHARS} printable characters")
-        with self._session_factory.begin() as session:
-            row = session.get(RevokedToken, jti)
-            if row is None:
-                row = RevokedToken(jti=jti, revoked_at=utcnow(), actor=actor)
-                session.add(row)
-                add_audit(session, actor, "token.revoke", None, f"jti={jti}")
-            return row.revoked_at
+        try:
+            with self._session_factory.begin() as session:
+                row = session.get(RevokedToken, jti)
+                if row is None:
+                    row = RevokedToken(jti=jti, revoked_at=utcnow(), actor=actor)
+                    session.add(row)
+                    add_audit(session, actor, "token.revoke", None, f"jti={jti}")
+                return row.revoked_at
+        except IntegrityError:  # a concurrent revoke of the same jti committed first
+            with self._session_factory() as session:
+                return session.get(RevokedToken, jti).revoked_at
 
     def is_revoked(self, jti: str) -> bool:
         """One primary-key lookup."""

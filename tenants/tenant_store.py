@@ -47,6 +47,9 @@ def check_tenant_name(name: object) -> str:
         raise ValueError("tenant name must not contain control characters")
     if _ID_SHAPED.fullmatch(name):
         raise ValueError("tenant name must not look like a tenant id (32 hex characters)")
+    if len(name_key(name)) > MAX_TENANT_NAME_CHARS:  # casefolding lengthens "ß" to "ss"
+        raise ValueError(f"tenant name must be at most {MAX_TENANT_NAME_CHARS} characters "
+                         "when compared ignoring case")
     return name
 
 

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -235,6 +236,8 @@ class JWTVerifier:
                 raise ValueError(f"{config.public_key_file}: not an Ed25519, RSA or EC public key")
             self._file_key = key
         self._jwks: jwt.PyJWKClient | None = None
+        self._fetch_lock = threading.Lock()
+        self._last_fetch_attempt = -float("inf")
         if config.jwks_url:
             try:
                 self._jwks = jwt.PyJWKClient(
@@ -246,13 +249,30 @@ class JWTVerifier:
     def __repr__(self) -> str:
         return f"JWTVerifier(issuer={self.config.issuer!r}, audience={self.config.audience!r})"
 
+    def _may_fetch_for(self, kid: str) -> bool:
+        """Whether looking ``kid`` up may reach the JWKS endpoint: always for a kid in the
+        cached key set; otherwise at most once per ``jwks_refetch_cooldown_s``, counted from
+        the last attempt (PyJWT's own cooldown only starts after a successful fetch, so a
+        failing endpoint would be asked once per junk token)."""
+        assert self._jwks is not None
+        cache = self._jwks.jwk_set_cache
+        cached = cache.get() if cache is not None else None
+        if cached is not None and any(k.key_id == kid for k in cached.keys):
+            return True
+        with self._fetch_lock:
+            now = time.monotonic()
+            if now - self._last_fetch_attempt < self.config.jwks_refetch_cooldown_s:
+                return False
+            self._last_fetch_attempt = now
+            return True
+
     def _candidates(self, token: str, kid: str | None) -> list[Any]:
         if kid is not None and kid == self._platform_kid:
             return [self._platform]
         keys: list[Any] = []
         if kid is None and self._platform is not None:
             keys.append(self._platform)
-        if self._jwks is not None and kid is not None:
+        if self._jwks is not None and kid is not None and self._may_fetch_for(kid):
             try:
                 keys.append(self._jwks.get_signing_key_from_jwt(token).key)
             except jwt.PyJWKClientError:

@@ -15,6 +15,9 @@ When the database refuses (locked, read-only, down), the segment stays and is re
 exponential backoff (up to ``retry_max_s``) while new records keep being journalled. Segments
 left by an earlier process are stored first at start (``start``). A record the database can
 never take (its tenant was deleted) is dropped with an error log instead of blocking the rest.
+One process owns a journal directory at a time (an exclusive ``flock`` on ``.lock``), so two
+servers never store the same segment. Records appended after ``close`` (calls the shutdown
+finished) go straight to a segment for the next start.
 
 What can still be lost: records appended in the last ``flush_interval_s`` before a ``kill -9``
 (not yet written to a segment) and anything on a lost disk.
@@ -23,6 +26,7 @@ What can still be lost: records appended in the last ``flush_interval_s`` before
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 StoreBatch = Callable[[list[UsageRecord]], int]
 SEGMENT_SUFFIX = ".jsonl"
+STORE_CHUNK = 500  # records per store call (bounded SQL parameter lists)
 
 
 def _encode(record: UsageRecord) -> str:
@@ -69,6 +74,13 @@ class UsageJournal:
                  flush_interval_s: float = 0.05, retry_max_s: float = 5.0) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"the usage journal {self.directory} is in use by another "
+                               "process (one server per data dir)") from None
         self._store_batch = store_batch
         self._flush_interval_s = flush_interval_s
         self._retry_max_s = retry_max_s
@@ -100,10 +112,15 @@ class UsageJournal:
         if record.created_at is None:  # the time of the call, not of a later (re)play
             record = dataclasses.replace(record, created_at=utcnow())
         with self._cond:
-            if self._closing:
-                raise RuntimeError("the usage journal is closed")
-            self._queue.append(record)
-            self._cond.notify()
+            if not self._closing:
+                self._queue.append(record)
+                self._cond.notify()
+                return
+        try:  # after close (a call the shutdown finished): straight to disk, stored next start
+            self._write_segment([record])
+        except OSError as e:
+            logger.error("could not journal the usage of request %s at shutdown: %s",
+                         record.request_id, type(e).__name__)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +137,8 @@ class UsageJournal:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                os.close(self._lock_fd)  # the next process may take the directory
 
     def pending_segments(self) -> list[Path]:
         """Segments written but not yet stored, oldest first."""
@@ -153,11 +172,17 @@ class UsageJournal:
                              type(e).__name__)
                 with self._cond:
                     self._queue[:0] = batch
+                if not closing:
+                    time.sleep(min(self._retry_max_s, 1.0))  # no busy loop on a full disk
             finally:
                 with self._cond:
                     self._busy = False
-            if closing or time.monotonic() >= self._retry_at:
-                self._store_segments()
+            try:
+                if closing or time.monotonic() >= self._retry_at:
+                    self._store_segments()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one failure
+                logger.error("the usage journal could not store its segments: %s",
+                             type(e).__name__)
             if closing:
                 return
 
@@ -165,7 +190,9 @@ class UsageJournal:
         name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}{SEGMENT_SUFFIX}"
         fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, "".join(_encode(r) + "\n" for r in records).encode())
+            data = memoryview("".join(_encode(r) + "\n" for r in records).encode())
+            while data:  # a short write is continued, never left truncated
+                data = data[os.write(fd, data):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -194,7 +221,7 @@ class UsageJournal:
                 logger.error("storing usage failed (%s); %d segment(s) kept, retry in %.1f s",
                              type(e).__name__, len(self.pending_segments()), self._backoff)
                 return
-            path.unlink()
+            path.unlink(missing_ok=True)
             self._backoff = 0.0
 
     def _store(self, records: list[UsageRecord]) -> int:
@@ -202,6 +229,9 @@ class UsageJournal:
         record alone, dropping the ones refused for good (ValueError, IntegrityError)."""
         from sqlalchemy.exc import IntegrityError
 
+        if len(records) > STORE_CHUNK:
+            return sum(self._store(records[i:i + STORE_CHUNK])
+                       for i in range(0, len(records), STORE_CHUNK))
         try:
             return self._store_batch(records)
         except (IntegrityError, ValueError):

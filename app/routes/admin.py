@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import re
 from datetime import datetime
 from functools import partial
 from typing import Any, Literal
@@ -227,7 +228,7 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
     versions and key ids, never salts or secrets."""
     before_id = None
     if cursor is not None:
-        if not cursor.isdigit():
+        if not re.fullmatch(r"[0-9]{1,18}", cursor):
             raise APIError(400, "cursor must be a next_cursor value from a previous page",
                            "cursor", "invalid_value")
         before_id = int(cursor)

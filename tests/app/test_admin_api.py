@@ -159,6 +159,7 @@ def test_admin_limits_take_the_ends_of_their_range(env):
     ("evil\nname", 400), ("nul\u0000", 400), ("esc\u001b[2J", 400),
     ("0123456789abcdef0123456789abcdef", 400),  # shaped like a tenant id
     ("ACME-strict", 409),                        # case variant of an existing name
+    ("ß" * 200, 400),                            # 400 characters once casefolded
     (123, 400), (True, 400),
 ])
 def test_admin_tenant_names_are_checked(env, name, status):
@@ -437,6 +438,7 @@ def test_audit_pages_and_filters(env):
     only = admin(env, "GET", "/admin/audit", params=q).json()["data"]
     assert [r["action"] for r in only] == ["tenant.create"]
     assert admin(env, "GET", "/admin/audit", params={"actor": "nobody"}).json()["data"] == []
-    for bad in ({"cursor": "abc"}, {"since": "2026-01-01T00:00:00"}, {"limit": 1001}):
+    for bad in ({"cursor": "abc"}, {"cursor": "²"}, {"cursor": "9" * 32},
+                {"since": "2026-01-01T00:00:00"}, {"limit": 1001}):
         r = admin(env, "GET", "/admin/audit", params=bad)
         assert r.status_code == 400, (bad, r.text)

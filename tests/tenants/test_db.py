@@ -34,7 +34,7 @@ def test_migrations_create_all_tables(database_url: str) -> None:
         run_migrations(engine)
         assert EXPECTED_TABLES | {"alembic_version"} <= _tables(engine)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0006"
     finally:
         engine.dispose()
 
@@ -153,16 +153,32 @@ def _add_0002_tenant(engine: Engine, tenant_id: str, name: str) -> None:
                      {"i": tenant_id, "n": name, "c": datetime.now(UTC)})
 
 
-def test_migration_0003_backfills_name_keys(database_url: str) -> None:
+def test_migration_0003_backfills_name_keys_and_keeps_every_child_row(database_url: str
+                                                                        ) -> None:
     engine = make_engine(database_url)
     try:
         _upgrade_to(engine, "0002")
         _add_0002_tenant(engine, "a" * 32, "Café Ω")
         _add_0002_tenant(engine, "b" * 32, "acme")
+        now = datetime.now(UTC)
+        with engine.begin() as conn:  # a salt, a key and a usage row hang off tenant a
+            conn.execute(text("INSERT INTO tenant_salts (tenant_id, version, encrypted_salt, "
+                              "created_at) VALUES (:t, 1, :s, :c)"),
+                         {"t": "a" * 32, "s": b"x" * 60, "c": now})
+            conn.execute(text("INSERT INTO api_keys (id, tenant_id, key_hash, display_prefix, "
+                              "last4, created_at) VALUES ('k00000000001', :t, :h, 'ss-k', "
+                              "'abcd', :c)"), {"t": "a" * 32, "h": "0" * 64, "c": now})
+            conn.execute(text("INSERT INTO usage_records (request_id, tenant_id, model, "
+                              "endpoint, status, prompt_tokens, cached_tokens, "
+                              "completion_tokens, created_at) VALUES ('r1', :t, 'm', "
+                              "'completions', 'ok', 1, 0, 1, :c)"), {"t": "a" * 32, "c": now})
         run_migrations(engine)
         with engine.connect() as conn:
             keys = dict(conn.execute(text("SELECT name, name_key FROM tenants")).all())
+            counts = [conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
+                      for t in ("tenant_salts", "api_keys", "usage_records")]
         assert keys == {"Café Ω": "café ω", "acme": "acme"}
+        assert counts == [1, 1, 1]  # a table rebuild with foreign keys on used to cascade
     finally:
         engine.dispose()
 
@@ -179,5 +195,29 @@ def test_migration_0003_stops_on_names_equal_ignoring_case(database_url: str) ->
             assert conn.execute(text("SELECT version_num FROM alembic_version")
                                 ).scalar() == "0002"
             assert conn.execute(text("SELECT count(*) FROM tenants")).scalar() == 2
+    finally:
+        engine.dispose()
+
+
+def test_downgrade_to_0002_and_back_keeps_every_row(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        run_migrations(engine)
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO tenants (id, name, name_key, created_at, disabled, "
+                              "current_salt_version, enable_prefix_caching, weight) VALUES "
+                              "(:i, 'Acme', 'acme', :c, false, 1, true, 1)"),
+                         {"i": "a" * 32, "c": datetime.now(UTC)})
+            conn.execute(text("INSERT INTO tenant_salts (tenant_id, version, encrypted_salt, "
+                              "created_at) VALUES (:t, 1, :s, :c)"),
+                         {"t": "a" * 32, "s": b"x" * 60, "c": datetime.now(UTC)})
+        cfg = make_alembic_config(engine.url)
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0002")
+        run_migrations(engine)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name_key FROM tenants")).scalar() == "acme"
+            assert conn.execute(text("SELECT count(*) FROM tenant_salts")).scalar() == 1
     finally:
         engine.dispose()

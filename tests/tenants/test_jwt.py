@@ -253,3 +253,26 @@ def test_no_key_source_refuses_everything(platform, tmp_path):
     rejected(JWTVerifier(CFG), sign(platform, claims()))
     with pytest.raises(ValueError, match="JWKS"):
         JWTVerifier(JWTConfig(jwks_url=(tmp_path / "jwks.json").as_uri()))  # http(s) only
+
+
+def test_a_failing_jwks_endpoint_is_asked_at_most_once_per_cooldown(request):
+    fetches = []
+
+    class Down(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            fetches.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Down)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request.addfinalizer(server.shutdown)
+    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=30))
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    for i in range(20):
+        rejected(v, sign(key, claims(), "RS256", kid=f"junk-{i}"))
+    assert len(fetches) == 1

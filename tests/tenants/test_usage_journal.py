@@ -45,8 +45,14 @@ def test_records_reach_the_table_in_batches_and_leave_no_segment(repo: TenantRep
     assert journal.pending_segments() == [] and journal.rows_written == 50
     assert (tmp_path / "j").stat().st_mode & 0o777 == 0o700
     journal.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        journal.append(record(t.id, 99))
+    # A call the shutdown finished after close: straight to a segment, stored at the next start.
+    journal.append(record(t.id, 99))
+    assert len(journal.pending_segments()) == 1
+    later = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
+    later.start()
+    assert later.wait_stored()
+    later.close()
+    assert len(repo.list_usage(t.id)) == 51
     with pytest.raises(ValueError, match="status"):
         UsageJournal(tmp_path / "k", repo.usage.record_usage_batch).append(
             UsageRecord("r", t.id, None, "m", "completions", "maybe"))
@@ -184,3 +190,29 @@ def test_a_locked_sqlite_database_delays_rows_but_loses_none(tmp_path) -> None:
     assert len(repo.list_usage(t.id)) == 20
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM usage_records")).scalar() == 20
+
+
+def test_one_process_owns_a_journal_directory(repo: TenantRepository, tmp_path) -> None:
+    first = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
+    first.start()
+    with pytest.raises(RuntimeError, match="in use by another process"):
+        UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
+    first.close()
+    UsageJournal(tmp_path / "j", repo.usage.record_usage_batch).close()  # free again
+
+
+def test_a_large_segment_is_stored_in_chunks(repo: TenantRepository, tmp_path) -> None:
+    t = repo.create_tenant("acme")
+    sizes = []
+
+    def store(records):
+        sizes.append(len(records))
+        return repo.usage.record_usage_batch(records)
+
+    journal = UsageJournal(tmp_path / "j", store, flush_interval_s=0.5)
+    for i in range(1200):
+        journal.append(record(t.id, i))
+    journal.start()
+    assert journal.wait_stored(timeout_s=30)
+    journal.close()
+    assert sizes == [500, 500, 200] and len(repo.list_usage(t.id)) == 1200
