@@ -126,10 +126,13 @@ def serve(**opts: Any) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(client, boot.repo, settings.max_request_body_bytes,
-                     settings.metrics_token, jwt_verifier=verifier,
-                     on_engine_death=stop_serving,
-                     usage_journal_dir=settings.data_dir / "usage-journal")
+    try:
+        app = create_app(client, boot.repo, settings.max_request_body_bytes,
+                         settings.metrics_token, jwt_verifier=verifier,
+                         on_engine_death=stop_serving,
+                         usage_journal_dir=settings.data_dir / "usage-journal")
+    except RuntimeError as e:  # another server already uses this data dir's usage journal
+        raise click.ClickException(str(e)) from None
     base = f"http://{settings.host}:{settings.port}"
     if boot.demo_key and sys.stdout.isatty():
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
