@@ -43,7 +43,8 @@ _DEFAULT_SHARE = TenantShare()
 class KVCacheBlock:
     """One physical KV block: ``block_size`` token slots in every layer's KV cache tensor."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "owner", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "owner", "prev_free", "private",
+                 "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -51,6 +52,8 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
         # Tenant id of the request that computed (and cached) this block; None when unhashed.
         self.owner: str | None = None
+        # Hittable only by the siblings that computed it; unhashed when its last holder frees it.
+        self.private = False
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -235,11 +238,12 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
-                         owner: str | None) -> None:
+                         owner: str | None, private: bool = False) -> None:
         """Makes ``block`` hittable under ``block_hash``.
 
         If another block already holds this hash (two requests computed the same block
-        concurrently), the first stays cached and ``block`` stays unhashed.
+        concurrently), the first stays cached and ``block`` stays unhashed. A ``private`` block
+        (``EngineRequest.private_cache``) loses its hash as soon as no request holds it.
         """
         if not self.enable_caching or block.block_hash is not None:
             return
@@ -248,6 +252,7 @@ class BlockPool:
         assert block.ref_cnt > 0, "only blocks being computed are cached"
         block.block_hash = block_hash
         block.owner = owner
+        block.private = private
         self.cached_block_hash_to_block[block_hash] = block
         self.stats.record_cached(owner)
         self._resident_changed(owner)
@@ -263,6 +268,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.num_used_blocks -= 1
+                if block.private and block.block_hash is not None:
+                    self._uncache_private(block)  # never stays cached: reused first
                 if block.block_hash is not None:
                     self.free_block_queue.append(block)
                     self.evictable.setdefault(block.owner, OrderedDict())[block.block_id] = block
@@ -324,6 +331,17 @@ class BlockPool:
             self.on_evict(block, reason, evicted_by)
         block.block_hash = None
         block.owner = None
+        block.private = False
+        self._resident_changed(owner)
+
+    def _uncache_private(self, block: KVCacheBlock) -> None:
+        """Drops a private block's hash when its last holder frees it (no eviction counted)."""
+        owner = block.owner
+        del self.cached_block_hash_to_block[block.block_hash]
+        self.stats.record_uncached(owner)
+        block.block_hash = None
+        block.owner = None
+        block.private = False
         self._resident_changed(owner)
 
     # -- fair cache share ----------------------------------------------------------------------
@@ -446,6 +464,9 @@ class BlockPool:
                     f"{block} hashed but not in the cache map"
             else:
                 assert block.owner is None, f"{block} unhashed but owned"
+                assert not block.private, f"{block} unhashed but private"
+            if block.private:
+                assert block.ref_cnt > 0, f"{block} private and free: it must have lost its hash"
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, f"{block} cache map key mismatch"
         # Each owner's LRU list holds exactly its free cached blocks, in free-queue order.

@@ -39,7 +39,13 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
 
     def uses_prefix_cache(self, request: Request) -> bool:
-        """True when ``request`` is looked up in and adds to the prefix cache."""
+        """True when ``request`` is looked up in and adds to the prefix cache (its tenant's, or
+        its call's private one: ``EngineRequest.private_cache``)."""
+        return self.enable_caching and (request.enable_prefix_caching or request.private_cache)
+
+    def records_prefix_stats(self, request: Request) -> bool:
+        """True when ``request``'s lookups count in the prefix-cache statistics (not for the
+        private cache of a tenant with caching off)."""
         return self.enable_caching and request.enable_prefix_caching
 
     def update_block_hashes(self, request: Request) -> None:
@@ -114,7 +120,8 @@ class KVCacheManager:
             start = self.num_cached_block.get(request.request_id, 0)
             for i in range(start, num_full):
                 self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
-                                                 request.tenant_id)
+                                                 request.tenant_id,
+                                                 private=request.private_cache)
             self.num_cached_block[request.request_id] = max(start, num_full)
         return new_blocks
 

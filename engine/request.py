@@ -63,6 +63,11 @@ class EngineRequest:
     enable_prefix_caching: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     tenant_share: TenantShare = field(default_factory=TenantShare)
+    # The n choices of one call of a tenant with prefix caching off share one prefill through a
+    # private cache: ``cache_salt`` is then a random per-call salt (no other request can hit),
+    # blocks lose their hash as soon as no sibling holds them (nothing stays cached), and no
+    # prefix-cache statistics are recorded (vLLM shares parallel samples' prompt KV likewise).
+    private_cache: bool = False
 
     def __repr__(self) -> str:  # redacted: no token ids, no salt
         return (f"EngineRequest(id={self.request_id!r}, tenant={self.tenant_id!r}, "
@@ -84,6 +89,7 @@ class Request:
         self.tenant_id = req.tenant_id
         self.cache_salt = req.cache_salt
         self.enable_prefix_caching = req.enable_prefix_caching
+        self.private_cache = req.private_cache
         self.tenant_share = req.tenant_share
         self.sampling_params = req.sampling_params
         self.arrival_time = req.arrival_time

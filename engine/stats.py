@@ -70,6 +70,12 @@ class BlockPoolStats:
         """A block of ``owner`` became hittable."""
         _add(self.resident_blocks, owner, 1)
 
+    def record_uncached(self, owner: TenantId) -> None:
+        """A private block of ``owner`` lost its hash when its last holder freed it (not an
+        eviction: ``EngineRequest.private_cache``)."""
+        assert self.resident_blocks.get(owner, 0) > 0, "uncaching a block that is not resident"
+        self.resident_blocks[owner] -= 1
+
     def record_eviction(self, owner: TenantId, reason: str, evicted_by: TenantId,
                         over_share: bool = False) -> None:
         """A block of ``owner`` lost its hash for ``reason`` (one of ``EVICTION_REASONS``);

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -111,8 +112,13 @@ class CompletionCall:
         return dict(self.lease.headers) if self.lease is not None else {}
 
     def engine_requests(self) -> list[EngineRequest]:
-        """The n engine requests; with n > 1 and a seed, choice i uses seed + i."""
+        """The n engine requests; with n > 1 and a seed, choice i uses seed + i. The n choices
+        share one prefill: through the tenant's prefix cache, or, for a tenant with caching
+        off, through a private per-call cache that no other request can hit and that leaves
+        nothing cached (``EngineRequest.private_cache``)."""
         assert self.params is not None
+        private = self.params.n > 1 and not self.auth.enable_prefix_caching
+        salt = secrets.token_bytes(32) if private else self.cache_salt
         reqs = []
         for i in range(self.params.n):
             params = self.params
@@ -121,7 +127,7 @@ class CompletionCall:
             reqs.append(EngineRequest(
                 request_id=f"{self.request_id}-{i}", prompt_token_ids=tuple(self.prompt_ids),
                 sampling_params=params, tenant_id=self.auth.tenant_id,
-                cache_salt=self.cache_salt,
+                cache_salt=salt, private_cache=private,
                 enable_prefix_caching=self.auth.enable_prefix_caching,
                 tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
                                          self.auth.max_cache_blocks)))

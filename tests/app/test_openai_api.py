@@ -247,3 +247,38 @@ def test_abandoned_stream_is_aborted_and_frees_its_blocks(app_env):
         time.sleep(0.05)
     assert free == total
     assert not app_env.on_engine_thread(lambda e: e.has_unfinished_requests())
+
+
+def test_n_choices_share_one_prefill_even_with_caching_off(app_env):
+    """n=8 for a tenant with prefix caching off computes the prompt once (plus each choice's
+    partial last block), not 8 times; nothing of it stays cached, no other tenant is touched,
+    and the prompt is billed once."""
+    env = app_env
+    t = env.repo.create_tenant("no-cache-n")
+    env.repo.update_tenant(t.id, enable_prefix_caching=False)
+    key, _ = env.repo.create_api_key(t.id)
+    prompt = [(13 * i) % 30000 + 700 for i in range(100)]   # 6 full blocks + 4 tokens
+    body = {"model": env.model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True}
+
+    def cached_blocks() -> int:
+        return env.on_engine_thread(lambda core: core.block_pool.get_num_cached_blocks())
+
+    before_blocks = cached_blocks()
+    computed = env.fake.tokens_computed
+    r = env.client.post("/v1/completions", json={**body, "n": 8}, headers=env.headers(key))
+    assert r.status_code == 200, r.text
+    shared = env.fake.tokens_computed - computed
+    assert len(r.json()["choices"]) == 8
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # 100 prompt tokens once + 7 x 4 tail tokens, + 8 x 1 decode step (max_tokens 2).
+    assert shared == 100 + 7 * 4 + 8
+    computed = env.fake.tokens_computed
+    for _ in range(2):  # the same prompt again, n=1: nothing of it was left cached
+        one = env.client.post("/v1/completions", json=body, headers=env.headers(key)).json()
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert env.fake.tokens_computed - computed == 2 * (100 + 1)
+    assert cached_blocks() == before_blocks
+    free, total, busy = env.engine_state()
+    assert free == total and not busy

@@ -894,3 +894,40 @@ def test_a_tenant_is_light_up_to_exactly_its_weighted_share(weight, need, light)
     budget, light_set = sched._step_budget()
     assert light_set == ({"A"} if light else set())
     assert budget == 64  # A's whole need at its share fills the step either way
+
+
+# -- the n choices of one call share one prefill (EngineRequest.private_cache) -------------------
+def test_siblings_of_a_caching_off_tenant_share_one_prefill_and_leave_nothing_cached() -> None:
+    from engine.request import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    sched = make_scheduler(max_num_batched_tokens=256)
+    salt = b"\x42" * 32                                   # the call's random private salt
+    siblings = [Request(EngineRequest(f"c-{i}", tuple(range(100, 140)),
+                                      SamplingParams(max_tokens=2, ignore_eos=True),
+                                      tenant_id="t1", cache_salt=salt,
+                                      enable_prefix_caching=False, private_cache=True))
+                for i in range(4)]
+    for r in siblings:
+        sched.add_request(r)
+    _, rows = step(sched)
+    # 40 tokens: the first sibling computes them all; each later one hits its 2 full blocks
+    # (cached as the first allocated them) and computes only the 8-token tail.
+    assert rows == [("c-0", 0, 40, True), ("c-1", 32, 8, True), ("c-2", 32, 8, True),
+                    ("c-3", 32, 8, True)]
+    assert [r.num_cached_tokens for r in siblings] == [0, 32, 32, 32]
+    pool = sched.kv.block_pool
+    assert pool.get_num_cached_blocks() == 2 and all(
+        b.private for b in pool.cached_block_hash_to_block.values())
+    # A request of another call (another salt) or tenant never hits the private blocks.
+    other = make_request("o", range(100, 140), "t1", salt=b"\x43" * 32, max_tokens=1)
+    sched.add_request(other)
+    step(sched)
+    assert other.num_cached_tokens == 0
+    run_to_idle(sched)
+    # Nothing stays cached, no eviction is counted, no prefix-cache statistics were recorded
+    # for the siblings (only ``other``, a caching-on request, looked the cache up).
+    assert pool.get_num_cached_blocks() == 2  # ``other``'s own blocks (caching on)
+    assert all(not b.private for b in pool.blocks)
+    assert pool.stats.num_evictions["capacity"] == 0
+    assert sched.stats.prefix_cache_queries == 40 and sched.stats.prefix_cache_hits == 0
