@@ -195,10 +195,9 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     journal = (UsageJournal(usage_journal_dir, repo.usage.record_usage_batch)
                if usage_journal_dir is not None else None)
     app.state.usage_journal = journal
-    app.state.completions = CompletionsService(engine,
-                                               journal.append if journal is not None
-                                               else repo.usage.record_usage, app.state.metrics,
-                                               RateLimiter())
+    app.state.completions = CompletionsService(
+        engine, journal.append if journal is not None else repo.usage.record_usage,
+        app.state.metrics, RateLimiter(), usage_sink_blocks=journal is None)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)

@@ -246,13 +246,17 @@ class CompletionsService:
         record_usage: stores one usage record; called from a worker thread, may block.
         metrics: request-level Prometheus metrics.
         limiter: per-tenant rpm / tpm / concurrency limits.
+        usage_sink_blocks: False when ``record_usage`` never blocks (``UsageJournal.append``):
+            it is then called on the event loop, before the call's response ends.
     """
 
     def __init__(self, engine: EngineClient, record_usage: UsageSink, metrics: ServerMetrics,
-                 limiter: RateLimiter, preprocessor: Preprocessor | None = None) -> None:
+                 limiter: RateLimiter, preprocessor: Preprocessor | None = None,
+                 usage_sink_blocks: bool = True) -> None:
         self.engine = engine
         self.info = engine.model_info()
         self.record_usage = record_usage
+        self.usage_sink_blocks = usage_sink_blocks
         self.metrics = metrics
         self.limiter = limiter
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
@@ -475,6 +479,12 @@ class CompletionsService:
         if call.lease is not None:  # a call refused after admission counts as a request only
             call.lease.release(call.usage().total_tokens if call.submitted else 0)
         self.metrics.observe_request(call)
+        if not self.usage_sink_blocks:
+            try:
+                self.record_usage(call.usage_record())
+            except Exception as e:  # noqa: BLE001 - never fails the call it records
+                logger.error("failed to record usage: %s", type(e).__name__)
+            return
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, self.record_usage, call.usage_record())
         fut.add_done_callback(lambda f: f.exception() and logger.error(

@@ -332,6 +332,7 @@ def test_audit_rows_record_versions_never_salts(env):
 
 def test_usage_report_json_and_csv(env):
     complete(env, env.key_b, prompt_of(7, 20))
+    assert env.client.app.state.usage_journal.wait_stored()  # rows are written off the path
     r = admin(env, "GET", "/admin/usage", params={"tenant": env.tenant_b})
     assert r.status_code == 200
     rows = r.json()["data"]
