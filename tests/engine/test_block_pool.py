@@ -433,3 +433,30 @@ def test_check_integrity_finds_each_corruption(how, message) -> None:
     _corrupt(pool, how)
     with pytest.raises(AssertionError, match=message):
         pool.check_integrity()
+
+
+def test_a_private_block_is_unhashed_when_its_last_holder_frees_it() -> None:
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2, "t1")
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, f"p{i}".encode(), "t1", private=True)
+    pool.touch(blocks[:1])                   # a sibling shares block 0
+    pool.check_integrity()                   # block 1: private, one holder
+    assert pool.resident_owners == {"t1"} and pool.resident_weight == 1
+    pool.free_blocks(blocks)                 # block 1's last holder: unhashed at once
+    assert pool.get_cached_block(b"p1") is None and pool.get_cached_block(b"p0") is blocks[0]
+    pool.check_integrity()
+    pool.free_blocks(blocks[:1])             # block 0's last holder
+    assert pool.get_num_cached_blocks() == 0 and not any(b.private for b in pool.blocks)
+    assert pool.resident_owners == set() and pool.resident_weight == 0
+    assert pool.stats.resident_blocks["t1"] == 0 and sum(pool.stats.num_evictions.values()) == 0
+    assert pool.free_block_queue.block_ids()[:2] == [0, 1]  # unhashed: reused first
+    pool.check_integrity()
+    # The checker notices a private block left free with its hash.
+    (b,) = pool.get_new_blocks(1, "t1")
+    pool.cache_full_block(b, b"p9", "t1", private=True)
+    b.private = False
+    pool.free_blocks([b])
+    b.private = True
+    with pytest.raises(AssertionError, match="private and free"):
+        pool.check_integrity()
