@@ -68,6 +68,9 @@ class UsageJournal:
             how many rows it wrote (``UsageStore.record_usage_batch``); raises on failure.
         flush_interval_s: longest time a record waits in memory before its segment is written.
         retry_max_s: longest wait between two retries while the database refuses.
+
+    Raises:
+        RuntimeError: another process holds this journal directory.
     """
 
     def __init__(self, directory: Path, store_batch: StoreBatch, *,
@@ -135,10 +138,22 @@ class UsageJournal:
             self._closing = True
             self._retry_at = 0.0
             self._cond.notify()
-        if self._thread is not None:
+            if self._thread is None:  # never started: what is queued waits for the next start
+                batch, self._queue = self._queue, []
+        if self._thread is None:
+            try:
+                if batch:
+                    self._write_segment(batch)
+            except OSError as e:
+                logger.error("could not journal %d usage records: %s", len(batch),
+                             type(e).__name__)
+        else:
             self._thread.join(timeout_s)
-            if not self._thread.is_alive():
-                os.close(self._lock_fd)  # the next process may take the directory
+            if self._thread.is_alive():
+                return  # still storing: it keeps the directory
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the next process may take the directory
+            self._lock_fd = -1
 
     def pending_segments(self) -> list[Path]:
         """Segments written but not yet stored, oldest first."""

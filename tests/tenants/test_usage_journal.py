@@ -198,7 +198,17 @@ def test_one_process_owns_a_journal_directory(repo: TenantRepository, tmp_path) 
     with pytest.raises(RuntimeError, match="in use by another process"):
         UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
     first.close()
-    UsageJournal(tmp_path / "j", repo.usage.record_usage_batch).close()  # free again
+    first.close()  # twice is harmless
+    never_started = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)  # free again
+    t = repo.create_tenant("acme")
+    never_started.append(record(t.id, 1))
+    never_started.close()  # what it queued waits in a segment for the next start
+    assert len(never_started.pending_segments()) == 1
+    later = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
+    later.start()
+    assert later.wait_stored()
+    later.close()
+    assert [r.request_id for r in repo.list_usage(t.id)] == ["req-1"]
 
 
 def test_a_large_segment_is_stored_in_chunks(repo: TenantRepository, tmp_path) -> None:
