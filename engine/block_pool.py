@@ -322,23 +322,23 @@ class BlockPool:
     def _drop_hash(self, block: KVCacheBlock, reason: str, evicted_by: str | None,
                    over_share: bool = False) -> None:
         assert block.block_hash is not None
-        owner = block.owner
-        del self.cached_block_hash_to_block[block.block_hash]
         if block.ref_cnt == 0:
-            del self.evictable[owner][block.block_id]
-        self.stats.record_eviction(owner, reason, evicted_by, over_share)
+            del self.evictable[block.owner][block.block_id]
+        self.stats.record_eviction(block.owner, reason, evicted_by, over_share)
         if self.on_evict is not None:
             self.on_evict(block, reason, evicted_by)
-        block.block_hash = None
-        block.owner = None
-        block.private = False
-        self._resident_changed(owner)
+        self._unhash(block)
 
     def _uncache_private(self, block: KVCacheBlock) -> None:
         """Drops a private block's hash when its last holder frees it (no eviction counted)."""
+        self.stats.record_uncached(block.owner)
+        self._unhash(block)
+
+    def _unhash(self, block: KVCacheBlock) -> None:
+        """Removes ``block`` from the cache map and clears its hash, owner and private flag
+        (the stats were told by the caller)."""
         owner = block.owner
         del self.cached_block_hash_to_block[block.block_hash]
-        self.stats.record_uncached(owner)
         block.block_hash = None
         block.owner = None
         block.private = False

@@ -251,6 +251,8 @@ class Scheduler:
         # to running requests in admission order, as far as their blocks and the free blocks
         # hold them: leftover budget never preempts anyone.
         for req in list(self.running):
+            if used == budget:
+                break  # the usual case under load: nothing left to hand out
             done = granted.get(req.request_id, 0)
             more = min(req.num_tokens - req.num_computed_tokens - done, budget - used,
                        self.kv.num_addable_tokens(req) - done)
