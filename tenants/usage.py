@@ -20,6 +20,15 @@ from tenants.models import USAGE_STATUSES, AuditLogRow, UsageRecordRow, require_
 from tenants.records import AuditEntry, UsageRecord
 
 
+def check_usage_record(record: UsageRecord) -> None:
+    """Raises ValueError if ``status`` is not "ok", "error" or "aborted" or a token count is
+    negative."""
+    if record.status not in USAGE_STATUSES:
+        raise ValueError(f"usage status must be one of {USAGE_STATUSES}")
+    if min(record.prompt_tokens, record.cached_tokens, record.completion_tokens) < 0:
+        raise ValueError("token counts must be >= 0")
+
+
 def add_usage_record(session: Session, record: UsageRecord) -> None:
     """Adds one request's usage to the session (written at the session's commit).
 
@@ -31,10 +40,7 @@ def add_usage_record(session: Session, record: UsageRecord) -> None:
         ValueError: if ``status`` is not "ok", "error" or "aborted", a token count is negative,
             or ``created_at`` is naive.
     """
-    if record.status not in USAGE_STATUSES:
-        raise ValueError(f"usage status must be one of {USAGE_STATUSES}")
-    if min(record.prompt_tokens, record.cached_tokens, record.completion_tokens) < 0:
-        raise ValueError("token counts must be >= 0")
+    check_usage_record(record)
     require_aware(record.created_at, "created_at")
     session.add(
         UsageRecordRow(

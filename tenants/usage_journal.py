@@ -37,8 +37,9 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from tenants.models import USAGE_STATUSES, utcnow
+from tenants.models import utcnow
 from tenants.records import UsageRecord
+from tenants.usage import check_usage_record
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,7 @@ class UsageJournal:
         Raises:
             ValueError: a status other than "ok", "error" or "aborted", or a negative count.
         """
-        if record.status not in USAGE_STATUSES:
-            raise ValueError(f"usage status must be one of {USAGE_STATUSES}")
-        if min(record.prompt_tokens, record.cached_tokens, record.completion_tokens) < 0:
-            raise ValueError("token counts must be >= 0")
+        check_usage_record(record)
         if record.created_at is None:  # the time of the call, not of a later (re)play
             record = dataclasses.replace(record, created_at=utcnow())
         with self._cond:
@@ -219,14 +217,7 @@ class UsageJournal:
 
     def _store_segments(self) -> None:
         for path in self.pending_segments():
-            try:
-                lines = path.read_text().splitlines()
-                records = [_decode(line) for line in lines if line.strip()]
-            except (OSError, ValueError, TypeError) as e:
-                # A torn last line of a segment written as the machine died: keep the rest.
-                logger.error("usage journal segment %s is damaged (%s); storing what parses",
-                             path.name, type(e).__name__)
-                records = self._salvage(path)
+            records = self._read_segment(path)
             try:
                 self.rows_written += self._store(records)
             except Exception as e:  # noqa: BLE001 - the database refuses: retry later
@@ -261,11 +252,18 @@ class UsageJournal:
             return written
 
     @staticmethod
-    def _salvage(path: Path) -> list[UsageRecord]:
-        out = []
+    def _read_segment(path: Path) -> list[UsageRecord]:
+        """The records of a segment; a line that does not parse (a torn last line of a segment
+        written as the machine died) is skipped with an error log, the rest is kept."""
+        out, bad = [], 0
         for line in path.read_bytes().decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                continue
             try:
                 out.append(_decode(line))
-            except (ValueError, TypeError):
-                continue
+            except (ValueError, TypeError, KeyError):
+                bad += 1
+        if bad:
+            logger.error("usage journal segment %s has %d damaged line(s); storing the rest",
+                         path.name, bad)
         return out
