@@ -54,6 +54,16 @@ def _drop_all(engine) -> None:
         conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
 
 
+@pytest.fixture(autouse=True)
+def _restore_umask() -> Iterator[None]:
+    """``saltserve``'s CLI sets umask 077 for its process; CliRunner runs it in this one, so
+    each test gets the umask it started with back (no test passes because of an earlier one)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    yield
+    os.umask(mask)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A database URL with an empty database (nothing migrated yet): SQLite in tmp_path, or a

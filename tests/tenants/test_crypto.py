@@ -65,6 +65,7 @@ def test_invalid_master_key_raises_without_echo(bad: str, tmp_path: Path) -> Non
 
 def test_corrupt_key_file_raises(tmp_path: Path) -> None:
     (tmp_path / "master.key").write_text("garbage")
+    (tmp_path / "master.key").chmod(0o600)  # private, so the content is what fails
     with pytest.raises(ValueError, match="invalid master key file"):
         load_or_create_master_key(tmp_path, None)
 
