@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from jwks_server import serve_jwks
 
 from tenants.tokens import key_id
 
@@ -260,34 +261,21 @@ def test_a_slow_identity_provider_never_slows_api_key_requests(env, request):
     refetch cooldown) keeps the JWT threads busy; API-key requests do not wait for them. The
     shared worker-thread pool is cut to 6 so that the flood (10) would exhaust it, were JWTs
     verified there."""
-    import json
-    import threading
     from concurrent.futures import ThreadPoolExecutor
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import anyio.to_thread
 
     from tenants.tokens import JWTConfig, JWTVerifier
 
-    class SlowJWKS(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            time.sleep(0.3)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps({"keys": []}).encode())
+    def slow_empty_key_set() -> tuple[int, bytes]:
+        time.sleep(0.3)
+        return 200, json.dumps({"keys": []}).encode()
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowJWKS)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    request.addfinalizer(server.shutdown)
+    url, _ = serve_jwks(request, slow_empty_key_set)
     state = env.client.app.state
     saved = state.jwt_verifier
-    state.jwt_verifier = JWTVerifier(JWTConfig(
-        jwks_url=f"http://127.0.0.1:{server.server_address[1]}/jwks",
-        jwks_refetch_cooldown_s=0), saved._platform)
+    state.jwt_verifier = JWTVerifier(JWTConfig(jwks_url=url, jwks_refetch_cooldown_s=0),
+                                     saved._platform)
     request.addfinalizer(lambda: setattr(state, "jwt_verifier", saved))
     def set_shared_threads(n: int) -> None:
         anyio.to_thread.current_default_thread_limiter().total_tokens = n

@@ -6,14 +6,13 @@ import base64
 import hashlib
 import hmac
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+from jwks_server import jwks_body, serve_jwks
 
 from tenants.errors import InvalidToken
 from tenants.tokens import (
@@ -159,34 +158,12 @@ def test_configurable_claim_names(platform):
 def test_jwks_with_kid_rotation(request):
     keys = {f"k{i}": rsa.generate_private_key(public_exponent=65537, key_size=2048)
             for i in (1, 2)}
-    published: dict[str, bytes] = {}
-
-    class JWKS(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(published["body"])
-
-        def log_message(self, *args) -> None:
-            pass
-
-    def publish(*kids: str) -> None:
-        jwks = []
-        for kid in kids:
-            jwk = jwt.algorithms.RSAAlgorithm.to_jwk(keys[kid].public_key(), as_dict=True)
-            jwks.append({**jwk, "kid": kid, "use": "sig", "alg": "RS256"})
-        published["body"] = json.dumps({"keys": jwks}).encode()
-
-    server = HTTPServer(("127.0.0.1", 0), JWKS)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    request.addfinalizer(server.shutdown)
-    publish("k1")
-    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    published = {"body": jwks_body({"k1": keys["k1"]})}
+    url, _ = serve_jwks(request, lambda: (200, published["body"]))
     v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=0))
     t1 = sign(keys["k1"], claims(), "RS256", kid="k1")
     assert v.verify(t1).subject == "alice"
-    publish("k2")                                   # the IdP rotates: an unknown kid refetches
+    published["body"] = jwks_body({"k2": keys["k2"]})  # the IdP rotates: an unknown kid refetches
     t2 = sign(keys["k2"], claims(sub="bob"), "RS256", kid="k2")
     assert v.verify(t2).subject == "bob"
     rejected(v, t1)                                  # k1 is gone from the set
@@ -196,25 +173,7 @@ def test_jwks_with_kid_rotation(request):
 
 def test_junk_kids_cause_at_most_one_jwks_fetch_per_cooldown(request):
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    fetches = []
-
-    class JWKS(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            fetches.append(self.path)
-            jwk = jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key(), as_dict=True)
-            body = json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]})
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body.encode())
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), JWKS)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    request.addfinalizer(server.shutdown)
-    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    url, fetches = serve_jwks(request, lambda: (200, jwks_body({"k1": key})))
     v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=30))
     # Junk that fails the structure or algorithm checks never reaches the key set.
     for junk in ("x", "a.b.c", sign(key, claims(), "RS256", kid="k" * 300),
@@ -256,21 +215,7 @@ def test_no_key_source_refuses_everything(platform, tmp_path):
 
 
 def test_a_failing_jwks_endpoint_is_asked_at_most_once_per_cooldown(request):
-    fetches = []
-
-    class Down(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            fetches.append(self.path)
-            self.send_response(500)
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Down)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    request.addfinalizer(server.shutdown)
-    url = f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    url, fetches = serve_jwks(request, lambda: (500, b""))
     v = JWTVerifier(JWTConfig(algorithms=("RS256",), jwks_url=url, jwks_refetch_cooldown_s=30))
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     for i in range(20):
