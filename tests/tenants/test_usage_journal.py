@@ -31,6 +31,18 @@ def record(tenant_id: str, i: int, **kw) -> UsageRecord:
                        completion_tokens=1, **kw)
 
 
+def restart(directory: Path, repo: TenantRepository, records=()) -> UsageJournal:
+    """A server's life for the journal in ``directory``: it starts (storing what an earlier
+    process left), takes ``records``, and shuts down once every row is stored."""
+    journal = UsageJournal(directory, repo.usage.record_usage_batch)
+    journal.start()
+    for r in records:
+        journal.append(r)
+    assert journal.wait_stored()
+    journal.close()
+    return journal
+
+
 def test_records_reach_the_table_in_batches_and_leave_no_segment(repo: TenantRepository,
                                                                  tmp_path) -> None:
     t = repo.create_tenant("acme")
@@ -48,10 +60,7 @@ def test_records_reach_the_table_in_batches_and_leave_no_segment(repo: TenantRep
     # A call the shutdown finished after close: straight to a segment, stored at the next start.
     journal.append(record(t.id, 99))
     assert len(journal.pending_segments()) == 1
-    later = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
-    later.start()
-    assert later.wait_stored()
-    later.close()
+    restart(tmp_path / "j", repo)
     assert len(repo.list_usage(t.id)) == 51
     with pytest.raises(ValueError, match="status"):
         UsageJournal(tmp_path / "k", repo.usage.record_usage_batch).append(
@@ -94,19 +103,11 @@ def test_a_segment_stored_twice_writes_each_row_once(repo: TenantRepository, tmp
     """A crash after the rows were written but before the segment was deleted: the replay at
     the next start skips request ids already stored."""
     t = repo.create_tenant("acme")
-    first = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
-    first.start()
-    for i in range(5):
-        first.append(record(t.id, i))
-    assert first.wait_stored()
-    first.close()
+    restart(tmp_path / "j", repo, [record(t.id, i) for i in range(5)])
     # The same five rows, as if their segment had survived the crash, plus one new row.
     lines = [json.dumps(dataclasses.asdict(record(t.id, i))) for i in range(6)]
     (tmp_path / "j" / "00000000000000000001-replay.jsonl").write_text("\n".join(lines) + "\n")
-    second = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
-    second.start()
-    assert second.wait_stored()
-    second.close()
+    restart(tmp_path / "j", repo)
     assert sorted(r.request_id for r in repo.list_usage(t.id)) == [f"req-{i}" for i in range(6)]
 
 
@@ -154,10 +155,7 @@ def test_kill_9_with_rows_pending_loses_none_and_duplicates_none(repo: TenantRep
     assert proc.returncode == -signal.SIGKILL and "journalled" in proc.stdout, proc.stderr
     assert repo.list_usage(t.id) == []
     for _ in range(2):  # the restart stores them; a second restart finds nothing to store
-        journal = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
-        journal.start()
-        assert journal.wait_stored()
-        journal.close()
+        restart(tmp_path / "j", repo)
     rows = repo.list_usage(t.id)
     assert sorted(r.prompt_tokens for r in rows) == list(range(40))
     assert len({r.request_id for r in rows}) == 40
@@ -204,10 +202,7 @@ def test_one_process_owns_a_journal_directory(repo: TenantRepository, tmp_path) 
     never_started.append(record(t.id, 1))
     never_started.close()  # what it queued waits in a segment for the next start
     assert len(never_started.pending_segments()) == 1
-    later = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
-    later.start()
-    assert later.wait_stored()
-    later.close()
+    restart(tmp_path / "j", repo)
     assert [r.request_id for r in repo.list_usage(t.id)] == ["req-1"]
 
 
