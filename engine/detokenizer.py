@@ -20,10 +20,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt (its tail is decoding context).
         stop: stop strings.
         skip_special_tokens: drop special tokens (eos, chat markers) from the text.
+        min_tokens: stop strings are not looked for before this many tokens were added (vLLM).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
         self.text = ""          # all output text decoded so far (truncated at a stop string)
         self.num_sent = 0       # characters of ``text`` already returned
         self.stopped_by: str | None = None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0     # output tokens added
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -46,13 +49,15 @@ class IncrementalDetokenizer:
         """
         for tid in token_ids:
             self.ids.append(tid)
+            self.num_tokens += 1
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 before = len(self.text)
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-                if self.stop and self._check_stop(before):
+                if self.stop and self.num_tokens >= self.min_tokens \
+                        and self._check_stop(before):
                     finished = True
                     break
         end = len(self.text) if finished else max(self.num_sent, len(self.text) - self.hold)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.request import TokenLogprobs
 from engine.scheduler import SchedulerOutput
 
 
@@ -22,10 +23,16 @@ class ExecuteOutput:
             tokens (the others only filled KV).
         failed: request id -> client-safe reason, for requests whose own logits processing or
             sampling failed (the batched forward itself succeeded; their KV is valid).
+        logprobs: request id -> the sampled token's logprobs, for requests with ``logprobs``.
+        prompt_logprobs: request id -> (index of the first prompt token covered, logprobs of
+            the prompt tokens this step's chunk predicts), for requests with
+            ``prompt_logprobs``.
     """
 
     sampled: dict[str, int]
     failed: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelExecutor(Protocol):

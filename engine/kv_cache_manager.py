@@ -67,8 +67,9 @@ class KVCacheManager:
         Returns:
             (hit blocks, number of hit tokens). Never modifies ref counts.
         """
-        if not self.uses_prefix_cache(request):
-            return [], 0
+        if not self.uses_prefix_cache(request) \
+                or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM v1)
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, RequestOutput
+from engine.request import EngineRequest, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +24,8 @@ class GenerationResult:
     finish_reason: str | None
     num_cached_tokens: int
     ttft_s: float | None = None  # seconds from submission to the first token
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # with ``logprobs``
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with ``prompt_logprobs``
 
 
 def run_to_completion(engine: LLMEngine, requests: Sequence[EngineRequest],
@@ -57,6 +59,9 @@ def run_to_completion(engine: LLMEngine, requests: Sequence[EngineRequest],
             if r.ttft_s is None and out.new_token_ids:
                 r.ttft_s = time.perf_counter() - t0
             r.token_ids.extend(out.new_token_ids)
+            r.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                r.prompt_logprobs = list(out.prompt_logprobs)
             r.text += out.new_text
             r.num_cached_tokens = out.num_cached_tokens
             if out.finished:

@@ -23,7 +23,7 @@ from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.config import ModelConfig
 from engine.protocol import ModelInfo, validate_request
-from engine.request import EngineRequest, Request, RequestOutput, RequestStatus
+from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import OPERATOR_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
 
@@ -181,7 +181,7 @@ class LLMEngine:
         self.block_pool.set_tenant_share(req.tenant_id, req.tenant_share)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, req.sampling_params.stop,
-            req.sampling_params.skip_special_tokens)
+            req.sampling_params.skip_special_tokens, req.sampling_params.min_tokens)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Aborts requests wherever they are; their blocks are freed at once."""
@@ -259,10 +259,14 @@ class LLMEngine:
             self.scheduler.interactive_step_tokens = self.step_costs.interactive_tokens()
         for rid, reason in result.failed.items():
             self.scheduler.fail_request(self.scheduler.requests[rid], reason)
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            collected = self.scheduler.requests[rid].prompt_logprobs
+            # A recompute after preemption covers positions already collected: keep the first.
+            collected.extend(entries[len(collected) - first:])
         outputs = []
         for req in self.scheduler.update_from_output(sched, result.sampled):
             try:
-                outputs.append(self._detokenize(req))
+                outputs.append(self._detokenize(req, result.logprobs.get(req.request_id)))
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 logger.error("detokenisation failed for request %s: %s", req.request_id,
                              type(e).__name__)
@@ -275,7 +279,7 @@ class LLMEngine:
                     self.scheduler.fail_request(req, reason)
         return outputs + self._failed_outputs()
 
-    def _detokenize(self, req: Request) -> RequestOutput:
+    def _detokenize(self, req: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
         fire("detokenize", req.request_id)
         new_ids = [req.output_token_ids[-1]]
         detok = self.detokenizers[req.request_id]
@@ -286,7 +290,11 @@ class LLMEngine:
                 req.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        return self._output(req, new_ids, delta)
+        prompt_logprobs = None
+        if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 1:
+            prompt_logprobs = tuple(req.prompt_logprobs)
+        return self._output(req, new_ids, delta, new_logprobs=() if logprobs is None
+                            else (logprobs,), prompt_logprobs=prompt_logprobs)
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         self.consecutive_step_failures += 1
@@ -313,8 +321,10 @@ class LLMEngine:
         failed, self.scheduler.failed = self.scheduler.failed, []
         return [self._output(req, [], "", error=reason) for req, reason in failed]
 
-    def _output(self, req: Request, new_ids: list[int], delta: str,
-                error: str | None = None) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], delta: str, error: str | None = None,
+                new_logprobs: tuple[TokenLogprobs, ...] = (),
+                prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+                ) -> RequestOutput:
         finished = req.status.finished
         if finished:
             self.detokenizers.pop(req.request_id, None)
@@ -324,4 +334,5 @@ class LLMEngine:
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason, error=error)
+            num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason, error=error,
+            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs)

@@ -12,7 +12,8 @@ from engine.executor import ExecuteOutput
 from engine.faults import fire
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.sampler import sample
+from engine.request import Request, TokenLogprobs
+from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,18 @@ class ModelRunner:
         tables: list[tuple[int, ...]] = []
         sample_rows: list[int] = []
         sampled_reqs = []
+        # (request, its first row in the batch, first position) of chunks whose positions
+        # predict prompt tokens of a ``prompt_logprobs`` request, and how many positions.
+        prompt_lp: list[tuple[Request, int, int, int]] = []
         bs = self.block_size
         for s in out.scheduled:
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            if req.sampling_params.prompt_logprobs is not None:
+                # Position p predicts token p + 1: prompt tokens up to the last one.
+                num = min(end, req.num_prompt_tokens - 1) - start
+                if num > 0:
+                    prompt_lp.append((req, len(input_ids), start, num))
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = s.block_ids
@@ -152,32 +161,62 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)
+        failed: dict[str, str] = {}
+        prompt_logprobs = {}
+        for req, row, start, num in prompt_lp:
+            try:
+                prompt_logprobs[req.request_id] = (start + 1, self._prompt_logprobs(
+                    hidden[row:row + num], req.all_token_ids[start + 1:start + 1 + num],
+                    req.sampling_params.prompt_logprobs or 0))
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                logger.error("prompt logprobs failed for request %s: %s", req.request_id,
+                             type(e).__name__)
+                failed[req.request_id] = "prompt logprobs failed for this request"
         if not sample_rows:
-            return ExecuteOutput({})
+            return ExecuteOutput({}, failed, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         try:
-            return ExecuteOutput(self._sample(logits, sampled_reqs))
+            self._sample(logits, sampled_reqs, sampled, logprobs)
         except Exception:  # noqa: BLE001 - find whose fault it is, one row at a time
-            sampled: dict[str, int] = {}
-            failed: dict[str, str] = {}
+            sampled.clear()
+            logprobs.clear()
             for i, r in enumerate(sampled_reqs):
                 try:
-                    sampled.update(self._sample(logits[i:i + 1], [r]))
+                    self._sample(logits[i:i + 1], [r], sampled, logprobs)
                 except Exception as e:  # noqa: BLE001 - this request's fault only
                     logger.error("sampling failed for request %s: %s", r.request_id,
                                  type(e).__name__)
                     failed[r.request_id] = "sampling failed for this request"
-            return ExecuteOutput(sampled, failed)
+        return ExecuteOutput(sampled, failed, logprobs, prompt_logprobs)
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, int]:
-        """Samples one token per row of ``logits`` [len(reqs), vocab] (float32)."""
+    _PROMPT_LOGPROBS_ROWS = 256  # logits rows at once: 256 x vocab 49152 x 4 bytes = 48 MiB
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int],
+                         num_top: int) -> list[TokenLogprobs]:
+        """Logprobs of ``targets`` (the prompt tokens that ``hidden``'s positions predict)."""
+        result: list[TokenLogprobs] = []
+        step = self._PROMPT_LOGPROBS_ROWS
+        for i in range(0, len(targets), step):
+            logits = self.model.compute_logits(hidden[i:i + step])
+            chunk = targets[i:i + step]
+            result.extend(gather_logprobs(logits, chunk, [num_top] * len(chunk)))
+        return result
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], sampled: dict[str, int],
+                logprobs: dict[str, TokenLogprobs]) -> None:
+        """Samples one token per row of ``logits`` [len(reqs), vocab] (float32) into
+        ``sampled`` (and ``logprobs`` for requests that asked)."""
         for r in reqs:
             fire("logits", r.request_id)
             fire("sample", r.request_id)
-        params = [r.sampling_params for r in reqs]
         gens = [self._generator(r.request_id, r.sampling_params.seed) for r in reqs]
-        tokens = sample(logits, params, gens)
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+        result = sample(logits, reqs, gens)
+        for r, t, lp in zip(reqs, result.token_ids, result.logprobs):
+            sampled[r.request_id] = t
+            if lp is not None:
+                logprobs[r.request_id] = lp
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -67,7 +67,8 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
 
     Raises:
         InvalidRequestError: empty prompt (``param="prompt"``), prompt that leaves no room for one
-            output token (``context_length_exceeded``), or a token id outside the vocabulary.
+            output token (``context_length_exceeded``), or a token id outside the vocabulary (in
+            the prompt, ``logit_bias`` or ``stop_token_ids``).
     """
     n = len(request.prompt_token_ids)
     if n == 0:
@@ -80,6 +81,10 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
     vocab = info.vocab_size
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
         raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+    params = request.sampling_params
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})", name)
 
 
 class EngineClient(ABC):

@@ -26,6 +26,23 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The logprob of one token and the most likely alternatives at its position.
+
+    Attributes:
+        token_id: the token (sampled, or the prompt's).
+        logprob: its natural-log probability under the model's raw logits (fp32).
+        rank: 1 + the number of tokens more likely than it.
+        top: (token id, logprob) of the most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TenantShare:
     """A tenant's claim on shared capacity (DESIGN "Multi-tenant capacity").
 
@@ -105,6 +122,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        # Ids that end this request (eos unless ignore_eos, and stop_token_ids); set by the
+        # scheduler, which knows the model's eos ids.
+        self.stop_token_ids: frozenset[int] = frozenset(req.sampling_params.stop_token_ids)
+        # With ``prompt_logprobs``: entry i is prompt token i's logprobs (None for token 0),
+        # filled chunk by chunk as the prompt is computed.
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -143,3 +166,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # Set with finish_reason "error": what failed, client-safe (no prompt, no token ids).
     error: str | None = None
+    # With ``logprobs``: one entry per id of ``new_token_ids``.
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    # With ``prompt_logprobs``: every prompt token's (None for the first), in the output that
+    # carries the first generated token.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None

@@ -135,6 +135,9 @@ class Scheduler:
             self.num_unfinished[t] = 0
         self.num_unfinished[t] += 1
         self.weights[t] = request.tenant_share.weight  # the latest request's weight applies
+        params = request.sampling_params
+        request.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -501,8 +504,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> None:
         fire("stop", req.request_id)
         params = req.sampling_params
-        if (token in self.eos_token_ids and not params.ignore_eos) \
-                or token in params.stop_token_ids:
+        if token in req.stop_token_ids and req.num_output_tokens > params.min_tokens:
             req.stop_reason = token if token in params.stop_token_ids else None
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) \

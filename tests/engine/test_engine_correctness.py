@@ -27,13 +27,6 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def hf_greedy(hf, tokenizer, prompts: list[list[int]], max_new: int,
               min_new: int = 0) -> list[list[int]]:
     """Hugging Face ``generate`` (greedy, fp32) for all prompts in one left-padded batch.

@@ -1,13 +1,33 @@
-"""Sampler: greedy, temperature, top-k, top-p and per-request seeds."""
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, logit bias, min_tokens,
+penalties and logprobs, all batched."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+import pytest
 import torch
 
-from engine.sampler import sample
+from engine.errors import InvalidRequestError
+from engine.sampler import gather_logprobs
+from engine.sampler import sample as sample_rows
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    """A request as the sampler reads it."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    return sample_rows(logits, [Row(p) for p in params], generators).token_ids
 
 
 def _logits() -> torch.Tensor:
@@ -69,3 +89,124 @@ def test_same_seed_same_tokens_other_seed_differs():
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
+
+
+def test_rows_with_different_settings_in_one_batch_each_keep_their_own_rules():
+    # One batch: greedy, top-k 2, top-p 0.7 and a seeded row; each row obeys only its settings.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]] * 4))
+    rows = [Row(SamplingParams(temperature=0)), Row(SamplingParams(top_k=2)),
+            Row(SamplingParams(top_p=0.7)), Row(SamplingParams(temperature=2.0, seed=5))]
+    gen = torch.Generator().manual_seed(5)
+    seen: list[set[int]] = [set(), set(), set(), set()]
+    for _ in range(300):
+        for i, t in enumerate(sample_rows(logits, rows, [None, None, None, gen]).token_ids):
+            seen[i].add(t)
+    assert seen[0] == {0}
+    assert seen[1] == {0, 1}
+    assert seen[2] == {0, 1}
+    assert seen[3] == {0, 1, 2}  # 1e-9 at temperature 2 is never drawn in 300 tries
+
+
+def test_logit_bias_adds_to_the_logit():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    assert sample(logits, [SamplingParams(temperature=0, logit_bias={3: 5.0})], [None]) == [3]
+    assert sample(logits, [SamplingParams(temperature=0, logit_bias={1: -100.0})], [None]) == [2]
+    # -100 bans a token also when sampling.
+    gen = torch.Generator().manual_seed(0)
+    banned = SamplingParams(temperature=2.0, logit_bias={1: -100.0, 2: -100.0})
+    assert {sample(logits, [banned], [gen])[0] for _ in range(200)} == {0, 3}
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 1.0, -1.0]])  # token 1 is "eos" and the argmax
+    params = SamplingParams(temperature=0, min_tokens=2)
+    row = Row(params, stop_token_ids=frozenset({1}))
+    assert sample_rows(logits, [row], [None]).token_ids == [2]
+    row.output_token_ids = [2]
+    assert sample_rows(logits, [row], [None]).token_ids == [2]
+    row.output_token_ids = [2, 2]  # min_tokens reached: eos allowed again
+    assert sample_rows(logits, [row], [None]).token_ids == [1]
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0.0]])
+    out = [0, 0]  # token 0 twice in the output
+    # frequency 0.3: 3.0 - 2 * 0.3 = 2.4 < 2.5 -> token 1; 0.2: 2.6 > 2.5 -> token 0.
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, frequency_penalty=0.3),
+                                    output_token_ids=out)], [None]).token_ids == [1]
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, frequency_penalty=0.2),
+                                    output_token_ids=out)], [None]).token_ids == [0]
+    # presence counts once: 0.6 -> 2.4 -> token 1; 0.4 -> 2.6 -> token 0.
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, presence_penalty=0.6),
+                                    output_token_ids=out)], [None]).token_ids == [1]
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, presence_penalty=0.4),
+                                    output_token_ids=out)], [None]).token_ids == [0]
+    # A negative penalty encourages repetition; prompt tokens are not penalised.
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, frequency_penalty=-1.0),
+                                    prompt_token_ids=[0], output_token_ids=[1])],
+                       [None]).token_ids == [1]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
+    # Token 0 in the prompt: 2.0 / 2 = 1.0 < 1.5.
+    assert sample_rows(logits, [Row(SamplingParams(temperature=0, repetition_penalty=2.0),
+                                    prompt_token_ids=[0])], [None]).token_ids == [1]
+    # Only negative logits left: token 2 seen -> -2.0, so token 3 (-1.2) wins.
+    neg = torch.tensor([[-1.0, -1.2]])
+    assert sample_rows(neg, [Row(SamplingParams(temperature=0, repetition_penalty=2.0),
+                                 output_token_ids=[0])], [None]).token_ids == [1]
+
+
+def test_penalised_and_plain_rows_in_one_batch_do_not_mix():
+    logits = torch.tensor([[3.0, 2.5], [3.0, 2.5]])
+    rows = [Row(SamplingParams(temperature=0, frequency_penalty=1.0), output_token_ids=[0]),
+            Row(SamplingParams(temperature=0), output_token_ids=[0])]
+    assert sample_rows(logits, rows, [None, None]).token_ids == [1, 0]
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits_with_rank_and_top():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    expected = torch.log_softmax(logits, -1)[0]
+    # Greedy with a bias: token 3 is picked, its logprob is still the model's raw one.
+    params = SamplingParams(temperature=0, logit_bias={3: 10.0}, logprobs=2)
+    out = sample_rows(logits, [Row(params)], [None])
+    lp = out.logprobs[0]
+    assert out.token_ids == [3] and lp is not None
+    assert lp.token_id == 3 and lp.rank == 4
+    assert lp.logprob == pytest.approx(expected[3].item(), abs=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert [v for _, v in lp.top] == pytest.approx([expected[1].item(), expected[2].item()])
+    # Rows without logprobs get None; logprobs=0 gives the token's own logprob only.
+    out = sample_rows(logits.repeat(2, 1), [Row(SamplingParams(temperature=0)),
+                                            Row(SamplingParams(temperature=0, logprobs=0))],
+                      [None, None])
+    assert out.logprobs[0] is None
+    assert out.logprobs[1] is not None and out.logprobs[1].top == ()
+    assert out.logprobs[1].rank == 1
+
+
+def test_gather_logprobs_rows_take_their_own_top_count():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    got = gather_logprobs(logits, [0, 0], [1, 3])
+    assert [lp.rank for lp in got] == [3, 1]
+    assert [len(lp.top) for lp in got] == [1, 3]
+    assert got[0].top[0][0] == 2 and got[1].top[0][0] == 0
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {1: 101.0}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_out_of_range_settings_are_refused_naming_the_field(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
