@@ -111,8 +111,14 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = tuple(first.get("loc", ()))
         msg = first.get("msg", "invalid request")
         param = _validation_param(loc)
-        return error_response(400, f"{param}: {msg}" if param else msg, param,
-                              "invalid_value")
+        code = "invalid_value"
+        if first.get("type") == "extra_forbidden":  # never ignored silently (docs/api.md)
+            msg = "unsupported field: this server does not implement it (see docs/api.md)"
+            code = "unsupported_parameter"
+        elif first.get("type") == "unsupported_parameter":
+            msg = f"unsupported: {msg}"
+            code = "unsupported_parameter"
+        return error_response(400, f"{param}: {msg}" if param else msg, param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,37 +1,68 @@
-"""OpenAI request and response bodies (the subset we serve); requests convert to ``SamplingParams``.
+"""OpenAI request and response bodies; requests convert to ``SamplingParams``.
 
-Field names, ranges and defaults follow the OpenAI API reference; unknown fields are ignored, as
-vLLM's OpenAI server does.
+Field names, ranges and defaults follow the OpenAI API reference. No field is silently ignored:
+every field of the reference is implemented or refused with 400 ``unsupported_parameter``
+naming it, and so is any unknown field (``extra="forbid"``). vLLM extensions we implement are
+accepted under vLLM's names. ``docs/api.md`` has the table.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: ``logprobs`` <= 5
+MAX_PROMPTS = 32  # prompts in one /v1/completions call
+MAX_CHOICES = 64  # prompts x n in one call
+MAX_USER_CHARS = 256  # ``user`` / ``safety_identifier``, stored in the usage row
+
+
+def unsupported(reason: str) -> Any:
+    """A field that is refused whenever it is set (not null): 400 ``unsupported_parameter``."""
+
+    def check(v: Any) -> Any:
+        if v is not None:
+            raise PydanticCustomError("unsupported_parameter", reason)
+        return v
+
+    return Annotated[Any, AfterValidator(check),
+                     Field(None, description=f"Unsupported (refused when set): {reason}")]
+
+
+def _refuse(reason: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", reason)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: unsupported("stream obfuscation is not supported")
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields common to chat completions and completions (OpenAI, then vLLM extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
@@ -39,9 +70,18 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
-    user: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -51,34 +91,75 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("only 0 is supported")
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
-    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def end_user(self) -> str | None:
+        """The end user the call is made for (``safety_identifier``, else ``user``)."""
+        return getattr(self, "safety_identifier", None) or self.user
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            seed=self.seed, stop=tuple(stops), ignore_eos=self.ignore_eos, n=self.n)
+            seed=self.seed, stop=tuple(stops), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+
+_TEXT_ONLY = "this model takes text only"
+
+
+def _check_content(v: Any) -> Any:
+    """Message content: a string or a list of ``text`` parts; other parts are refused."""
+    if isinstance(v, list):
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "input_audio", "file", "audio", "input_image"):
+                raise _refuse(f"{_TEXT_ONLY}; a {kind!r} content part cannot be read")
+    return v
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: unsupported("tool calls are not supported yet")
+    tool_call_id: unsupported("tool messages are not supported yet")
+    function_call: unsupported("function calling is not supported")
+    audio: unsupported(_TEXT_ONLY)
+    refusal: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        return _check_content(v)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -86,32 +167,117 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    @model_validator(mode="after")
+    def _text_only_for_now(self) -> ResponseFormat:
+        if self.type != "text":
+            raise _refuse(f"response_format type {self.type!r} is not supported yet; only "
+                          "'text'")
+        return self
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = Field(None, max_length=MAX_USER_CHARS)
+    tools: unsupported("tools are not supported yet")
+    tool_choice: unsupported("tool_choice needs tools, which are not supported yet")
+    parallel_tool_calls: unsupported("parallel_tool_calls needs tools, which are not "
+                                     "supported yet")
+    functions: unsupported("functions is deprecated and not supported; use tools")
+    function_call: unsupported("function_call is deprecated and not supported")
+    audio: unsupported(_TEXT_ONLY)
+    prediction: unsupported("predicted outputs are not supported")
+    reasoning_effort: unsupported("this model does not reason; reasoning_effort is not "
+                                  "supported")
+    verbosity: unsupported("verbosity is not supported")
+    web_search_options: unsupported("web search is not supported")
+    metadata: unsupported("metadata needs stored completions, which are not supported")
+    prompt_cache_key: unsupported("prompt_cache_key is not supported; prefix caching is "
+                                  "automatic within the tenant (cache_salt splits it further)")
 
-    def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[StrictInt], Field(min_length=1)] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
-
-    @field_validator("prompt")
+    @field_validator("top_logprobs")
     @classmethod
-    def _one_prompt(cls, v: str | list) -> str | list:
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt must not be empty")
+    def _top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens)
+        return self._sampling_params(self.max_completion_tokens or self.max_tokens,
+                                     (self.top_logprobs or 0) if self.logprobs else None,
+                                     self.prompt_logprobs)
+
+
+PromptList = str | Annotated[list[StrictInt], Field(min_length=1)] | list[str] \
+    | list[Annotated[list[StrictInt], Field(min_length=1)]]
+
+
+class CompletionRequest(_SamplingFields):
+    # Field order matters: validators read the fields declared before theirs.
+    prompt: PromptList
+    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: unsupported("suffix (insertion) is not supported by this model")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompts(cls, v: PromptList, info: ValidationInfo) -> PromptList:
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and v and not isinstance(v[0], int):
+            if not 1 <= len(v) <= MAX_PROMPTS:
+                raise ValueError(f"prompt takes 1 to {MAX_PROMPTS} prompts")
+            if any(isinstance(p, str) and not p for p in v):
+                raise ValueError("prompts must not be empty")
+            if len(v) * info.data.get("n", 1) > MAX_CHOICES:
+                raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+        elif isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_to_score(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 needs echo: true (scoring the prompt)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise _refuse("best_of other than n is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the call: text or token ids, each its own choice index group."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        # max_tokens 0 with echo scores the prompt: one token is computed, none returned.
+        max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -136,10 +302,48 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One token of chat ``logprobs``: its text, logprob and UTF-8 bytes (OpenAI)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions ``logprobs`` (OpenAI): parallel lists over the returned tokens; with
+    ``echo`` the prompt's tokens come first (the first has no logprob)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM ``prompt_logprobs`` entry (keyed by token id in its dict)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -150,6 +354,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    service_tier: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class DeltaMessage(BaseModel):
@@ -166,15 +372,16 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class CompletionResponse(BaseModel):

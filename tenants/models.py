@@ -192,6 +192,7 @@ class UsageRecordRow(Base):
     ttft_s: Mapped[float | None] = mapped_column(Float())
     latency_s: Mapped[float | None] = mapped_column(Float())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    end_user: Mapped[str | None] = mapped_column(String(256))  # OpenAI user (0007)
 
 
 class AuditLogRow(Base):

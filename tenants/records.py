@@ -108,6 +108,8 @@ class UsageRecord:
     ttft_s: float | None = None
     latency_s: float | None = None
     created_at: datetime | None = None
+    # OpenAI ``safety_identifier`` / ``user``: the tenant's own end user, for per-user reports.
+    end_user: str | None = None
 
 
 @dataclass(frozen=True)

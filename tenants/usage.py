@@ -56,6 +56,7 @@ def add_usage_record(session: Session, record: UsageRecord) -> None:
             ttft_s=record.ttft_s,
             latency_s=record.latency_s,
             created_at=record.created_at or utcnow(),
+            end_user=record.end_user,
         )
     )
 
@@ -66,6 +67,7 @@ def select_usage(
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int | None = None,
+    end_user: str | None = None,
 ) -> list[UsageRecord]:
     """Returns usage records, oldest first.
 
@@ -75,6 +77,7 @@ def select_usage(
         since: inclusive lower bound on ``created_at`` (timezone-aware), or None.
         until: exclusive upper bound on ``created_at`` (timezone-aware), or None.
         limit: at most this many records, or None for all.
+        end_user: only the records of calls made for this end user (OpenAI ``user``).
 
     Raises:
         ValueError: if ``since`` or ``until`` is naive.
@@ -88,6 +91,8 @@ def select_usage(
         stmt = stmt.where(UsageRecordRow.created_at >= since)
     if until is not None:
         stmt = stmt.where(UsageRecordRow.created_at < until)
+    if end_user is not None:
+        stmt = stmt.where(UsageRecordRow.end_user == end_user)
     stmt = stmt.order_by(UsageRecordRow.created_at, UsageRecordRow.id)
     if limit is not None:
         stmt = stmt.limit(limit)
@@ -105,6 +110,7 @@ def select_usage(
             ttft_s=r.ttft_s,
             latency_s=r.latency_s,
             created_at=r.created_at,
+            end_user=r.end_user,
         )
         for r in session.scalars(stmt)
     ]
@@ -251,14 +257,16 @@ class UsageStore:
         since: datetime | None = None,
         until: datetime | None = None,
         limit: int | None = None,
+        end_user: str | None = None,
     ) -> list[UsageRecord]:
-        """Returns usage records, oldest first; ``since`` inclusive, ``until`` exclusive.
+        """Returns usage records, oldest first; ``since`` inclusive, ``until`` exclusive;
+        ``end_user``: only calls made for this end user (OpenAI ``user``).
 
         Raises:
             ValueError: if ``since`` or ``until`` is naive.
         """
         with self._session_factory() as session:
-            return select_usage(session, tenant_id, since, until, limit)
+            return select_usage(session, tenant_id, since, until, limit, end_user)
 
     def audit(
         self,

@@ -268,10 +268,13 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
                 since: datetime | None = None, until: datetime | None = None,
                 limit: int | None = Query(None, ge=1, le=100_000),
                 bucket_s: int | None = Query(None, ge=1, le=366 * 86400),
+                end_user: str | None = Query(None, max_length=256),
                 format: Literal["json", "csv"] = "json") -> dict | Response:
     """Usage records (oldest first) or, with ``bucket_s``, per-tenant per-bucket sums
-    (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone."""
-    records = await _in_thread(_usage(request).list_usage, tenant, since, until, limit)
+    (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone;
+    ``end_user``: only calls a tenant made for this end user (OpenAI ``user``)."""
+    records = await _in_thread(_usage(request).list_usage, tenant, since, until, limit,
+                               end_user)
     if bucket_s:
         rows, columns = _buckets(records, bucket_s), _BUCKET_COLUMNS
     else:

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,23 +41,33 @@ from app.limits import Lease, RateLimiter, RateLimitExceeded, TenantLimits
 from app.metrics import ServerMetrics
 from app.protocol import (
     AssistantMessage,
+    ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
+)
+from app.services.chat_template import ChatTemplateError, render_chat
+from app.services.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
 )
 from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
-from engine.request import EngineRequest, RequestOutput, TenantShare
+from engine.request import EngineRequest, RequestOutput, TenantShare, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from tenants.records import AuthContext, UsageRecord
 
@@ -69,23 +79,37 @@ BodyReader = Callable[[], Awaitable[bytes]]
 
 
 @dataclass
+class Prompt:
+    """One prompt of a call: its token ids and text (``echo`` returns the text)."""
+
+    token_ids: list[int] = field(repr=False)
+    text: str = field(default="", repr=False)
+
+
+@dataclass
 class ChoiceState:
-    """One of the call's n completions, as accumulated from engine outputs."""
+    """One completion of the call (prompt ``prompt_index``), as accumulated from engine
+    outputs."""
 
     index: int
+    prompt_index: int = 0
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = field(default=None, repr=False)
 
 
 @dataclass
 class CompletionCall:
-    """One API call: n engine requests over the same prompt, and what it used.
+    """One API call: n engine requests per prompt, and what it used.
 
-    ``status`` is None while the outcome is open; then ``"ok"`` (completed), ``"error"`` (refused
-    or failed) or ``"aborted"`` (client disconnect or cancellation). A call finalised while
-    still open is recorded as ``"error"``.
+    Choice ``i`` answers prompt ``i // n`` (OpenAI and vLLM number a batch of prompts so).
+    ``status`` is None while the outcome is open; then ``"ok"`` (completed), ``"error"``
+    (refused or failed) or ``"aborted"`` (client disconnect or cancellation). A call finalised
+    while still open is recorded as ``"error"``.
     """
 
     request_id: str
@@ -94,7 +118,7 @@ class CompletionCall:
     auth: AuthContext
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
-    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    prompts: list[Prompt] = field(default_factory=list, repr=False)
     params: SamplingParams | None = None
     cache_salt: bytes | None = field(default=None, repr=False)
     first_token_time: float | None = None
@@ -103,34 +127,47 @@ class CompletionCall:
     lease: Lease | None = None
     submitted: bool = False  # the engine has the call's requests
     finalized: bool = False
+    end_user: str | None = field(default=None, repr=False)
+    echo: bool = False  # completions: the prompt text is returned before the completion
+    score_only: bool = False  # completions with echo and max_tokens 0: no generated token
+    wants_prompt_logprobs: bool = False  # vLLM ``prompt_logprobs`` asked for by name
+    as_token_ids: bool = False  # vLLM ``return_tokens_as_token_ids``
+    service_tier: str | None = None  # echoed as "default" when the request named one
 
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat.completions"
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
     def limit_headers(self) -> dict[str, str]:
         return dict(self.lease.headers) if self.lease is not None else {}
 
     def engine_requests(self) -> list[EngineRequest]:
-        """The n engine requests; with n > 1 and a seed, choice i uses seed + i. The n choices
-        share one prefill: through the tenant's prefix cache, or, for a tenant with caching
-        off, through a private per-call cache that no other request can hit and that leaves
-        nothing cached (``EngineRequest.private_cache``)."""
+        """The n engine requests of each prompt; with n > 1 and a seed, choice i of a prompt
+        uses seed + i. The n choices share one prefill: through the tenant's prefix cache, or,
+        for a tenant with caching off, through a private per-call cache that no other request
+        can hit and that leaves nothing cached (``EngineRequest.private_cache``)."""
         assert self.params is not None
-        private = self.params.n > 1 and not self.auth.enable_prefix_caching
-        salt = secrets.token_bytes(32) if private else self.cache_salt
+        n = self.params.n
+        private = n > 1 and not self.auth.enable_prefix_caching
         reqs = []
-        for i in range(self.params.n):
-            params = self.params
-            if params.n > 1 and params.seed is not None:
-                params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            reqs.append(EngineRequest(
-                request_id=f"{self.request_id}-{i}", prompt_token_ids=tuple(self.prompt_ids),
-                sampling_params=params, tenant_id=self.auth.tenant_id,
-                cache_salt=salt, private_cache=private,
-                enable_prefix_caching=self.auth.enable_prefix_caching,
-                tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
-                                         self.auth.max_cache_blocks)))
+        for j, prompt in enumerate(self.prompts):
+            salt = secrets.token_bytes(32) if private else self.cache_salt
+            for i in range(n):
+                params = self.params
+                if n > 1 and params.seed is not None:
+                    params = replace(params, seed=params.seed + i)
+                reqs.append(EngineRequest(
+                    request_id=f"{self.request_id}-{j * n + i}",
+                    prompt_token_ids=tuple(prompt.token_ids),
+                    sampling_params=params, tenant_id=self.auth.tenant_id,
+                    cache_salt=salt, private_cache=private,
+                    enable_prefix_caching=self.auth.enable_prefix_caching,
+                    tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
+                                             self.auth.max_cache_blocks)))
         return reqs
 
     def apply(self, i: int, out: RequestOutput) -> None:
@@ -138,23 +175,29 @@ class CompletionCall:
         if self.first_token_time is None and out.new_token_ids:
             self.first_token_time = time.monotonic()
         c = self.choices[i]
-        c.text += out.new_text
-        c.num_tokens = out.num_output_tokens
         c.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
+        if not self.score_only:
+            c.text += out.new_text
+            c.num_tokens = out.num_output_tokens
+            c.token_ids.extend(out.new_token_ids)
+            c.logprobs.extend(out.new_logprobs)
         if out.finished:
             if out.finish_reason == "error":  # a fault of this request only (engine/faults.py)
                 raise RequestFailedError(out.error or "the request failed in the engine")
-            c.finish_reason = out.finish_reason
+            c.finish_reason = "length" if self.score_only else out.finish_reason
 
     def usage(self) -> UsageInfo:
-        """OpenAI ``usage``: cached tokens are choice 0's (all n share the prompt)."""
+        """OpenAI ``usage``: cached tokens are those of each prompt's first choice (a prompt's
+        n choices share it)."""
         completion = sum(c.num_tokens for c in self.choices)
-        prompt = len(self.prompt_ids)
+        prompt = self.num_prompt_tokens
+        n = self.params.n if self.params is not None else 1
+        cached = sum(c.num_cached_tokens for c in self.choices[::n])
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(
-                             cached_tokens=self.choices[0].num_cached_tokens if self.choices
-                             else 0))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def usage_record(self) -> UsageRecord:
         """The call's usage row. A call refused before it reached the engine (400, 429)
@@ -168,7 +211,7 @@ class CompletionCall:
             cached_tokens=u.prompt_tokens_details.cached_tokens,
             completion_tokens=u.completion_tokens,
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.start,
-            latency_s=time.monotonic() - self.start)
+            latency_s=time.monotonic() - self.start, end_user=self.end_user)
 
 
 def _sse(obj: BaseModel | dict) -> str:
@@ -260,6 +303,7 @@ class CompletionsService:
         self.metrics = metrics
         self.limiter = limiter
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
+        self.token_texts = TokenTexts(self.info.tokenizer)
 
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
@@ -311,7 +355,8 @@ class CompletionsService:
                                     status_code=400)
             body = await self.preprocessor.parse(auth.tenant_id, model_cls, raw,
                                                  self.info.max_model_len)
-            call.prompt_ids = await self.preprocessor.run(
+            self._describe(call, body)
+            call.prompts = await self.preprocessor.run(
                 auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt")
             streams = self._submit(call, body)
             if body.stream:
@@ -331,15 +376,46 @@ class CompletionsService:
             if not handed_off:
                 self._finalize(call)
 
+    @staticmethod
+    def _describe(call: CompletionCall, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Copies what shapes the response from the parsed body onto the call.
+
+        Raises:
+            APIError: 400 for ``prompt_logprobs`` with a streamed chat completion.
+        """
+        call.end_user = body.end_user()
+        call.wants_prompt_logprobs = body.prompt_logprobs is not None
+        call.as_token_ids = body.return_tokens_as_token_ids
+        if isinstance(body, CompletionRequest):
+            call.echo, call.score_only = body.echo, body.echo and body.max_tokens == 0
+        else:
+            call.service_tier = "default" if body.service_tier else None
+            if body.stream and body.prompt_logprobs is not None:
+                raise APIError(400, "prompt_logprobs: unsupported with stream for chat "
+                               "completions; use a non-streamed call", "prompt_logprobs",
+                               "unsupported_parameter")
+
+    def _first_completion_chunk(self, call: CompletionCall, c: ChoiceState,
+                                include_usage: bool) -> BaseModel | None:
+        """A completions stream's first chunk for choice ``c``: the echoed prompt text (with
+        its logprobs) and vLLM ``prompt_logprobs``; None when neither was asked for."""
+        if not call.echo and not call.wants_prompt_logprobs:
+            return None
+        logprobs = None
+        if call.echo:
+            logprobs = self._completion_logprobs(call, c, [], [], echo=True)
+        return self._chunk(call, include_usage, c.index, self._echo_text(call, c), None,
+                           logprobs=logprobs, prompt_lps=self._prompt_logprobs(call, c))
+
     def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str
-                 ) -> list[int]:
+                 ) -> list[Prompt]:
         """Checks the model, renders and tokenises the prompt (in a worker thread).
 
         Raises:
             APIError: 400 unknown model, over-long prompt text, template or tokenizer failure.
         """
-        if body.model != self.info.served_model_name:
-            raise APIError(400, f"model {body.model!r} does not exist; this server serves "
+        if body.model != self.info.served_model_name:  # OpenAI answers 404 model_not_found
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
         return self._tokenize(body, prompt_param)
 
@@ -361,15 +437,18 @@ class CompletionsService:
             call.cache_salt = call.auth.effective_salt(body.cache_salt)
         except ValueError as e:
             raise APIError(400, str(e), "cache_salt", "invalid_value") from None
-        n, limit, max_tokens = len(call.prompt_ids), self.info.max_model_len, call.params.max_tokens
-        if max_tokens is not None and n < limit and n + max_tokens > limit:  # OpenAI API rule
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
-                           f"requested {n + max_tokens} tokens ({n} in the prompt, "
-                           f"{max_tokens} in the completion)", "max_tokens",
-                           "context_length_exceeded")
+        limit, max_tokens = self.info.max_model_len, call.params.max_tokens
+        for prompt in call.prompts:
+            n = len(prompt.token_ids)
+            if max_tokens is not None and n < limit and n + max_tokens > limit:  # OpenAI rule
+                raise APIError(400, f"this model's maximum context length is {limit} tokens; "
+                               f"you requested {n + max_tokens} tokens ({n} in the prompt, "
+                               f"{max_tokens} in the completion)", "max_tokens",
+                               "context_length_exceeded")
         requests = call.engine_requests()
         try:  # the engine's own check, before tokens are reserved: a bad prompt is a 400
-            validate_request(requests[0], self.info)  # the n requests share the prompt
+            for req in requests[::call.params.n]:  # a prompt's n requests share it
+                validate_request(req, self.info)
         except InvalidRequestError as e:
             raise APIError(400, e.message, prompt_param if e.param == "prompt" else e.param,
                            e.code) from None
@@ -386,27 +465,37 @@ class CompletionsService:
                 call.lease = None
             raise
         call.submitted = True
-        call.choices = [ChoiceState(i) for i in range(call.params.n)]
+        call.choices = [ChoiceState(i, i // call.params.n) for i in range(len(requests))]
         return streams
 
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest,
-                  prompt_param: str) -> list[int]:
+                  prompt_param: str) -> list[Prompt]:
         """Chat template and tokenisation with this worker's tokenizer (worker thread)."""
         tokenizer = self.preprocessor.tokenizer()
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             self._check_chars(sum(len(m["content"]) for m in messages), prompt_param)
             try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=True)
+                ids = render_chat(tokenizer, messages)
+            except ChatTemplateError as e:
+                raise APIError(400, str(e), "messages", "invalid_value") from None
             except Exception:  # noqa: BLE001 - any template error is a bad request
                 raise APIError(400, "messages could not be rendered with the model's chat "
                                "template", "messages", "invalid_value") from None
-            return self._encode(text, prompt_param, add_special_tokens=False)
-        if isinstance(body.prompt, str):
-            self._check_chars(len(body.prompt), prompt_param)
-            return self._encode(body.prompt, prompt_param)
-        return list(body.prompt)
+            return [Prompt(ids)]
+        prompts = body.prompts()
+        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), prompt_param)
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(Prompt(self._encode(p, prompt_param), p))
+            else:
+                text = tokenizer.decode(p) if body.echo and self._ids_in_vocab(p) else ""
+                out.append(Prompt(list(p), text))
+        return out
+
+    def _ids_in_vocab(self, ids: list[int]) -> bool:
+        return all(0 <= t < self.info.vocab_size for t in ids)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuses prompt text that cannot fit the context, before any templating work."""
@@ -449,7 +538,7 @@ class CompletionsService:
             raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 
     def _reserve(self, call: CompletionCall) -> None:
-        """Reserves prompt + n * max_tokens tokens on the call's lease (tpm).
+        """Reserves, per prompt, its tokens + n * max_tokens on the call's lease (tpm).
 
         Raises:
             APIError: 429 over the tenant's tpm; the call counts as one request, no tokens.
@@ -457,12 +546,11 @@ class CompletionsService:
         params = call.params
         if call.lease is None or params is None:
             return
-        n_prompt = len(call.prompt_ids)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.info.max_model_len - n_prompt
+        limit = self.info.max_model_len
+        tokens = sum(len(p.token_ids) + params.n * (params.max_tokens or limit - len(p.token_ids))
+                     for p in call.prompts)
         try:
-            call.lease.reserve(self._limits(call.auth), n_prompt + params.n * max_tokens)
+            call.lease.reserve(self._limits(call.auth), tokens)
         except RateLimitExceeded as e:
             # The body was read and tokenised: the call counts as a request, with no tokens.
             call.lease.release(0)
@@ -521,43 +609,115 @@ class CompletionsService:
                 id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
                 choices=[ChatCompletionChoice(index=c.index,
                                               message=AssistantMessage(content=c.text),
+                                              logprobs=self._chat_logprobs(call, c.logprobs),
                                               finish_reason=c.finish_reason)
-                         for c in call.choices])
+                         for c in call.choices],
+                service_tier=call.service_tier,
+                prompt_logprobs=self._prompt_logprobs(call, call.choices[0]))
         return CompletionResponse(
             id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
-            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
-                     for c in call.choices])
+            choices=[CompletionChoice(
+                index=c.index, text=self._echo_text(call, c) + c.text,
+                logprobs=self._completion_logprobs(call, c, c.token_ids, c.logprobs,
+                                                   echo=call.echo),
+                finish_reason=c.finish_reason, prompt_logprobs=self._prompt_logprobs(call, c))
+                for c in call.choices])
+
+    # -- logprobs and echo (app.services.logprobs names the tokens) -------------------------------
+    def _chat_logprobs(self, call: CompletionCall, entries: list[TokenLogprobs]
+                       ) -> ChatChoiceLogprobs | None:
+        if call.params is None or call.params.logprobs is None:
+            return None
+        return chat_logprobs(self.token_texts, entries, call.as_token_ids)
+
+    def _completion_logprobs(self, call: CompletionCall, c: ChoiceState, token_ids: list[int],
+                             entries: list[TokenLogprobs], echo: bool,
+                             text_offset: int = 0) -> CompletionLogprobs | None:
+        """``echo``: the prompt's tokens (and their logprobs) come first."""
+        params = call.params
+        if params is None or params.logprobs is None:
+            return None
+        ids: list[int] = list(token_ids)
+        lps: list[TokenLogprobs | None] = list(entries)
+        if echo:
+            prompt = call.prompts[c.prompt_index]
+            ids = prompt.token_ids + ids
+            lps = list(c.prompt_logprobs or [None] * len(prompt.token_ids)) + lps
+        return completion_logprobs(self.token_texts, lps, ids, params.logprobs, text_offset,
+                                   call.as_token_ids)
+
+    def _prompt_logprobs(self, call: CompletionCall, c: ChoiceState) -> PromptLogprobs | None:
+        """vLLM ``prompt_logprobs``, only when the request asked for it by that name."""
+        if not call.wants_prompt_logprobs or c.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.token_texts, c.prompt_logprobs, call.as_token_ids)
+
+    @staticmethod
+    def _echo_text(call: CompletionCall, c: ChoiceState) -> str:
+        return call.prompts[c.prompt_index].text if call.echo else ""
 
     def _chunk(self, call: CompletionCall, include_usage: bool, i: int, text: str | None,
-               finish_reason: str | None, role: bool = False) -> BaseModel:
+               finish_reason: str | None, role: bool = False,
+               logprobs: ChatChoiceLogprobs | CompletionLogprobs | None = None,
+               prompt_lps: PromptLogprobs | None = None) -> BaseModel:
         if call.chat:
             delta = DeltaMessage(role="assistant" if role else None, content=text)
             return ChatCompletionStreamResponse(
                 id=call.request_id, created=call.created, model=call.model,
                 include_usage=include_usage,
-                choices=[ChatCompletionStreamChoice(index=i, delta=delta,
-                                                    finish_reason=finish_reason)])
+                choices=[ChatCompletionStreamChoice(
+                    index=i, delta=delta, finish_reason=finish_reason,
+                    logprobs=logprobs if isinstance(logprobs, ChatChoiceLogprobs) else None)])
         return CompletionStreamResponse(
             id=call.request_id, created=call.created, model=call.model,
             include_usage=include_usage,
-            choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish_reason)])
+            choices=[CompletionChoice(
+                index=i, text=text or "", finish_reason=finish_reason,
+                logprobs=logprobs if isinstance(logprobs, CompletionLogprobs) else None,
+                prompt_logprobs=prompt_lps)])
+
+    def _delta_logprobs(self, call: CompletionCall, c: ChoiceState, out: RequestOutput,
+                        text_before: int) -> ChatChoiceLogprobs | CompletionLogprobs | None:
+        """The logprobs of one engine output's new tokens, for a stream chunk."""
+        if call.score_only or not out.new_logprobs:
+            return None
+        if call.chat:
+            return self._chat_logprobs(call, list(out.new_logprobs))
+        return self._completion_logprobs(call, c, list(out.new_token_ids),
+                                         list(out.new_logprobs), echo=False,
+                                         text_offset=text_before)
 
     async def _stream(self, call: CompletionCall, streams: list[RequestStreamLike],
                       include_usage: bool) -> AsyncGenerator[str, None]:
         """SSE body: role chunk (chat), one chunk per text delta or finish, the usage chunk
         (``stream_options.include_usage``), ``[DONE]``. Engine errors mid-stream are sent
-        in-band in the OpenAI error shape."""
+        in-band in the OpenAI error shape.
+
+        Completions with ``echo`` send each prompt's text (and, with ``logprobs``, its
+        tokens' logprobs) in the choice's first chunk, once its prompt logprobs are known."""
         try:
             if call.chat:
                 for c in call.choices:
                     yield _sse(self._chunk(call, include_usage, c.index, "", None, role=True))
+            # Characters sent per choice (completions ``text_offset``), None until the first.
+            sent: list[int | None] = [None] * len(call.choices)
             async with aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
+                    c = call.choices[i]
                     call.apply(i, out)
-                    if not out.new_text and not out.finished:
+                    if sent[i] is None and not call.chat:
+                        first = self._first_completion_chunk(call, c, include_usage)
+                        sent[i] = len(self._echo_text(call, c))
+                        if first is not None:
+                            yield _sse(first)
+                    new_text = "" if call.score_only else out.new_text
+                    logprobs = self._delta_logprobs(call, c, out, sent[i] or 0)
+                    if not new_text and not out.finished and logprobs is None:
                         continue
-                    yield _sse(self._chunk(call, include_usage, i, out.new_text or None,
-                                           out.finish_reason if out.finished else None))
+                    yield _sse(self._chunk(call, include_usage, i, new_text or None,
+                                           c.finish_reason if out.finished else None,
+                                           logprobs=logprobs))
+                    sent[i] = (sent[i] or 0) + len(new_text)
             call.status = "ok"
             if include_usage:
                 cls = ChatCompletionStreamResponse if call.chat else CompletionStreamResponse

@@ -138,7 +138,7 @@ def test_refused_by_the_engine_is_recorded_once_and_counts_no_rate_limit(env, se
 def test_bad_request_before_admission_is_recorded_once(env, service):
     r = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
         "model": "nope", "prompt": "hi"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert [x.status for x in service.record_usage.settled(1)] == ["error"]
     assert _in_flight(service, env) == 0
 

@@ -260,7 +260,7 @@ def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock)
 def test_lease_released_on_engine_rejection_and_bad_request(env, clock):
     env.repo.update_tenant(env.tenant_b, max_concurrent=1, rpm_limit=100)
     limiter = env.client.app.state.completions.limiter
-    assert _post(env, env.key_b, model="nope").status_code == 400  # before admission
+    assert _post(env, env.key_b, model="nope").status_code == 404  # before admission
     assert limiter.in_flight(env.tenant_b) == 0
     r = _post(env, env.key_b, stream=True, max_tokens=2)
     assert r.status_code == 200 and limiter.in_flight(env.tenant_b) == 0

@@ -203,7 +203,7 @@ def test_rejected_call_counts_as_error_only(env):
     before = scrape(env)
     body = {"model": "no-such-model", "prompt": prompt_of(4, 10)}
     r = env.client.post("/v1/completions", json=body, headers=env.headers(env.key_a))
-    assert r.status_code == 400
+    assert r.status_code == 404
     after = scrape(env)
     assert after.get("requests_total", **lab, status="error") \
         - before.get("requests_total", **lab, status="error") == 1

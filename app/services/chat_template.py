@@ -1,0 +1,70 @@
+"""Chat templating that keeps message text as text.
+
+Two faults of rendering with ``apply_chat_template`` and tokenising the result are fixed here:
+
+- Control-token text inside a message (``<|im_end|>``, ``<|im_start|>system``) would become real
+  control tokens and forge turns. Each message's content is replaced by a sentinel, the template
+  is rendered, and the result is tokenised piece by piece: the template's own text with special
+  tokens recognised, each message's content with special tokens split into plain text
+  (``split_special_tokens``), so only the template's markers are control tokens.
+- A ``developer`` message (OpenAI's newer name for ``system``) rendered by a template without a
+  developer branch becomes an unknown role after the template's default system prompt. It is
+  rendered as ``system``; leading system messages are merged into one (OpenAI sends both).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Private-use code points: never produced by a template; a message's own text is tokenised
+# separately, so a client sending these characters cannot forge a sentinel.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (client-safe message)."""
+
+
+def normalize_roles(messages: list[dict[str, str]], template: str | None
+                    ) -> list[dict[str, str]]:
+    """``developer`` -> ``system`` when the template has no developer branch; leading system
+    messages merged into one (joined by a blank line)."""
+    if template is None or "developer" not in template:
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m
+                    for m in messages]
+    merged: list[dict[str, str]] = []
+    for m in messages:
+        if m["role"] == "system" and merged and all(x["role"] == "system" for x in merged):
+            merged[0] = {**merged[0], "content": merged[0]["content"] + "\n\n" + m["content"]}
+        else:
+            merged.append(m)
+    return merged
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids of ``messages`` under the tokenizer's chat template, with the
+    generation prompt, message text never parsed as special tokens.
+
+    Raises:
+        ChatTemplateError: a message ``content`` is missing where the template needs it.
+        Exception: whatever the template raises (the caller answers 400).
+    """
+    messages = normalize_roles(messages, getattr(tokenizer, "chat_template", None))
+    contents = [m["content"] for m in messages]
+    masked = [{**m, "content": f"{_OPEN}{i}{_CLOSE}"} for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    pos = 0
+    for match in _SENTINEL.finditer(text):
+        if match.start() > pos:
+            ids.extend(tokenizer.encode(text[pos:match.start()], add_special_tokens=False))
+        content = contents[int(match.group(1))]
+        if content:
+            ids.extend(tokenizer.encode(content, add_special_tokens=False,
+                                        split_special_tokens=True))
+        pos = match.end()
+    if pos < len(text):
+        ids.extend(tokenizer.encode(text[pos:], add_special_tokens=False))
+    return ids
