@@ -8,6 +8,8 @@ accepted under vLLM's names. ``docs/api.md`` has the table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,6 +32,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: ``logprobs`` <= 5
 MAX_PROMPTS = 32  # prompts in one /v1/completions call
 MAX_CHOICES = 64  # prompts x n in one call
 MAX_USER_CHARS = 256  # ``user`` / ``safety_identifier``, stored in the usage row
+EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
 def unsupported(reason: str) -> Any:
@@ -106,19 +109,25 @@ class _SamplingFields(BaseModel):
         return getattr(self, "safety_identifier", None) or self.user
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None, defaults: Mapping[str, float]
+                         ) -> SamplingParams:
+        """``defaults``: the model's generation-config values for omitted fields (vLLM)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
+        top_k = int(pick("top_k", -1))
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=-1 if top_k == 0 else top_k,
             seed=self.seed, stop=tuple(stops), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, n=self.n,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens)
@@ -188,8 +197,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    modalities: list[Literal["text"]] | None = None
-    store: Literal[False] | None = None
+    modalities: list[str] | None = None
+    store: bool | None = None
     service_tier: Literal["auto", "default"] | None = None
     safety_identifier: str | None = Field(None, max_length=MAX_USER_CHARS)
     tools: unsupported("tools are not supported yet")
@@ -208,6 +217,20 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: unsupported("prompt_cache_key is not supported; prefix caching is "
                                   "automatic within the tenant (cache_salt splits it further)")
 
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise _refuse(f"{_TEXT_ONLY}; modalities must be [\"text\"]")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _refuse("stored completions are not supported; store must be false")
+        return v
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -215,10 +238,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float] = EMPTY) -> SamplingParams:
+        """Raises InvalidRequestError (a sampling value out of range)."""
         return self._sampling_params(self.max_completion_tokens or self.max_tokens,
                                      (self.top_logprobs or 0) if self.logprobs else None,
-                                     self.prompt_logprobs)
+                                     self.prompt_logprobs, defaults)
 
 
 PromptList = str | Annotated[list[StrictInt], Field(min_length=1)] | list[str] \
@@ -271,13 +295,14 @@ class CompletionRequest(_SamplingFields):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float] = EMPTY) -> SamplingParams:
+        """Raises InvalidRequestError (a sampling value out of range)."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         # max_tokens 0 with echo scores the prompt: one token is computed, none returned.
         max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -434,3 +459,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- tokenizer endpoints (vLLM ``/tokenize``, ``/detokenize``) ---------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM ``/tokenize``: ``prompt`` (completions) or ``messages`` (chat template), not both."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # completions prompts only (vLLM)
+    add_generation_prompt: bool = True  # chat messages only (vLLM)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "send exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

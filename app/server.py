@@ -23,6 +23,7 @@ from app.limits import RateLimiter
 from app.metrics import ServerMetrics
 from app.routes import admin, health, metrics, openai
 from app.services.completions import CompletionsService
+from app.services.prompts import TokenizerService
 from engine.protocol import EngineClient
 from tenants.repository import TenantRepository
 from tenants.salt_versions import SaltVersions
@@ -198,10 +199,12 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.completions = CompletionsService(
         engine, journal.append if journal is not None else repo.usage.record_usage,
         app.state.metrics, RateLimiter(), usage_sink_blocks=journal is None)
+    app.state.tokenizer_service = TokenizerService(info, app.state.completions.preprocessor)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(openai.tokenizer_router)
     app.include_router(metrics.router)
     app.include_router(admin.router)
     app.include_router(admin.schema_router)

@@ -9,7 +9,9 @@ None means).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.block_hash import HASH_ALGOS
 
@@ -17,6 +19,53 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # names engine.model_runner.resolve_dtype maps
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
+
+
+# Sampling defaults read from a generation config (vLLM reads the same keys; max_new_tokens
+# is not used: OpenAI's own max_tokens defaults apply).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def parse_generation_overrides(text: str) -> dict[str, float]:
+    """``--override-generation-config`` as a dict.
+
+    Raises:
+        ValueError: not a JSON object of numbers keyed by ``GENERATION_CONFIG_KEYS``.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError("--override-generation-config must be a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError("--override-generation-config must be a JSON object")  # noqa: TRY004 - a bad flag value
+    for k, v in value.items():
+        if k not in GENERATION_CONFIG_KEYS:
+            raise ValueError(f"--override-generation-config: unknown key {k!r}; known: "
+                             f"{', '.join(GENERATION_CONFIG_KEYS)}")
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"--override-generation-config: {k} must be a number")  # noqa: TRY004
+    return value
+
+
+def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict[str, float]:
+    """The sampling defaults a request that omits a field gets (vLLM ``default_sampling_params``).
+
+    Raises:
+        FileNotFoundError: ``--generation-config`` names a folder without generation_config.json.
+    """
+    defaults: dict[str, float] = {}
+    source = config.generation_config
+    if source != "vllm":
+        folder = model_dir if source == "auto" else Path(source)
+        path = folder / "generation_config.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            defaults = {k: data[k] for k in GENERATION_CONFIG_KEYS if data.get(k) is not None}
+        elif source != "auto":
+            raise FileNotFoundError(f"--generation-config {source}: no generation_config.json")
+    if config.override_generation_config:
+        defaults.update(parse_generation_overrides(config.override_generation_config))
+    return defaults
 
 
 @dataclass(frozen=True)
@@ -76,6 +125,15 @@ class EngineConfig:
                 "stretch another's inter-token latency (stall-free batching, Sarathi-Serve); "
                 "0 turns it off.",
         "unset": "measured while serving: what a step can add without doubling a decode step"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "Sampling defaults for requests that omit them: auto = the model folder's "
+                "generation_config.json; vllm = none (temperature 1, top_p 1); or a folder "
+                "holding a generation_config.json (vLLM --generation-config)."})
+    override_generation_config: str | None = field(default=None, metadata={
+        "help": "JSON object of sampling defaults over --generation-config, e.g. "
+                "'{\"temperature\": 0.5}'; keys: " + ", ".join(GENERATION_CONFIG_KEYS)
+                + " (vLLM --override-generation-config).",
+        "unset": "no override"})
     max_consecutive_step_failures: int = field(default=3, metadata={
         "help": "Failed batched forwards in a row before the engine is declared dead "
                 "(/health 503, the server exits non-zero); one failure only fails that "
@@ -102,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"--scheduling-policy must be one of {SCHEDULING_POLICIES}")
         if self.interactive_step_tokens is not None and self.interactive_step_tokens < 0:
             raise ValueError("--interactive-step-tokens must be >= 0")
+        if self.override_generation_config is not None:
+            parse_generation_overrides(self.override_generation_config)
         if self.max_consecutive_step_failures < 1:
             raise ValueError("--max-consecutive-step-failures must be at least 1")
 

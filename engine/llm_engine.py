@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.block_hash import get_hash_fn
 from engine.block_pool import BlockPool
-from engine.config import CacheInfo, EngineConfig
+from engine.config import CacheInfo, EngineConfig, sampling_defaults
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError
 from engine.executor import ModelExecutor
@@ -154,7 +154,11 @@ class LLMEngine:
         self.model_info = ModelInfo(
             served_model_name=self.served_model_name, max_model_len=max_model_len,
             vocab_size=model_cfg.vocab_size, block_size=bs, num_blocks=num_blocks,
-            eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer)
+            eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer,
+            default_sampling=sampling_defaults(config, model_dir))
+        if self.model_info.default_sampling:
+            logger.info("sampling defaults from the generation config: %s",
+                        self.model_info.default_sampling)
         logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
                     "prefix caching %s (%s), attention %s, %s %s", num_blocks, bs,
                     num_blocks * per_block / 2**20, max_model_len,

@@ -49,6 +49,8 @@ class ModelInfo:
         num_blocks: KV blocks in the pool.
         eos_token_ids: token ids that end generation unless ``ignore_eos``.
         tokenizer: the Hugging Face tokenizer (chat template, encode); read-only use only.
+        default_sampling: temperature / top_p / top_k / repetition_penalty defaults from the
+            model's generation config (``--generation-config``), for requests that omit them.
     """
 
     served_model_name: str
@@ -58,6 +60,8 @@ class ModelInfo:
     num_blocks: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: Any = field(default=None, repr=False, compare=False)
+    # Sampling defaults for fields a request omits (``engine.config.sampling_defaults``).
+    default_sampling: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 def validate_request(request: EngineRequest, info: ModelInfo) -> None:

@@ -10,6 +10,7 @@ load in seconds and nothing is downloaded at run time.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -89,11 +90,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+# The sampling its authors recommend for SmolLM2-Instruct (model card); the GGUF does not carry
+# it. At OpenAI's default temperature 1.0 the 135M model often answers with word salad.
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def _write_recommended_sampling(model_dir: Path) -> None:
+    """Adds ``RECOMMENDED_SAMPLING`` to the folder's generation_config.json where it is absent
+    (idempotent; folders converted before it existed get it at the next start)."""
+    path = model_dir / "generation_config.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    missing = {k: v for k, v in RECOMMENDED_SAMPLING.items() if k not in data}
+    if missing:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**data, **missing}, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
 def ensure_default_model(data_dir: Path) -> Path:
-    """Returns ``<data_dir>/models/SmolLM2-135M-Instruct``, converting the bundled GGUF once."""
+    """Returns ``<data_dir>/models/SmolLM2-135M-Instruct``, converting the bundled GGUF once and
+    recording the model authors' sampling defaults in its generation_config.json."""
     model_dir = Path(data_dir) / "models" / DEFAULT_MODEL_NAME
     if not is_converted(model_dir):
         gguf = locate_bundled_gguf()
         logger.info("converting bundled model %s to safetensors in %s (once)", gguf.name, model_dir)
         convert_gguf(gguf, model_dir)
+    _write_recommended_sampling(model_dir)
     return model_dir

@@ -125,3 +125,12 @@ def make_llm_engine(model_dir: Path, tokenizer) -> Callable:
         return LLMEngine(EngineConfig(model=str(model_dir), **kwargs), tokenizer=tokenizer)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """The bundled model in Hugging Face transformers (fp32, eval): the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

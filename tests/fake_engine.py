@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.executor import ExecuteOutput
 from engine.faults import fire
 from engine.llm_engine import LLMEngine
+from engine.request import TokenLogprobs
 from engine.scheduler import SchedulerOutput
 
 _WORDS = (" the quick brown fox jumps over a lazy dog while seven small cats watch from an old"
@@ -70,6 +71,8 @@ class FakeExecutor:
             time.sleep(self.step_delay_s)
         self.steps += 1
         sampled, failed = {}, {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         for s in scheduled.scheduled:
             self.tokens_computed += s.num_new_tokens
             if s.samples:
@@ -82,7 +85,24 @@ class FakeExecutor:
                     continue
                 end = s.num_computed_tokens + s.num_new_tokens
                 sampled[rid] = self.next_token(s.request.all_token_ids[:end])
-        return ExecuteOutput(sampled, failed)
+                num_top = s.request.sampling_params.logprobs
+                if num_top is not None:
+                    logprobs[rid] = self.logprobs(sampled[rid], num_top)
+            num_top = s.request.sampling_params.prompt_logprobs
+            if num_top is not None:
+                req = s.request
+                stop = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+                prompt_logprobs[req.request_id] = (s.num_computed_tokens + 1, [
+                    self.logprobs(req.all_token_ids[p + 1], num_top)
+                    for p in range(s.num_computed_tokens, stop)])
+        return ExecuteOutput(sampled, failed, logprobs, prompt_logprobs)
+
+    def logprobs(self, token_id: int, num_top: int) -> TokenLogprobs:
+        """Made-up but well-formed logprobs: the token is the most likely one (-0.25), then
+        the word tokens at -1, -2, ..."""
+        top = [(token_id, -0.25)] + [(w, -1.0 - i) for i, w in enumerate(
+            dict.fromkeys(w for w in self.words if w != token_id))]
+        return TokenLogprobs(token_id, -0.25, 1, tuple(top[:num_top]))
 
     def release(self, request_id: str) -> None:
         pass

@@ -1,6 +1,9 @@
-"""``GET /health``: the only public route (no auth, no tenant data)."""
+"""``GET /health`` and ``GET /version``: the only public routes (no auth, no tenant data)."""
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -21,3 +24,12 @@ async def health(request: Request) -> JSONResponse:
     except EngineDeadError:
         ok = False
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+
+@router.get("/version")
+async def version() -> dict:
+    """The server's version (vLLM ``GET /version``); public, as in vLLM."""
+    try:
+        return {"version": package_version("saltserve")}
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return {"version": "unknown"}

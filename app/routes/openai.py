@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and
+vLLM's ``/tokenize`` and ``/detokenize``.
 
 Thin: authenticate (``CurrentTenant``), delegate to ``app.services.completions``. The body is not
 parsed here: the service reads and parses it off the event loop once the tenant's limits admit
@@ -12,10 +13,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from app.auth import CurrentTenant
-from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from app.errors import APIError
+from app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from app.services.completions import CompletionsService
+from app.services.prompts import TokenizerService
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+tokenizer_router = APIRouter(tags=["vllm"])
 
 
 def _service(request: Request) -> CompletionsService:
@@ -59,8 +72,38 @@ async def completions(request: Request,
                                                      request.is_disconnected)
 
 
+def _model_card(request: Request) -> ModelCard:
+    info = _service(request).info
+    return ModelCard(id=info.served_model_name, created=request.app.state.started_at,
+                     max_model_len=info.max_model_len)
+
+
 @router.get("/models")
 async def list_models(request: Request, auth: CurrentTenant) -> ModelList:
-    info = _service(request).info
-    return ModelList(data=[ModelCard(id=info.served_model_name, created=request.app.state.started_at,
-                                     max_model_len=info.max_model_len)])
+    return ModelList(data=[_model_card(request)])
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str, auth: CurrentTenant) -> ModelCard:
+    """OpenAI "retrieve model"; an unknown id is 404 ``model_not_found``, as in OpenAI."""
+    card = _model_card(request)
+    if model_id != card.id:
+        raise APIError(404, f"the model {model_id!r} does not exist", "model",
+                       "model_not_found")
+    return card
+
+
+def _tokenizer(request: Request) -> TokenizerService:
+    return request.app.state.tokenizer_service
+
+
+@tokenizer_router.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+async def tokenize(request: Request, auth: CurrentTenant) -> TokenizeResponse:
+    """vLLM ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
+    return await _tokenizer(request).tokenize(await request.body(), auth.tenant_id)
+
+
+@tokenizer_router.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+async def detokenize(request: Request, auth: CurrentTenant) -> DetokenizeResponse:
+    """vLLM ``/detokenize``: token ids to text."""
+    return await _tokenizer(request).detokenize(await request.body(), auth.tenant_id)

@@ -23,10 +23,6 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
 
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (client-safe message)."""
-
-
 def normalize_roles(messages: list[dict[str, str]], template: str | None
                     ) -> list[dict[str, str]]:
     """``developer`` -> ``system`` when the template has no developer branch; leading system
@@ -43,18 +39,19 @@ def normalize_roles(messages: list[dict[str, str]], template: str | None
     return merged
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids of ``messages`` under the tokenizer's chat template, with the
-    generation prompt, message text never parsed as special tokens.
+def render_chat(tokenizer: Any, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Prompt token ids of ``messages`` under the tokenizer's chat template (with the
+    generation prompt unless told otherwise), message text never parsed as special tokens.
 
     Raises:
-        ChatTemplateError: a message ``content`` is missing where the template needs it.
-        Exception: whatever the template raises (the caller answers 400).
+        Exception: whatever the template or the tokenizer raises (the caller answers 400).
     """
     messages = normalize_roles(messages, getattr(tokenizer, "chat_template", None))
     contents = [m["content"] for m in messages]
     masked = [{**m, "content": f"{_OPEN}{i}{_CLOSE}"} for i, m in enumerate(messages)]
-    text = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(masked, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     ids: list[int] = []
     pos = 0
     for match in _SENTINEL.finditer(text):

@@ -57,14 +57,14 @@ from app.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from app.services.chat_template import ChatTemplateError, render_chat
 from app.services.logprobs import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs,
 )
-from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor
+from app.services.preprocess import Preprocessor
+from app.services.prompts import PromptEncoder
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput, TenantShare, TokenLogprobs
@@ -303,6 +303,7 @@ class CompletionsService:
         self.metrics = metrics
         self.limiter = limiter
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
+        self.prompts = PromptEncoder(self.info, self.preprocessor)
         self.token_texts = TokenTexts(self.info.tokenizer)
 
     # -- entry points --------------------------------------------------------------------------
@@ -430,7 +431,7 @@ class CompletionsService:
         """
         prompt_param = "messages" if call.chat else "prompt"
         try:
-            call.params = body.sampling_params()
+            call.params = body.sampling_params(self.info.default_sampling)
         except InvalidRequestError as e:
             raise APIError(400, e.message, e.param, e.code) from None
         try:
@@ -471,49 +472,20 @@ class CompletionsService:
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest,
                   prompt_param: str) -> list[Prompt]:
         """Chat template and tokenisation with this worker's tokenizer (worker thread)."""
-        tokenizer = self.preprocessor.tokenizer()
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            self._check_chars(sum(len(m["content"]) for m in messages), prompt_param)
-            try:
-                ids = render_chat(tokenizer, messages)
-            except ChatTemplateError as e:
-                raise APIError(400, str(e), "messages", "invalid_value") from None
-            except Exception:  # noqa: BLE001 - any template error is a bad request
-                raise APIError(400, "messages could not be rendered with the model's chat "
-                               "template", "messages", "invalid_value") from None
-            return [Prompt(ids)]
+            return [Prompt(self.prompts.encode_chat(body.messages, param=prompt_param))]
         prompts = body.prompts()
-        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), prompt_param)
+        self.prompts.check_chars(sum(len(p) for p in prompts if isinstance(p, str)),
+                                 prompt_param)
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append(Prompt(self._encode(p, prompt_param), p))
-            else:
-                text = tokenizer.decode(p) if body.echo and self._ids_in_vocab(p) else ""
+                out.append(Prompt(self.prompts.encode(p, prompt_param), p))
+            else:  # out-of-vocabulary ids are refused by validate_request later
+                text = self.prompts.decode(p, prompt_param) \
+                    if body.echo and self.prompts.in_vocab(p) else ""
                 out.append(Prompt(list(p), text))
         return out
-
-    def _ids_in_vocab(self, ids: list[int]) -> bool:
-        return all(0 <= t < self.info.vocab_size for t in ids)
-
-    def _check_chars(self, num_chars: int, param: str) -> None:
-        """Refuses prompt text that cannot fit the context, before any templating work."""
-        limit = self.info.max_model_len * MAX_CHARS_PER_TOKEN
-        if num_chars > limit:
-            raise APIError(400, f"the prompt has {num_chars} characters; at most {limit} are "
-                           f"accepted ({MAX_CHARS_PER_TOKEN} per token of the model's maximum "
-                           f"context length of {self.info.max_model_len} tokens)", param,
-                           "context_length_exceeded")
-
-    def _encode(self, text: str, param: str, **kwargs) -> list[int]:
-        """Text the tokenizer cannot take (e.g. a lone UTF-16 surrogate from JSON ``"\\ud800"``)
-        is a 400, not a 500."""
-        try:
-            return self.preprocessor.tokenizer().encode(text, **kwargs)
-        except Exception:  # noqa: BLE001 - tokenizers raises TypeError/ValueError/Exception
-            raise APIError(400, "the text could not be tokenized (invalid Unicode?)", param,
-                           "invalid_value") from None
 
     @staticmethod
     def _limits(auth: AuthContext) -> TenantLimits:

@@ -60,7 +60,7 @@ def parse_body(model_cls: type[ModelT], raw: bytes, max_items: int | None = None
     """Parses and validates a JSON request body (call in a worker thread).
 
     Args:
-        max_items: when set, more ``messages`` or ``prompt`` token ids than this are refused
+        max_items: when set, more ``messages``, ``prompt`` or ``tokens`` items than this are refused
             before field validation (each costs at least one token, so they could not fit the
             context; and validating 100,000 tiny messages takes 0.3 s).
 
@@ -75,7 +75,7 @@ def parse_body(model_cls: type[ModelT], raw: bytes, max_items: int | None = None
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
                                        "msg": "JSON decode error"}]) from None
     if max_items is not None and isinstance(data, dict):
-        for field in ("messages", "prompt"):
+        for field in ("messages", "prompt", "tokens"):
             value = data.get(field)
             if isinstance(value, list) and len(value) > max_items:
                 raise APIError(400, f"{field} has {len(value)} items; at most {max_items} fit "

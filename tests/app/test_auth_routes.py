@@ -1,7 +1,8 @@
 """Deny by default: every route of the real app, every method, against every bad credential.
 
 Routes are enumerated from ``app.routes`` (path parameters filled with dummies), so a route added
-later without an auth dependency fails here. Only ``GET /health`` is public.
+later without an auth dependency fails here. Only ``GET /health`` and ``GET /version`` are
+public.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jwks_server import serve_jwks
 from tenants.tokens import key_id
 
 SCRAPE = "scrape-token-for-auth-tests"
-PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
+PUBLIC = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/version"), ("HEAD", "/version")}
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +99,17 @@ def bad_credentials(env) -> dict[str, dict[str, str]]:
 def test_enumeration_covers_every_router(env):
     routes = all_routes(env.client.app)
     paths = {p for _, p in routes}
-    for must in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics",
+    for must in ("/v1/chat/completions", "/v1/completions", "/v1/models",
+                 "/v1/models/dummy-0", "/tokenize", "/detokenize", "/version", "/metrics",
                  "/admin/tenants", "/admin/tenants/dummy-0/rotate-salt", "/admin/cache/reset",
                  "/admin/audit", "/admin/usage", "/health"):
         assert must in paths, must
     assert "/docs" not in paths and "/redoc" not in paths  # no public schema UIs
 
 
-def test_only_get_health_is_public(env):
+def test_only_health_and_version_are_public(env):
     assert env.client.get("/health").status_code == 200
+    assert env.client.get("/version").json()["version"] == "0.1.0"
     for method, path in all_routes(env.client.app):
         if (method, path) in PUBLIC:
             continue

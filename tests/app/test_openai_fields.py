@@ -1,0 +1,308 @@
+"""No OpenAI field is silently ignored (issue 11's rule): every field of the chat completions and
+completions references is accepted with an effect that is checked here, or refused with 400
+``unsupported_parameter`` naming it; unknown fields are refused the same way.
+
+Effects are checked on what reaches the engine (the ``SamplingParams`` of the submitted
+requests: the sampler's own semantics are tested in tests/engine) or on the response and the
+usage row. Runs on the fake model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from app.protocol import ChatCompletionRequest, CompletionRequest
+
+# The request fields of the OpenAI API reference (chat completions; legacy completions).
+OPENAI_CHAT_FIELDS = {
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+    "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities",
+    "n", "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop",
+    "store", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
+    "top_p", "user", "verbosity", "web_search_options"}
+OPENAI_COMPLETION_FIELDS = {
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+    "temperature", "top_p", "user"}
+# vLLM extensions we implement (docs/api.md).
+VLLM_FIELDS = {"top_k", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+               "skip_special_tokens", "prompt_logprobs", "return_tokens_as_token_ids",
+               "cache_salt"}
+
+
+@dataclass
+class Seen:
+    """What one call produced: its HTTP response and the engine requests it submitted."""
+
+    status: int
+    body: dict
+    text: str
+    requests: list
+
+    @property
+    def params(self):
+        return self.requests[0].sampling_params
+
+
+@pytest.fixture
+def send(app_env, monkeypatch) -> Callable[..., Seen]:
+    submitted: list = []
+    real = app_env.engine.add_request
+
+    def spy(req):
+        submitted.append(req)
+        return real(req)
+
+    monkeypatch.setattr(app_env.engine, "add_request", spy)
+
+    def post(path: str, body: dict, key: str | None = None) -> Seen:
+        submitted.clear()
+        r = app_env.client.post(path, json={"model": app_env.model, **body},
+                                headers=app_env.headers(key or app_env.key_a))
+        try:
+            parsed = r.json()
+        except ValueError:
+            parsed = {}
+        return Seen(r.status_code, parsed, r.text, list(submitted))
+
+    return post
+
+
+def _stored_end_user(env, request_id: str) -> str | None:
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        rows = [u for u in env.repo.list_usage(env.tenant_a) if u.request_id == request_id]
+        if rows:
+            return rows[0].end_user
+        time.sleep(0.05)
+    raise AssertionError("usage row not stored")
+
+
+CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4}
+PROMPT = {"prompt": "The sky is", "max_tokens": 4}
+
+
+def _sse_events(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# field -> (extra body, check(seen, env)). Each check asserts the field's effect.
+CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
+    "messages": ({}, lambda s, e: s.requests[0].prompt_token_ids),
+    "model": ({}, lambda s, e: s.body["model"] == e.model),
+    "frequency_penalty": ({"frequency_penalty": 0.5},
+                          lambda s, e: s.params.frequency_penalty == 0.5),
+    "presence_penalty": ({"presence_penalty": -0.5},
+                         lambda s, e: s.params.presence_penalty == -0.5),
+    "logit_bias": ({"logit_bias": {"42": 3.0}}, lambda s, e: s.params.logit_bias == {42: 3.0}),
+    "logprobs": ({"logprobs": True}, lambda s, e: len(
+        s.body["choices"][0]["logprobs"]["content"]) == s.body["usage"]["completion_tokens"]),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, lambda s, e: all(
+        len(t["top_logprobs"]) == 2 for t in s.body["choices"][0]["logprobs"]["content"])),
+    "max_completion_tokens": ({"max_completion_tokens": 3, "ignore_eos": True},
+                              lambda s, e: s.body["usage"]["completion_tokens"] == 3),
+    "max_tokens": ({"max_tokens": 2, "ignore_eos": True},
+                   lambda s, e: s.body["usage"]["completion_tokens"] == 2),
+    "modalities": ({"modalities": ["text"]}, lambda s, e: s.body["choices"][0]["message"]),
+    "n": ({"n": 3}, lambda s, e: [c["index"] for c in s.body["choices"]] == [0, 1, 2]),
+    "response_format": ({"response_format": {"type": "text"}},
+                        lambda s, e: s.body["choices"][0]["message"]["content"] is not None),
+    "safety_identifier": ({"safety_identifier": "end-user-7"},
+                          lambda s, e: _stored_end_user(e, s.body["id"]) == "end-user-7"),
+    "user": ({"user": "end-user-8"},
+             lambda s, e: _stored_end_user(e, s.body["id"]) == "end-user-8"),
+    "seed": ({"seed": 99}, lambda s, e: s.params.seed == 99),
+    "service_tier": ({"service_tier": "auto"}, lambda s, e: s.body["service_tier"] == "default"),
+    "stop": ({"stop": ["zz", "yy"]}, lambda s, e: s.params.stop == ("zz", "yy")),
+    "store": ({"store": False}, lambda s, e: s.status == 200),
+    "stream": ({"stream": True}, lambda s, e: _sse_events(s.text)[0]["object"]
+               == "chat.completion.chunk"),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}},
+                       lambda s, e: _sse_events(s.text)[-1]["usage"]["completion_tokens"] > 0),
+    "temperature": ({"temperature": 0.7}, lambda s, e: s.params.temperature == 0.7),
+    "top_p": ({"top_p": 0.5}, lambda s, e: s.params.top_p == 0.5),
+}
+# Refused whatever their value (a value equal to the default is accepted: store false,
+# modalities ["text"], response_format text; those refusals are the values below).
+CHAT_REFUSED: dict[str, object] = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {}}],
+    "metadata": {"k": "v"},
+    "modalities": ["text", "audio"],
+    "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "x"},
+    "prompt_cache_key": "k",
+    "reasoning_effort": "low",
+    "response_format": {"type": "json_object"},
+    "store": True,
+    "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "verbosity": "low",
+    "web_search_options": {},
+}
+
+COMPLETION_ACCEPTED: dict[str, tuple[dict, Callable]] = {
+    "model": ({}, lambda s, e: s.body["model"] == e.model),
+    "prompt": ({}, lambda s, e: s.body["usage"]["prompt_tokens"] == 3),
+    "best_of": ({"best_of": 2, "n": 2}, lambda s, e: len(s.body["choices"]) == 2),
+    "echo": ({"echo": True}, lambda s, e: s.body["choices"][0]["text"].startswith("The sky is")),
+    "frequency_penalty": ({"frequency_penalty": 1.5},
+                          lambda s, e: s.params.frequency_penalty == 1.5),
+    "presence_penalty": ({"presence_penalty": 1.0},
+                         lambda s, e: s.params.presence_penalty == 1.0),
+    "logit_bias": ({"logit_bias": {"7": -100}}, lambda s, e: s.params.logit_bias == {7: -100}),
+    "logprobs": ({"logprobs": 2}, lambda s, e: all(
+        len(t) >= 2 for t in s.body["choices"][0]["logprobs"]["top_logprobs"])),
+    "max_tokens": ({"max_tokens": 2, "ignore_eos": True},
+                   lambda s, e: s.body["usage"]["completion_tokens"] == 2),
+    "n": ({"n": 2}, lambda s, e: [c["index"] for c in s.body["choices"]] == [0, 1]),
+    "seed": ({"seed": 5}, lambda s, e: s.params.seed == 5),
+    "stop": ({"stop": "zz"}, lambda s, e: s.params.stop == ("zz",)),
+    "stream": ({"stream": True}, lambda s, e: _sse_events(s.text)[0]["object"]
+               == "text_completion"),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}},
+                       lambda s, e: _sse_events(s.text)[-1]["usage"]["prompt_tokens"] == 3),
+    "temperature": ({"temperature": 0.0}, lambda s, e: s.params.greedy),
+    "top_p": ({"top_p": 0.25}, lambda s, e: s.params.top_p == 0.25),
+    "user": ({"user": "u-1"}, lambda s, e: _stored_end_user(e, s.body["id"]) == "u-1"),
+}
+COMPLETION_REFUSED: dict[str, object] = {"suffix": "!", "best_of": 3}
+
+VLLM_ACCEPTED: dict[str, tuple[dict, Callable]] = {
+    "top_k": ({"top_k": 5}, lambda s, e: s.params.top_k == 5),
+    "repetition_penalty": ({"repetition_penalty": 1.3},
+                           lambda s, e: s.params.repetition_penalty == 1.3),
+    "min_tokens": ({"min_tokens": 2}, lambda s, e: s.params.min_tokens == 2),
+    "stop_token_ids": ({"stop_token_ids": [5, 6]},
+                       lambda s, e: s.params.stop_token_ids == (5, 6)),
+    "ignore_eos": ({"ignore_eos": True}, lambda s, e: s.params.ignore_eos),
+    "skip_special_tokens": ({"skip_special_tokens": False},
+                            lambda s, e: not s.params.skip_special_tokens),
+    "prompt_logprobs": ({"prompt_logprobs": 1}, lambda s, e: (
+        s.body["choices"][0]["prompt_logprobs"][0] is None
+        and len(s.body["choices"][0]["prompt_logprobs"]) == 3)),
+    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 0},
+                                   lambda s, e: all(t.startswith("token_id:") for t in
+                                                    s.body["choices"][0]["logprobs"]["tokens"])),
+    "cache_salt": ({"cache_salt": "user-1"}, lambda s, e: s.requests[0].cache_salt
+                   not in (None, _tenant_salt(e))),
+}
+
+
+def _tenant_salt(env) -> bytes:
+    """Tenant A's effective salt without a client cache_salt (read from a plain call)."""
+    captured = []
+    spy = env.engine.add_request
+    env.engine.add_request = lambda req: captured.append(req) or spy(req)
+    try:
+        r = env.client.post("/v1/completions", json={"model": env.model, **PROMPT},
+                            headers=env.headers(env.key_a))
+        assert r.status_code == 200
+    finally:
+        env.engine.add_request = spy
+    return captured[0].cache_salt
+
+
+def test_every_reference_field_is_classified():
+    assert set(CHAT_ACCEPTED) | set(CHAT_REFUSED) == OPENAI_CHAT_FIELDS
+    assert set(COMPLETION_ACCEPTED) | set(COMPLETION_REFUSED) == OPENAI_COMPLETION_FIELDS
+    assert set(VLLM_ACCEPTED) == VLLM_FIELDS
+    # Every field our request models declare is an OpenAI field or a listed vLLM extension: a
+    # field added later without an entry here fails.
+    assert set(ChatCompletionRequest.model_fields) <= OPENAI_CHAT_FIELDS | VLLM_FIELDS
+    assert set(CompletionRequest.model_fields) <= OPENAI_COMPLETION_FIELDS | VLLM_FIELDS
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_ACCEPTED))
+def test_chat_field_is_accepted_with_its_effect(send, app_env, field):
+    extra, check = CHAT_ACCEPTED[field]
+    seen = send("/v1/chat/completions", {**CHAT, **extra})
+    assert seen.status == 200, seen.text
+    assert check(seen, app_env), field
+
+
+@pytest.mark.parametrize("field", sorted(COMPLETION_ACCEPTED))
+def test_completion_field_is_accepted_with_its_effect(send, app_env, field):
+    extra, check = COMPLETION_ACCEPTED[field]
+    seen = send("/v1/completions", {**PROMPT, **extra})
+    assert seen.status == 200, seen.text
+    assert check(seen, app_env), field
+
+
+@pytest.mark.parametrize("field", sorted(VLLM_ACCEPTED))
+def test_vllm_extension_is_accepted_with_its_effect(send, app_env, field):
+    extra, check = VLLM_ACCEPTED[field]
+    seen = send("/v1/completions", {**PROMPT, **extra})
+    assert seen.status == 200, seen.text
+    assert check(seen, app_env), field
+
+
+def _assert_unsupported(seen: Seen, param: str) -> None:
+    assert seen.status == 400, seen.text
+    err = seen.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "unsupported_parameter"
+    assert err["param"] == param
+    assert "unsupported" in err["message"]
+    assert seen.requests == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_REFUSED))
+def test_chat_field_is_refused_naming_it(send, field):
+    _assert_unsupported(send("/v1/chat/completions", {**CHAT, field: CHAT_REFUSED[field]}),
+                        field)
+
+
+@pytest.mark.parametrize("field", sorted(COMPLETION_REFUSED))
+def test_completion_field_is_refused_naming_it(send, field):
+    _assert_unsupported(send("/v1/completions", {**PROMPT, field: COMPLETION_REFUSED[field]}),
+                        field)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {**PROMPT, "min_p": 0.1}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x",
+                                                   "weight": 2}]}, "messages.0.weight"),
+    ("/v1/chat/completions", {**CHAT, "stream": True,
+                              "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x"),
+])
+def test_unknown_fields_are_refused_not_ignored(send, path, body, param):
+    _assert_unsupported(send(path, body), param)
+
+
+def test_non_text_content_parts_are_refused_saying_text_only(send):
+    for part in ({"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):
+        seen = send("/v1/chat/completions", {**CHAT, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]})
+        _assert_unsupported(seen, "messages.0.content")
+        assert "text only" in seen.body["error"]["message"]
+
+
+def test_bad_new_field_values_are_400_with_param(send):
+    for body, param in (({"logprobs": 6}, "logprobs"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+                        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                        ({"min_tokens": 9}, "min_tokens"),
+                        ({"max_tokens": 0}, "max_tokens"),
+                        ({"prompt": ["a"] * 33}, "prompt"),
+                        ({"prompt": ["a", "b", "c", "d", "e"], "n": 16}, "prompt"),
+                        ({"user": "u" * 257}, "user")):
+        seen = send("/v1/completions", {**PROMPT, **body})
+        assert seen.status == 400, (body, seen.text)
+        assert seen.body["error"]["param"] == param, (body, seen.body)
+        assert seen.requests == []
+    seen = send("/v1/chat/completions", {**CHAT, "top_logprobs": 2})
+    assert seen.status == 400 and seen.body["error"]["param"] == "top_logprobs"
