@@ -8,6 +8,7 @@ accepted under vLLM's names. ``docs/api.md`` has the table.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -27,6 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_output import StructuredOutput
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: ``logprobs`` <= 5
 MAX_PROMPTS = 32  # prompts in one /v1/completions call
@@ -109,8 +111,8 @@ class _SamplingFields(BaseModel):
         return getattr(self, "safety_identifier", None) or self.user
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, defaults: Mapping[str, float]
-                         ) -> SamplingParams:
+                         prompt_logprobs: int | None, defaults: Mapping[str, float],
+                         structured_output: StructuredOutput | None = None) -> SamplingParams:
         """``defaults``: the model's generation-config values for omitted fields (vLLM)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
 
@@ -130,7 +132,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            structured_output=structured_output, skip_special_tokens=self.skip_special_tokens)
 
 
 _TEXT_ONLY = "this model takes text only"
@@ -176,18 +178,40 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: free text, any JSON object, or JSON matching a schema
+    (enforced by a grammar whether ``strict`` is set or not)."""
+
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only_for_now(self) -> ResponseFormat:
-        if self.type != "text":
-            raise _refuse(f"response_format type {self.type!r} is not supported yet; only "
-                          "'text'")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "json_schema is required with type "
+                                      "'json_schema' and only then")
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is not None:
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_,
+                                                              sort_keys=True))
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -240,9 +264,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_params(self, defaults: Mapping[str, float] = EMPTY) -> SamplingParams:
         """Raises InvalidRequestError (a sampling value out of range)."""
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens,
-                                     (self.top_logprobs or 0) if self.logprobs else None,
-                                     self.prompt_logprobs, defaults)
+        return self._sampling_params(
+            self.max_completion_tokens or self.max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs, defaults,
+            self.response_format.structured_output() if self.response_format else None)
 
 
 PromptList = str | Annotated[list[StrictInt], Field(min_length=1)] | list[str] \

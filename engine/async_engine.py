@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
-from engine.protocol import EngineClient, ModelInfo, OutputObserver, validate_request
+from engine.protocol import (
+    EngineClient,
+    ModelInfo,
+    OutputObserver,
+    attach_grammar,
+    validate_request,
+)
 from engine.request import EngineRequest, RequestOutput
 from engine.stats import EngineStatsSnapshot
 
@@ -166,12 +172,14 @@ class AsyncLLM(EngineClient):
         """Validates ``request`` on the caller's thread, queues it, and returns its stream.
 
         Raises:
-            InvalidRequestError: the request fails ``validate_request`` (nothing is queued).
+            InvalidRequestError: the request fails ``validate_request`` or its grammar does not
+                compile (nothing is queued).
             EngineDeadError: the engine loop is not running.
         """
         if not self.is_running:
             raise EngineDeadError("engine is not running")
         validate_request(request, self._model_info)
+        request = attach_grammar(request, self._model_info)
         stream = RequestStream(self, request)
         self._streams[request.request_id] = (stream.loop, stream.queue)
         if not self.is_running:  # the loop died between the check above and registering

@@ -22,10 +22,11 @@ from engine.executor import ModelExecutor
 from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.config import ModelConfig
-from engine.protocol import ModelInfo, validate_request
+from engine.protocol import ModelInfo, attach_grammar, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import OPERATOR_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ class LLMEngine:
             served_model_name=self.served_model_name, max_model_len=max_model_len,
             vocab_size=model_cfg.vocab_size, block_size=bs, num_blocks=num_blocks,
             eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer,
-            default_sampling=sampling_defaults(config, model_dir))
+            default_sampling=sampling_defaults(config, model_dir),
+            grammar_compiler=GrammarCompiler(tokenizer))
         if self.model_info.default_sampling:
             logger.info("sampling defaults from the generation config: %s",
                         self.model_info.default_sampling)
@@ -175,7 +177,7 @@ class LLMEngine:
             ValueError: duplicate request id.
         """
         validate_request(req, self.model_info)
-        self.enqueue(req)
+        self.enqueue(attach_grammar(req, self.model_info))
 
     def enqueue(self, req: EngineRequest) -> None:
         """Queues a request the caller has already validated (``AsyncLLM`` validates on the

@@ -189,6 +189,13 @@ class ModelRunner:
                     logger.error("sampling failed for request %s: %s", r.request_id,
                                  type(e).__name__)
                     failed[r.request_id] = "sampling failed for this request"
+        for r in sampled_reqs:  # structured output: the grammar takes the chosen token
+            token = sampled.get(r.request_id)
+            if r.grammar is not None and token is not None \
+                    and not r.grammar.consume_token(token):
+                del sampled[r.request_id]
+                logprobs.pop(r.request_id, None)
+                failed[r.request_id] = "the output could not continue its grammar"
         return ExecuteOutput(sampled, failed, logprobs, prompt_logprobs)
 
     _PROMPT_LOGPROBS_ROWS = 256  # logits rows at once: 256 x vocab 49152 x 4 bytes = 48 MiB

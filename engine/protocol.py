@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -62,6 +62,8 @@ class ModelInfo:
     tokenizer: Any = field(default=None, repr=False, compare=False)
     # Sampling defaults for fields a request omits (``engine.config.sampling_defaults``).
     default_sampling: dict[str, float] = field(default_factory=dict, compare=False)
+    # The engine's ``engine.structured_output.GrammarCompiler`` (shared cache), thread-safe.
+    grammar_compiler: Any = field(default=None, repr=False, compare=False)
 
 
 def validate_request(request: EngineRequest, info: ModelInfo) -> None:
@@ -89,6 +91,19 @@ def validate_request(request: EngineRequest, info: ModelInfo) -> None:
     for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})", name)
+
+
+def attach_grammar(request: EngineRequest, info: ModelInfo) -> EngineRequest:
+    """``request`` with its own grammar matcher when it asks for structured output and has
+    none yet (compiled, or copied from the compiler's cache, on the caller's thread).
+
+    Raises:
+        InvalidRequestError: the schema or grammar is invalid (``param="response_format"``).
+    """
+    spec = request.sampling_params.structured_output
+    if spec is None or request.grammar is not None:
+        return request
+    return replace(request, grammar=info.grammar_compiler.matcher(spec))
 
 
 class EngineClient(ABC):
@@ -194,4 +209,4 @@ class EngineClient(ABC):
 
 
 __all__ = ["EngineClient", "EngineDeadError", "InvalidRequestError", "ModelInfo",
-           "OutputObserver", "RequestStreamLike", "validate_request"]
+           "OutputObserver", "RequestStreamLike", "attach_grammar", "validate_request"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_hash import BlockHash
 from engine.sampling_params import SamplingParams
@@ -85,6 +86,10 @@ class EngineRequest:
     # blocks lose their hash as soon as no sibling holds them (nothing stays cached), and no
     # prefix-cache statistics are recorded (vLLM shares parallel samples' prompt KV likewise).
     private_cache: bool = False
+    # With ``sampling_params.structured_output``: this request's own llguidance matcher
+    # (``engine.structured_output.GrammarCompiler.matcher``); compiled by ``attach_grammar``
+    # when the caller did not.
+    grammar: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:  # redacted: no token ids, no salt
         return (f"EngineRequest(id={self.request_id!r}, tenant={self.tenant_id!r}, "
@@ -128,6 +133,7 @@ class Request:
         # With ``prompt_logprobs``: entry i is prompt token i's logprobs (None for token 0),
         # filled chunk by chunk as the prompt is computed.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
+        self.grammar = req.grammar  # llguidance matcher (structured output) or None
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
-"""Token sampling, batched as tensors: logit bias, min_tokens, penalties, greedy, temperature,
-top-k, top-p, per-request seeds, logprobs (OpenAI / vLLM v1 semantics).
+"""Token sampling, batched as tensors: grammar masks (structured output), logit bias,
+min_tokens, penalties, greedy, temperature, top-k, top-p, per-request seeds, logprobs (OpenAI /
+vLLM v1 semantics).
 
 Per step the work is a few [num_seqs, vocab_size] tensor operations whatever the mix of settings;
 Python only loops over the requests to gather their settings (and to draw from a seeded request's
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import fill_allowed
 
 
 class SamplingInput(Protocol):
@@ -25,6 +27,7 @@ class SamplingInput(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    grammar: Any  # an llguidance matcher (structured output), or None
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,23 @@ def gather_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
     return [TokenLogprobs(t, chosen_l[r], ranks[r],
                           tuple(zip(top_i[r][:num_top[r]], top_v[r][:num_top[r]])))
             for r, t in enumerate(token_ids)]
+
+
+def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+    """Tokens a row's grammar does not allow next are set to -inf (structured output)."""
+    constrained = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+    if not constrained:
+        return logits
+    vocab = logits.shape[-1]
+    words = torch.full((len(constrained), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(constrained):
+        fill_allowed(rows[i].grammar, words[j])
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(constrained), -1)[:, :vocab]
+    logits = logits.clone()
+    idx = torch.tensor(constrained, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingInput]
@@ -163,7 +183,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingInput],
     unseeded rows share one draw and a seeded row only advances its own generator.
     """
     params = [r.sampling_params for r in rows]
-    x = _apply_penalties(_apply_bias_and_min_tokens(logits, rows), rows)
+    x = _apply_penalties(_apply_bias_and_min_tokens(_apply_grammars(logits, rows), rows), rows)
     tokens = x.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

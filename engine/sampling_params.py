@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI chat ``top_logprobs`` <= 20; vLLM's default)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on ``logit_bias`` keys
@@ -44,6 +45,8 @@ class SamplingParams:
         prompt_logprobs: None, or the number (0..20) of top alternatives returned with the
             logprob of each prompt token after the first (vLLM); such a request skips the prefix
             cache lookup (its whole prompt is computed, as in vLLM), still adding to the cache.
+        structured_output: None, or the grammar the output must match (JSON schema, any JSON
+            object, regex, Lark); applied as a token mask before everything else.
 
     Raises:
         InvalidRequestError: (a ValueError) from ``validate``, ``param`` naming the field.
@@ -65,6 +68,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 

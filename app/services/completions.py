@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -133,6 +133,7 @@ class CompletionCall:
     wants_prompt_logprobs: bool = False  # vLLM ``prompt_logprobs`` asked for by name
     as_token_ids: bool = False  # vLLM ``return_tokens_as_token_ids``
     service_tier: str | None = None  # echoed as "default" when the request named one
+    grammar: Any = field(default=None, repr=False)  # structured output: a compiled matcher
 
     @property
     def chat(self) -> bool:
@@ -165,6 +166,7 @@ class CompletionCall:
                     prompt_token_ids=tuple(prompt.token_ids),
                     sampling_params=params, tenant_id=self.auth.tenant_id,
                     cache_salt=salt, private_cache=private,
+                    grammar=None if self.grammar is None else self.grammar.deep_copy(),
                     enable_prefix_caching=self.auth.enable_prefix_caching,
                     tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
                                              self.auth.max_cache_blocks)))
@@ -357,7 +359,7 @@ class CompletionsService:
             body = await self.preprocessor.parse(auth.tenant_id, model_cls, raw,
                                                  self.info.max_model_len)
             self._describe(call, body)
-            call.prompts = await self.preprocessor.run(
+            call.prompts, call.grammar = await self.preprocessor.run(
                 auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt")
             streams = self._submit(call, body)
             if body.stream:
@@ -409,8 +411,10 @@ class CompletionsService:
                            logprobs=logprobs, prompt_lps=self._prompt_logprobs(call, c))
 
     def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str
-                 ) -> list[Prompt]:
-        """Checks the model, renders and tokenises the prompt (in a worker thread).
+                 ) -> tuple[list[Prompt], Any]:
+        """Checks the model, renders and tokenises the prompts and compiles the structured-output
+        grammar, if any (in a worker thread: a costly schema costs its own tenant's share of the
+        workers, never the engine loop). Returns (prompts, grammar matcher or None).
 
         Raises:
             APIError: 400 unknown model, over-long prompt text, template or tokenizer failure.
@@ -418,7 +422,16 @@ class CompletionsService:
         if body.model != self.info.served_model_name:  # OpenAI answers 404 model_not_found
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
-        return self._tokenize(body, prompt_param)
+        prompts = self._tokenize(body, prompt_param)
+        grammar = None
+        if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+            spec = body.response_format.structured_output()
+            if spec is not None:
+                try:
+                    grammar = self.info.grammar_compiler.matcher(spec)
+                except InvalidRequestError as e:
+                    raise APIError(400, e.message, e.param, "invalid_value") from None
+        return prompts, grammar
 
     def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
                 ) -> list[RequestStreamLike]:

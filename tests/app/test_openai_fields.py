@@ -112,8 +112,9 @@ CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
                    lambda s, e: s.body["usage"]["completion_tokens"] == 2),
     "modalities": ({"modalities": ["text"]}, lambda s, e: s.body["choices"][0]["message"]),
     "n": ({"n": 3}, lambda s, e: [c["index"] for c in s.body["choices"]] == [0, 1, 2]),
-    "response_format": ({"response_format": {"type": "text"}},
-                        lambda s, e: s.body["choices"][0]["message"]["content"] is not None),
+    "response_format": ({"response_format": {"type": "json_object"}}, lambda s, e: (
+        s.params.structured_output.kind == "json_object"
+        and all(r.grammar is not None for r in s.requests))),
     "safety_identifier": ({"safety_identifier": "end-user-7"},
                           lambda s, e: _stored_end_user(e, s.body["id"]) == "end-user-7"),
     "user": ({"user": "end-user-8"},
@@ -130,7 +131,7 @@ CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
     "top_p": ({"top_p": 0.5}, lambda s, e: s.params.top_p == 0.5),
 }
 # Refused whatever their value (a value equal to the default is accepted: store false,
-# modalities ["text"], response_format text; those refusals are the values below).
+# modalities ["text"]; those refusals are the values below).
 CHAT_REFUSED: dict[str, object] = {
     "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto",
@@ -141,7 +142,6 @@ CHAT_REFUSED: dict[str, object] = {
     "prediction": {"type": "content", "content": "x"},
     "prompt_cache_key": "k",
     "reasoning_effort": "low",
-    "response_format": {"type": "json_object"},
     "store": True,
     "tool_choice": "auto",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
@@ -213,6 +213,7 @@ def _tenant_salt(env) -> bytes:
 
 def test_every_reference_field_is_classified():
     assert set(CHAT_ACCEPTED) | set(CHAT_REFUSED) == OPENAI_CHAT_FIELDS
+    assert set(CHAT_ACCEPTED) & set(CHAT_REFUSED) == {"modalities", "store"}
     assert set(COMPLETION_ACCEPTED) | set(COMPLETION_REFUSED) == OPENAI_COMPLETION_FIELDS
     assert set(VLLM_ACCEPTED) == VLLM_FIELDS
     # Every field our request models declare is an OpenAI field or a listed vLLM extension: a

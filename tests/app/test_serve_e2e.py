@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +92,20 @@ def test_openai_sdk_against_real_server(server):
     bad = openai.OpenAI(base_url=base + "/v1", api_key="ss-000000000000-wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+    # Structured output: the SDK's parse() with a pydantic model returns a parsed object.
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population_millions: float
+
+    parsed = client.chat.completions.parse(
+        model=model, response_format=City, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+    # Logprobs through the SDK.
+    lp = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                        max_tokens=5, logprobs=True, top_logprobs=2)
+    assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)

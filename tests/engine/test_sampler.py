@@ -23,6 +23,7 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
+    grammar: object = None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

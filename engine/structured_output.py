@@ -1,0 +1,120 @@
+"""Structured outputs: a grammar per request, applied to the logits as a token mask.
+
+Grammars are compiled by llguidance (a well-kept Rust grammar engine, vLLM's ``guidance``
+backend) against the model's tokenizer. ``GrammarCompiler`` caches one compiled matcher per
+(kind, spec) and hands each request a cheap deep copy, so a schema is compiled once however
+many requests use it. The API layer compiles in its preprocessing workers (a hostile schema
+costs its own tenant's worker time, never the engine loop); the engine compiles only for
+offline requests that arrive without a matcher.
+
+Per step the sampler asks each constrained row's matcher for its allowed tokens (a bitmask,
+microseconds to a millisecond per row) and masks the rest to -inf; after sampling, the model
+runner feeds the chosen token back (``consume``). When the grammar is complete only eos is
+allowed, so a constrained completion ends by itself (or at ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine.errors import InvalidRequestError
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
+# Compact JSON: no free whitespace between tokens (a small model would otherwise pad forever).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (vLLM ``StructuredOutputsParams``).
+
+    Attributes:
+        kind: ``json_schema`` (``spec`` is the schema as JSON text), ``json_object`` (any JSON
+            object; ``spec`` unused), ``regex`` or ``lark`` (``spec`` is the pattern / grammar).
+        spec: see ``kind``.
+    """
+
+    kind: GrammarKind
+    spec: str = ""
+
+    def grammar(self) -> str:
+        """The llguidance grammar text. Raises InvalidRequestError for a bad schema."""
+        from llguidance import LLMatcher
+
+        try:
+            if self.kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                          defaults=_JSON_OPTIONS)
+            if self.kind == "json_schema":
+                return LLMatcher.grammar_from_json_schema(json.loads(self.spec),
+                                                          defaults=_JSON_OPTIONS)
+            if self.kind == "regex":
+                return LLMatcher.grammar_from_regex(self.spec)
+            return LLMatcher.grammar_from_lark(self.spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"invalid {self.kind}: {str(e)[:200]}",
+                                      "response_format") from None
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutput`` specs into llguidance matchers, cached (thread-safe).
+
+    Args:
+        tokenizer: the model's Hugging Face (fast) tokenizer.
+        max_cached: compiled grammars kept (least recently used dropped).
+
+    The llguidance tokenizer is built on first use (about 0.4 s for SmolLM2's 49,152 tokens).
+    """
+
+    def __init__(self, tokenizer: Any, max_cached: int = 256) -> None:
+        self._hf_tokenizer = tokenizer
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._max_cached = max_cached
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and metrics
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+            return self._ll_tokenizer
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh ``llguidance.LLMatcher`` for one request.
+
+        Raises:
+            InvalidRequestError: the schema, regex or grammar is invalid (``param``
+                ``response_format``), with llguidance's reason, cut to 200 characters.
+        """
+        from llguidance import LLMatcher
+
+        with self._lock:
+            proto = self._cache.get(spec)
+            if proto is not None:
+                self._cache.move_to_end(spec)
+                return proto.deep_copy()
+        tokenizer = self._tokenizer()
+        proto = LLMatcher(tokenizer, spec.grammar(), log_level=0)
+        if proto.is_error():
+            raise InvalidRequestError(f"invalid {spec.kind}: {proto.get_error()[:200]}",
+                                      "response_format")
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = proto
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return proto.deep_copy()
+
+
+def fill_allowed(matcher: Any, out_words: Any) -> None:
+    """Writes ``matcher``'s allowed-token bitmask into ``out_words`` (a contiguous int32 CPU
+    tensor of ceil(vocab / 32) words: bit i of word w allows token 32 * w + i)."""
+    matcher.unsafe_compute_mask_ptr(out_words.data_ptr(),
+                                    out_words.numel() * out_words.element_size())
