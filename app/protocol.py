@@ -155,27 +155,88 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call the model made: the function and its arguments as JSON text (OpenAI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: unsupported("tool calls are not supported yet")
-    tool_call_id: unsupported("tool messages are not supported yet")
-    function_call: unsupported("function calling is not supported")
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+    refusal: str | None = None  # assistant messages: rendered as their text
+    name: unsupported("message names are not rendered by this model's chat template")
+    function_call: unsupported("function_call is deprecated and not supported; use tool_calls")
     audio: unsupported(_TEXT_ONLY)
-    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
         return _check_content(v)
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise PydanticCustomError("invalid_value",
+                                      "tool messages, and only they, need a tool_call_id")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
+
+
+class FunctionDef(BaseModel):
+    """OpenAI ``tools[].function``: ``parameters`` is a JSON schema (default: no arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 class JsonSchemaFormat(BaseModel):
@@ -225,10 +286,9 @@ class ChatCompletionRequest(_SamplingFields):
     store: bool | None = None
     service_tier: Literal["auto", "default"] | None = None
     safety_identifier: str | None = Field(None, max_length=MAX_USER_CHARS)
-    tools: unsupported("tools are not supported yet")
-    tool_choice: unsupported("tool_choice needs tools, which are not supported yet")
-    parallel_tool_calls: unsupported("parallel_tool_calls needs tools, which are not "
-                                     "supported yet")
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: unsupported("functions is deprecated and not supported; use tools")
     function_call: unsupported("function_call is deprecated and not supported")
     audio: unsupported(_TEXT_ONLY)
@@ -240,6 +300,31 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: unsupported("metadata needs stored completions, which are not supported")
     prompt_cache_key: unsupported("prompt_cache_key is not supported; prefix caching is "
                                   "automatic within the tenant (cache_salt splits it further)")
+
+    @model_validator(mode="after")
+    def _tool_fields_need_tools(self) -> ChatCompletionRequest:
+        if not self.tools:
+            for name in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) is not None:
+                    raise PydanticCustomError("invalid_value",
+                                              f"{name} is only allowed when tools are given")
+            return self
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("invalid_value", "tool function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError("invalid_value", f"tool_choice names "
+                                      f"{choice.function.name[:64]!r}, which is not in tools")
+        if self.calls_tools() and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise PydanticCustomError("invalid_value", "response_format cannot be combined "
+                                      "with tools unless tool_choice is 'none'")
+        return self
+
+    def calls_tools(self) -> bool:
+        """True when the model is offered tools (tools given and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("modalities")
     @classmethod
@@ -349,7 +434,8 @@ class UsageInfo(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -408,11 +494,18 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
+class DeltaToolCall(ToolCall):
+    """A tool call in a stream delta: its position in the message's ``tool_calls``."""
+
+    index: int
+
+
 class DeltaMessage(BaseModel):
     """A stream delta; unset fields are left out (the final delta is ``{}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict:

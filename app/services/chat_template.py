@@ -40,9 +40,11 @@ def normalize_roles(messages: list[dict[str, str]], template: str | None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None
+                ) -> list[int]:
     """Prompt token ids of ``messages`` under the tokenizer's chat template (with the
-    generation prompt unless told otherwise), message text never parsed as special tokens.
+    generation prompt unless told otherwise), message text never parsed as special tokens;
+    ``tools`` (OpenAI tool definitions) are passed to a template that renders them.
 
     Raises:
         Exception: whatever the template or the tokenizer raises (the caller answers 400).
@@ -50,8 +52,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]],
     messages = normalize_roles(messages, getattr(tokenizer, "chat_template", None))
     contents = [m["content"] for m in messages]
     masked = [{**m, "content": f"{_OPEN}{i}{_CLOSE}"} for i, m in enumerate(messages)]
+    extra = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(masked, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **extra)
     ids: list[int] = []
     pos = 0
     for match in _SENTINEL.finditer(text):

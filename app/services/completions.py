@@ -53,8 +53,10 @@ from app.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     PromptLogprobs,
     PromptTokensDetails,
+    ToolCall,
     UsageInfo,
 )
 from app.services.logprobs import (
@@ -65,6 +67,7 @@ from app.services.logprobs import (
 )
 from app.services.preprocess import Preprocessor
 from app.services.prompts import PromptEncoder
+from app.services.tools import parse_tool_calls, tool_grammar
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import EngineRequest, RequestOutput, TenantShare, TokenLogprobs
@@ -134,6 +137,9 @@ class CompletionCall:
     as_token_ids: bool = False  # vLLM ``return_tokens_as_token_ids``
     service_tier: str | None = None  # echoed as "default" when the request named one
     grammar: Any = field(default=None, repr=False)  # structured output: a compiled matcher
+    # Chat with tools offered: the request, to parse tool calls from the output
+    # (``app.services.tools``); the text is then sent once complete, also when streaming.
+    tool_body: ChatCompletionRequest | None = field(default=None, repr=False)
 
     @property
     def chat(self) -> bool:
@@ -393,6 +399,7 @@ class CompletionsService:
             call.echo, call.score_only = body.echo, body.echo and body.max_tokens == 0
         else:
             call.service_tier = "default" if body.service_tier else None
+            call.tool_body = body if body.calls_tools() else None
             if body.stream and body.prompt_logprobs is not None:
                 raise APIError(400, "prompt_logprobs: unsupported with stream for chat "
                                "completions; use a non-streamed call", "prompt_logprobs",
@@ -423,15 +430,17 @@ class CompletionsService:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
         prompts = self._tokenize(body, prompt_param)
-        grammar = None
-        if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
-            spec = body.response_format.structured_output()
-            if spec is not None:
-                try:
-                    grammar = self.info.grammar_compiler.matcher(spec)
-                except InvalidRequestError as e:
-                    raise APIError(400, e.message, e.param, "invalid_value") from None
-        return prompts, grammar
+        if not isinstance(body, ChatCompletionRequest):
+            return prompts, None
+        spec, param = tool_grammar(body), "tools"
+        if spec is None and body.response_format is not None:
+            spec, param = body.response_format.structured_output(), "response_format"
+        if spec is None:
+            return prompts, None
+        try:
+            return prompts, self.info.grammar_compiler.matcher(spec)
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param, "invalid_value") from None
 
     def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
                 ) -> list[RequestStreamLike]:
@@ -486,7 +495,8 @@ class CompletionsService:
                   prompt_param: str) -> list[Prompt]:
         """Chat template and tokenisation with this worker's tokenizer (worker thread)."""
         if isinstance(body, ChatCompletionRequest):
-            return [Prompt(self.prompts.encode_chat(body.messages, param=prompt_param))]
+            return [Prompt(self.prompts.encode_chat(body.messages, param=prompt_param,
+                                                    body=body))]
         prompts = body.prompts()
         self.prompts.check_chars(sum(len(p) for p in prompts if isinstance(p, str)),
                                  prompt_param)
@@ -590,13 +600,15 @@ class CompletionsService:
 
     def _full_response(self, call: CompletionCall) -> ChatCompletionResponse | CompletionResponse:
         if call.chat:
+            choices = []
+            for c in call.choices:
+                content, calls, finish = self._message(call, c)
+                choices.append(ChatCompletionChoice(
+                    index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                    logprobs=self._chat_logprobs(call, c.logprobs), finish_reason=finish))
             return ChatCompletionResponse(
                 id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
-                choices=[ChatCompletionChoice(index=c.index,
-                                              message=AssistantMessage(content=c.text),
-                                              logprobs=self._chat_logprobs(call, c.logprobs),
-                                              finish_reason=c.finish_reason)
-                         for c in call.choices],
+                choices=choices,
                 service_tier=call.service_tier,
                 prompt_logprobs=self._prompt_logprobs(call, call.choices[0]))
         return CompletionResponse(
@@ -607,6 +619,19 @@ class CompletionsService:
                                                    echo=call.echo),
                 finish_reason=c.finish_reason, prompt_logprobs=self._prompt_logprobs(call, c))
                 for c in call.choices])
+
+    @staticmethod
+    def _message(call: CompletionCall, c: ChoiceState
+                 ) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        """(content, tool calls, finish reason) of a finished chat choice: with tools offered,
+        the output is parsed for calls, and a choice that made one finishes with
+        ``tool_calls`` (OpenAI)."""
+        if call.tool_body is None:
+            return c.text, None, c.finish_reason
+        content, calls = parse_tool_calls(c.text, call.tool_body)
+        if not calls:
+            return content or "", None, c.finish_reason
+        return content, calls, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
     # -- logprobs and echo (app.services.logprobs names the tokens) -------------------------------
     def _chat_logprobs(self, call: CompletionCall, entries: list[TokenLogprobs]
@@ -644,9 +669,13 @@ class CompletionsService:
     def _chunk(self, call: CompletionCall, include_usage: bool, i: int, text: str | None,
                finish_reason: str | None, role: bool = False,
                logprobs: ChatChoiceLogprobs | CompletionLogprobs | None = None,
-               prompt_lps: PromptLogprobs | None = None) -> BaseModel:
+               prompt_lps: PromptLogprobs | None = None,
+               tool_calls: list[ToolCall] | None = None) -> BaseModel:
         if call.chat:
-            delta = DeltaMessage(role="assistant" if role else None, content=text)
+            delta = DeltaMessage(role="assistant" if role else None, content=text,
+                                 tool_calls=None if tool_calls is None else [
+                                     DeltaToolCall(index=k, **t.model_dump())
+                                     for k, t in enumerate(tool_calls)])
             return ChatCompletionStreamResponse(
                 id=call.request_id, created=call.created, model=call.model,
                 include_usage=include_usage,
@@ -679,7 +708,9 @@ class CompletionsService:
         in-band in the OpenAI error shape.
 
         Completions with ``echo`` send each prompt's text (and, with ``logprobs``, its
-        tokens' logprobs) in the choice's first chunk, once its prompt logprobs are known."""
+        tokens' logprobs) in the choice's first chunk, once its prompt logprobs are known. A
+        chat with tools offered sends each choice's content and ``delta.tool_calls`` in one
+        chunk when it finishes (the text must be complete to be parsed)."""
         try:
             if call.chat:
                 for c in call.choices:
@@ -697,6 +728,15 @@ class CompletionsService:
                             yield _sse(first)
                     new_text = "" if call.score_only else out.new_text
                     logprobs = self._delta_logprobs(call, c, out, sent[i] or 0)
+                    if call.tool_body is not None:  # the text is parsed once complete
+                        if out.finished:
+                            content, calls, finish = self._message(call, c)
+                            yield _sse(self._chunk(call, include_usage, i, content, finish,
+                                                   logprobs=logprobs, tool_calls=calls))
+                        elif logprobs is not None:
+                            yield _sse(self._chunk(call, include_usage, i, None, None,
+                                                   logprobs=logprobs))
+                        continue
                     if not new_text and not out.finished and logprobs is None:
                         continue
                     yield _sse(self._chunk(call, include_usage, i, new_text or None,

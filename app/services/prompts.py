@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from app.errors import APIError
 from app.protocol import (
+    ChatCompletionRequest,
     ChatMessage,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -14,6 +15,7 @@ from app.protocol import (
 )
 from app.services.chat_template import render_chat
 from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor
+from app.services.tools import offer_tools, plain_messages
 from engine.protocol import ModelInfo
 
 
@@ -48,12 +50,18 @@ class PromptEncoder:
                            "invalid_value") from None
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    param: str = "messages") -> list[int]:
-        """The chat template over ``messages``; message text never becomes control tokens."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+                    param: str = "messages", body: ChatCompletionRequest | None = None
+                    ) -> list[int]:
+        """The chat template over ``messages`` (and the tools ``body`` offers); message text
+        never becomes control tokens."""
+        tokenizer = self.preprocessor.tokenizer()
+        plain = plain_messages(messages)
+        tools = None
+        if body is not None:
+            plain, tools = offer_tools(plain, body, getattr(tokenizer, "chat_template", None))
         self.check_chars(sum(len(m["content"]) for m in plain), param)
         try:
-            return render_chat(self.preprocessor.tokenizer(), plain, add_generation_prompt)
+            return render_chat(tokenizer, plain, add_generation_prompt, tools)
         except Exception:  # noqa: BLE001 - any template or tokenizer error is a bad request
             raise APIError(400, "messages could not be rendered with the model's chat template",
                            param, "invalid_value") from None

@@ -85,6 +85,14 @@ def _stored_end_user(env, request_id: str) -> str | None:
 
 
 CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _prompt_text(seen: Seen, env) -> str:
+    return env.engine.model_info().tokenizer.decode(seen.requests[0].prompt_token_ids)
 PROMPT = {"prompt": "The sky is", "max_tokens": 4}
 
 
@@ -129,6 +137,11 @@ CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
                        lambda s, e: _sse_events(s.text)[-1]["usage"]["completion_tokens"] > 0),
     "temperature": ({"temperature": 0.7}, lambda s, e: s.params.temperature == 0.7),
     "top_p": ({"top_p": 0.5}, lambda s, e: s.params.top_p == 0.5),
+    "tools": ({"tools": [WEATHER]}, lambda s, e: "get_weather" in _prompt_text(s, e)),
+    "tool_choice": ({"tools": [WEATHER], "tool_choice": "required"},
+                    lambda s, e: all(r.grammar is not None for r in s.requests)),
+    "parallel_tool_calls": ({"tools": [WEATHER], "parallel_tool_calls": False},
+                            lambda s, e: "Call at most one function." in _prompt_text(s, e)),
 }
 # Refused whatever their value (a value equal to the default is accepted: store false,
 # modalities ["text"]; those refusals are the values below).
@@ -138,13 +151,10 @@ CHAT_REFUSED: dict[str, object] = {
     "functions": [{"name": "f", "parameters": {}}],
     "metadata": {"k": "v"},
     "modalities": ["text", "audio"],
-    "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"},
     "prompt_cache_key": "k",
     "reasoning_effort": "low",
     "store": True,
-    "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "verbosity": "low",
     "web_search_options": {},
 }
@@ -288,6 +298,23 @@ def test_non_text_content_parts_are_refused_saying_text_only(send):
             {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]})
         _assert_unsupported(seen, "messages.0.content")
         assert "text only" in seen.body["error"]["message"]
+
+
+def test_tool_fields_are_checked(send):
+    other = {"type": "function", "function": {"name": "other"}}
+    for body in ({"tool_choice": "auto"}, {"parallel_tool_calls": True},
+                 {"tools": [WEATHER, WEATHER]},
+                 {"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                      "function": {"name": "nope"}}},
+                 {"tools": [WEATHER], "response_format": {"type": "json_object"}},
+                 {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+                 {"tools": [other] * 129}):
+        seen = send("/v1/chat/completions", {**CHAT, **body})
+        assert seen.status == 400, (body, seen.text)
+        assert seen.requests == []
+    # tool_choice none with tools: accepted, tools not offered, no grammar.
+    seen = send("/v1/chat/completions", {**CHAT, "tools": [WEATHER], "tool_choice": "none"})
+    assert seen.status == 200 and seen.requests[0].grammar is None
 
 
 def test_bad_new_field_values_are_400_with_param(send):

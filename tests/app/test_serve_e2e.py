@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -109,3 +110,60 @@ def test_openai_sdk_against_real_server(server):
                                         max_tokens=5, logprobs=True, top_logprobs=2)
     assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}}]
+
+
+def test_openai_sdk_tool_calling_round_trip(server):
+    base, data_dir = server
+    client = openai.OpenAI(base_url=base + "/v1",
+                           api_key=(data_dir / "demo-api-key").read_text().strip())
+    model = "SmolLM2-135M-Instruct"
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=WEATHER_TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           temperature=0, max_tokens=60)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+    named = client.chat.completions.create(
+        model=model, messages=messages, tools=WEATHER_TOOLS, temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+
+    # Streamed: the SDK assembles delta.tool_calls.
+    stream = client.chat.completions.create(model=model, messages=messages,
+                                            tools=WEATHER_TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0,
+                                            max_tokens=60, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed_calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert streamed_calls and streamed_calls[0].function.name == call.function.name
+    assert deltas[-1].finish_reason == "tool_calls"
+
+    # The call and its result go back into the history; the model answers in text.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees Celsius."}]
+    final = client.chat.completions.create(model=model, messages=history, tools=WEATHER_TOOLS,
+                                           tool_choice="none", temperature=0, max_tokens=40)
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    alone = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    # The call (its JSON) and the result (<tool_response>) were rendered, not dropped.
+    assert final.usage.prompt_tokens >= alone.usage.prompt_tokens + 30

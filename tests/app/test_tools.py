@@ -1,0 +1,85 @@
+"""Tool calling helpers: Hermes-format parsing, the tool grammar, history rendering."""
+
+from __future__ import annotations
+
+import json
+
+from app.protocol import ChatCompletionRequest
+from app.services.tools import (
+    offer_tools,
+    parse_tool_calls,
+    plain_messages,
+    tool_grammar,
+)
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}}]
+
+
+def _body(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw})
+
+
+def test_parse_keeps_text_and_turns_known_blocks_into_calls():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls(text, _body())
+    assert content == "Let me check."
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert len({c.id for c in calls}) == 2
+    # Without parallel calls only the first is kept.
+    _, one = parse_tool_calls(text, _body(parallel_tool_calls=False))
+    assert [c.function.name for c in one] == ["get_weather"]
+
+
+def test_unknown_names_and_broken_json_stay_text():
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+                 "<tool_call>{not json</tool_call>", "<tool_call>[1, 2]</tool_call>",
+                 "plain answer"):
+        content, calls = parse_tool_calls(text, _body())
+        assert calls == [] and content == text
+
+
+def test_named_choice_offers_and_accepts_only_that_function():
+    body = _body(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    _, calls = parse_tool_calls('<tool_call>{"name": "get_weather", "arguments": {}}'
+                                "</tool_call>", body)
+    assert calls == []
+    plain, tools = offer_tools(plain_messages(body.messages), body, template=None)
+    assert tools is None and "get_time" in plain[0]["content"]
+    assert "get_weather" not in plain[0]["content"]
+    grammar = tool_grammar(body)
+    assert grammar is not None and grammar.kind == "lark"
+    assert '"const": "get_time"' in grammar.spec and "call)*" not in grammar.spec
+
+
+def test_grammar_only_for_required_or_named():
+    assert tool_grammar(_body()) is None  # auto
+    assert tool_grammar(_body(tool_choice="none")) is None
+    required = tool_grammar(_body(tool_choice="required"))
+    assert required is not None and "anyOf" in required.spec and "call)*" in required.spec
+    single = tool_grammar(_body(tool_choice="required", parallel_tool_calls=False))
+    assert single is not None and "call)*" not in single.spec
+
+
+def test_history_calls_and_results_are_rendered_as_text():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Snow."}]})
+    plain = plain_messages(body.messages)
+    assert plain[1]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                   '{"city": "Oslo"}}\n</tool_call>')
+    assert plain[2] == {"role": "tool", "content": "<tool_response>\nSnow.\n</tool_response>"}
+    # A template that renders tools itself gets them instead of a system section.
+    with_tools = _body()
+    same, tools = offer_tools(plain_messages(with_tools.messages), with_tools,
+                              template="{% for tool in tools %}...{% endfor %}")
+    assert tools is not None and [t["function"]["name"] for t in tools] == [
+        "get_weather", "get_time"]
+    assert same == plain_messages(with_tools.messages)
