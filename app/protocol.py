@@ -270,8 +270,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return StructuredOutput("json_object")
         if self.json_schema is not None:
-            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_,
-                                                              sort_keys=True))
+            # Key order kept: properties are generated in the schema's order (OpenAI).
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
         return None
 
 

@@ -42,7 +42,7 @@ def template_renders_tools(template: str | None) -> bool:
 
 def tool_system_prompt(tools: list[ToolDef], parallel: bool) -> str:
     """The system section that offers ``tools`` to a template without tool support."""
-    listing = "\n".join(json.dumps(t.function.model_dump(exclude_none=True), sort_keys=True)
+    listing = "\n".join(json.dumps(t.function.model_dump(exclude_none=True))
                         for t in tools)
     many = ("You may call several functions, one block each."
             if parallel else "Call at most one function.")
@@ -103,7 +103,12 @@ def _offered(body: ChatCompletionRequest) -> list[ToolDef]:
 
 
 def _call_schema(tool: ToolDef) -> dict[str, Any]:
-    params = tool.function.parameters or {"type": "object", "properties": {}}
+    """The JSON schema of one call. Unless the function sets ``strict: false``, its arguments
+    object takes no properties beyond the declared ones (OpenAI strict mode; a small model
+    otherwise invents extra keys)."""
+    params = dict(tool.function.parameters or {"type": "object", "properties": {}})
+    if tool.function.strict is not False and "properties" in params:
+        params.setdefault("additionalProperties", False)
     return {"type": "object", "properties": {"name": {"const": tool.function.name},
                                              "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
@@ -122,7 +127,7 @@ def tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None:
         not isinstance(choice, NamedToolChoice) else ""
     lark = (f"start: call{repeat}\n"
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(schema, sort_keys=True)}\n")
+            f"body: %json {json.dumps(schema)}\n")
     return StructuredOutput("lark", lark)
 
 

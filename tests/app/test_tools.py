@@ -83,3 +83,17 @@ def test_history_calls_and_results_are_rendered_as_text():
     assert tools is not None and [t["function"]["name"] for t in tools] == [
         "get_weather", "get_time"]
     assert same == plain_messages(with_tools.messages)
+
+
+def test_required_calls_take_no_undeclared_arguments_unless_strict_is_false():
+    def arguments_schema(body) -> dict:
+        grammar = tool_grammar(body)
+        assert grammar is not None
+        return json.loads(grammar.spec.split("%json ", 1)[1])["properties"]["arguments"]
+
+    one = [TOOLS[0]]
+    assert arguments_schema(_body(tools=one, tool_choice="required")
+                            )["additionalProperties"] is False
+    loose = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]
+    assert "additionalProperties" not in arguments_schema(_body(tools=loose,
+                                                                tool_choice="required"))
