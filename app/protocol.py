@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.structured_output import StructuredOutput
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: ``logprobs`` <= 5
@@ -81,7 +81,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -103,7 +103,7 @@ def attach_grammar(request: EngineRequest, info: ModelInfo) -> EngineRequest:
     spec = request.sampling_params.structured_output
     if spec is None or request.grammar is not None:
         return request
-    return replace(request, grammar=info.grammar_compiler.matcher(spec))
+    return replace(request, grammar=info.grammar_compiler.matcher(spec, request.tenant_id))
 
 
 class EngineClient(ABC):

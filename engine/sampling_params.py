@@ -10,6 +10,7 @@ from engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI chat ``top_logprobs`` <= 20; vLLM's default)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on ``logit_bias`` keys
+MAX_STOP_TOKEN_IDS = 256  # each is masked per step while ``min_tokens`` holds
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class SamplingParams:
         if not (0.0 < self.repetition_penalty <= 100.0 and math.isfinite(self.repetition_penalty)):
             raise InvalidRequestError("repetition_penalty must be in (0, 100], got "
                                       f"{self.repetition_penalty}", "repetition_penalty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+                                      "stop_token_ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
                                       "logit_bias")

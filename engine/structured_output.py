@@ -2,10 +2,12 @@
 
 Grammars are compiled by llguidance (a well-kept Rust grammar engine, vLLM's ``guidance``
 backend) against the model's tokenizer. ``GrammarCompiler`` caches one compiled matcher per
-(kind, spec) and hands each request a cheap deep copy, so a schema is compiled once however
-many requests use it. The API layer compiles in its preprocessing workers (a hostile schema
-costs its own tenant's worker time, never the engine loop); the engine compiles only for
-offline requests that arrive without a matcher.
+(tenant, kind, spec) and hands each request a cheap deep copy, so a schema is compiled once
+however many of a tenant's requests use it. The cache is per tenant, like the prefix cache: a
+tenant cannot time whether another tenant used a schema (a hit would answer faster), and one
+tenant's flood of schemas only evicts its own entries. The API layer compiles in its
+preprocessing workers (a hostile schema costs its own tenant's worker time, never the engine
+loop); the engine compiles only for offline requests that arrive without a matcher.
 
 Per step the sampler asks each constrained row's matcher for its allowed tokens (a bitmask,
 microseconds to a millisecond per row) and masks the rest to -inf; after sampling, the model
@@ -61,20 +63,24 @@ class StructuredOutput:
 
 
 class GrammarCompiler:
-    """Compiles ``StructuredOutput`` specs into llguidance matchers, cached (thread-safe).
+    """Compiles ``StructuredOutput`` specs into llguidance matchers, cached per tenant
+    (thread-safe).
 
     Args:
         tokenizer: the model's Hugging Face (fast) tokenizer.
-        max_cached: compiled grammars kept (least recently used dropped).
+        max_per_tenant: compiled grammars kept per tenant (least recently used dropped).
+        max_tenants: tenants with a cache (the least recently active one's dropped).
 
     The llguidance tokenizer is built on first use (about 0.4 s for SmolLM2's 49,152 tokens).
     """
 
-    def __init__(self, tokenizer: Any, max_cached: int = 256) -> None:
+    def __init__(self, tokenizer: Any, max_per_tenant: int = 16, max_tenants: int = 256) -> None:
         self._hf_tokenizer = tokenizer
         self._ll_tokenizer: Any = None
-        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
-        self._max_cached = max_cached
+        self._caches: OrderedDict[str | None, OrderedDict[StructuredOutput, Any]] = \
+            OrderedDict()
+        self._max_per_tenant = max_per_tenant
+        self._max_tenants = max_tenants
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and metrics
 
@@ -86,8 +92,8 @@ class GrammarCompiler:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
             return self._ll_tokenizer
 
-    def matcher(self, spec: StructuredOutput) -> Any:
-        """A fresh ``llguidance.LLMatcher`` for one request.
+    def matcher(self, spec: StructuredOutput, tenant_id: str | None = None) -> Any:
+        """A fresh ``llguidance.LLMatcher`` for one request of ``tenant_id``.
 
         Raises:
             InvalidRequestError: the schema, regex or grammar is invalid (``param``
@@ -96,9 +102,11 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         with self._lock:
-            proto = self._cache.get(spec)
+            cache = self._caches.get(tenant_id)
+            proto = cache.get(spec) if cache is not None else None
             if proto is not None:
-                self._cache.move_to_end(spec)
+                cache.move_to_end(spec)  # type: ignore[union-attr]
+                self._caches.move_to_end(tenant_id)
                 return proto.deep_copy()
         tokenizer = self._tokenizer()
         proto = LLMatcher(tokenizer, spec.grammar(), log_level=0)
@@ -107,9 +115,13 @@ class GrammarCompiler:
                                       "response_format")
         with self._lock:
             self.num_compiled += 1
-            self._cache[spec] = proto
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+            cache = self._caches.setdefault(tenant_id, OrderedDict())
+            self._caches.move_to_end(tenant_id)
+            cache[spec] = proto
+            while len(cache) > self._max_per_tenant:
+                cache.popitem(last=False)
+            while len(self._caches) > self._max_tenants:
+                self._caches.popitem(last=False)
         return proto.deep_copy()
 
 

@@ -366,7 +366,8 @@ class CompletionsService:
                                                  self.info.max_model_len)
             self._describe(call, body)
             call.prompts, call.grammar = await self.preprocessor.run(
-                auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt")
+                auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt",
+                auth.tenant_id)
             streams = self._submit(call, body)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
@@ -417,8 +418,8 @@ class CompletionsService:
         return self._chunk(call, include_usage, c.index, self._echo_text(call, c), None,
                            logprobs=logprobs, prompt_lps=self._prompt_logprobs(call, c))
 
-    def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str
-                 ) -> tuple[list[Prompt], Any]:
+    def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str,
+                 tenant_id: str) -> tuple[list[Prompt], Any]:
         """Checks the model, renders and tokenises the prompts and compiles the structured-output
         grammar, if any (in a worker thread: a costly schema costs its own tenant's share of the
         workers, never the engine loop). Returns (prompts, grammar matcher or None).
@@ -438,7 +439,7 @@ class CompletionsService:
         if spec is None:
             return prompts, None
         try:
-            return prompts, self.info.grammar_compiler.matcher(spec)
+            return prompts, self.info.grammar_compiler.matcher(spec, tenant_id)
         except InvalidRequestError as e:
             raise APIError(400, e.message, param, "invalid_value") from None
 

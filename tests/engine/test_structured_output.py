@@ -13,7 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.llm import run_to_completion
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
+from engine.structured_output import GrammarCompiler, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 20},
@@ -67,3 +67,18 @@ def test_invalid_grammars_are_refused_before_queueing(make_llm_engine, tokenizer
                 structured_output=spec), tenant_id="t"))
         assert e.value.param == "response_format"
     assert not engine.has_unfinished_requests()
+
+
+def test_the_grammar_cache_is_per_tenant(tokenizer):
+    compiler = GrammarCompiler(tokenizer, max_per_tenant=4)
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    compiler.matcher(spec, "a")
+    compiler.matcher(spec, "a")
+    assert compiler.num_compiled == 1  # a's repeat hits
+    compiler.matcher(spec, "b")
+    assert compiler.num_compiled == 2  # b never hits a's entry (no cross-tenant timing)
+    for i in range(10):  # b floods its own cache
+        compiler.matcher(StructuredOutput("regex", f"x{{{i + 1}}}"), "b")
+    before = compiler.num_compiled
+    compiler.matcher(spec, "a")
+    assert compiler.num_compiled == before  # a's entry survived b's flood
