@@ -37,6 +37,14 @@ MAX_USER_CHARS = 256  # ``user`` / ``safety_identifier``, stored in the usage ro
 EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
+def _printable(v: str | None) -> str | None:
+    """End-user ids are stored in usage rows: printable text only (a NUL would be refused by
+    PostgreSQL at insert time, losing the row)."""
+    if v is not None and not v.isprintable():
+        raise ValueError("must be printable text (no control characters)")
+    return v
+
+
 def unsupported(reason: str) -> Any:
     """A field that is refused whenever it is set (not null): 400 ``unsupported_parameter``."""
 
@@ -96,11 +104,24 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
+    @field_validator("user")
+    @classmethod
+    def _printable_user(cls, v: str | None) -> str | None:
+        return _printable(v)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo
+                             ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids, got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
@@ -245,7 +266,8 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
+    description: unsupported("the schema description is not rendered into the prompt; "
+                             "describe the format in a message")
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
@@ -320,11 +342,20 @@ class ChatCompletionRequest(_SamplingFields):
                 and self.response_format.type != "text":
             raise PydanticCustomError("invalid_value", "response_format cannot be combined "
                                       "with tools unless tool_choice is 'none'")
+        if self.calls_tools() and self.min_tokens:
+            # The tool grammar ends with eos; min_tokens would mask it (SamplingParams).
+            raise PydanticCustomError("invalid_value", "min_tokens cannot be combined with "
+                                      "tools unless tool_choice is 'none'")
         return self
 
     def calls_tools(self) -> bool:
         """True when the model is offered tools (tools given and tool_choice is not none)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @field_validator("safety_identifier")
+    @classmethod
+    def _printable_id(cls, v: str | None) -> str | None:
+        return _printable(v)
 
     @field_validator("modalities")
     @classmethod
@@ -590,7 +621,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # completions prompts only (vLLM)
+    add_special_tokens: bool | None = None  # prompts: default true; messages: false only
     add_generation_prompt: bool = True  # chat messages only (vLLM)
     return_token_strs: bool = False
 
@@ -598,6 +629,9 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("invalid_value", "send exactly one of prompt and messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise _refuse("add_special_tokens with messages: the chat template places the "
+                          "special tokens")
         return self
 
 

@@ -157,7 +157,7 @@ class LLMEngine:
             vocab_size=model_cfg.vocab_size, block_size=bs, num_blocks=num_blocks,
             eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer,
             default_sampling=sampling_defaults(config, model_dir),
-            grammar_compiler=GrammarCompiler(tokenizer))
+            grammar_compiler=GrammarCompiler(tokenizer, model_cfg.vocab_size))
         if self.model_info.default_sampling:
             logger.info("sampling defaults from the generation config: %s",
                         self.model_info.default_sampling)
@@ -266,7 +266,10 @@ class LLMEngine:
         for rid, reason in result.failed.items():
             self.scheduler.fail_request(self.scheduler.requests[rid], reason)
         for rid, (first, entries) in result.prompt_logprobs.items():
-            collected = self.scheduler.requests[rid].prompt_logprobs
+            req = self.scheduler.requests.get(rid)
+            if req is None:  # failed above, in this very step
+                continue
+            collected = req.prompt_logprobs
             # A recompute after preemption covers positions already collected: keep the first.
             collected.extend(entries[len(collected) - first:])
         outputs = []

@@ -177,11 +177,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        rng_states = {r.request_id: self.generators[r.request_id].get_state()
+                      for r in sampled_reqs if r.request_id in self.generators}
         try:
             self._sample(logits, sampled_reqs, sampled, logprobs)
         except Exception:  # noqa: BLE001 - find whose fault it is, one row at a time
             sampled.clear()
             logprobs.clear()
+            for r in sampled_reqs:  # seeded rows draw again from where they were
+                if r.request_id in rng_states:
+                    self.generators[r.request_id].set_state(rng_states[r.request_id])
+                else:
+                    self.generators.pop(r.request_id, None)
             for i, r in enumerate(sampled_reqs):
                 try:
                     self._sample(logits[i:i + 1], [r], sampled, logprobs)

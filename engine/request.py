@@ -134,6 +134,7 @@ class Request:
         # filled chunk by chunk as the prompt is computed.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
         self.grammar = req.grammar  # llguidance matcher (structured output) or None
+        self.penalty_state: Any = None  # engine.sampler.PenaltyState, with penalties
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class SamplingInput(Protocol):
     output_token_ids: list[int]
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
     grammar: Any  # an llguidance matcher (structured output), or None
+    penalty_state: PenaltyState | None  # the sampler's own, set on first use
 
 
 @dataclass(frozen=True)
@@ -67,26 +68,21 @@ def gather_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
             for r, t in enumerate(token_ids)]
 
 
-def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
-    """Tokens a row's grammar does not allow next are set to -inf (structured output)."""
-    constrained = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
-    if not constrained:
-        return logits
-    vocab = logits.shape[-1]
+def _apply_grammars_(x: torch.Tensor, rows: Sequence[SamplingInput],
+                     constrained: list[int]) -> None:
+    """In place: tokens a row's grammar does not allow next are set to -inf."""
+    vocab = x.shape[-1]
     words = torch.full((len(constrained), (vocab + 31) // 32), -1, dtype=torch.int32)
     for j, i in enumerate(constrained):
         fill_allowed(rows[i].grammar, words[j])
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(constrained), -1)[:, :vocab]
-    logits = logits.clone()
-    idx = torch.tensor(constrained, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
-    return logits
+    idx = torch.tensor(constrained, device=x.device)
+    x[idx] = x[idx].masked_fill(~allowed.to(x.device), float("-inf"))
 
 
-def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingInput]
-                               ) -> torch.Tensor:
-    """``logit_bias`` added; eos and stop ids at -inf while ``min_tokens`` is not reached."""
+def _apply_bias_and_min_tokens_(x: torch.Tensor, rows: Sequence[SamplingInput]) -> None:
+    """In place: ``logit_bias`` added; eos and stop ids at -inf until ``min_tokens``."""
     r_idx: list[int] = []
     t_idx: list[int] = []
     vals: list[float] = []
@@ -101,47 +97,78 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingInpu
                 r_idx.append(i)
                 t_idx.append(tid)
                 vals.append(float("-inf"))
-    if not r_idx:
-        return logits
-    dev = logits.device
-    logits = logits.clone()
-    logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                      torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
-    return logits
+    if r_idx:
+        dev = x.device
+        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
-    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties,
-    as vLLM's ``apply_penalties``."""
-    pen = [i for i, r in enumerate(rows) if r.sampling_params.has_penalties]
-    if not pen:
-        return logits
-    dev, vocab = logits.device, logits.shape[-1]
-    n = len(pen)
-    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
-    out_r = [j for j, i in enumerate(pen) for _ in rows[i].output_token_ids]
-    out_t = [t for i in pen for t in rows[i].output_token_ids]
-    if out_t:
-        counts.index_put_((torch.tensor(out_r, device=dev), torch.tensor(out_t, device=dev)),
-                          torch.ones(len(out_t), dtype=logits.dtype, device=dev),
-                          accumulate=True)
+class PenaltyState:
+    """One request's penalty bookkeeping, kept on the request across steps so that each step
+    only adds its new output tokens (O(new tokens), not O(context)).
+
+    Attributes:
+        prompt_seen: [vocab] bool, tokens of the prompt (repetition penalty).
+        counts: [vocab] fp32, occurrences of each token in the output so far.
+        num_counted: output tokens already in ``counts``.
+    """
+
+    def __init__(self, row: SamplingInput, vocab: int, device: torch.device) -> None:
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if row.prompt_token_ids:
+            self.prompt_seen[torch.tensor(row.prompt_token_ids, device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.num_counted = 0
+
+    def update(self, output_token_ids: list[int]) -> None:
+        new = output_token_ids[self.num_counted:]
+        if new:
+            ids = torch.tensor(new, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(len(new), device=self.counts.device))
+        self.num_counted = len(output_token_ids)
+
+
+def _apply_penalties_(x: torch.Tensor, rows: Sequence[SamplingInput], pen: list[int]) -> None:
+    """In place: repetition (prompt and output tokens), frequency and presence (output tokens)
+    penalties, as vLLM's ``apply_penalties``."""
+    dev, vocab = x.device, x.shape[-1]
+    states = []
+    for i in pen:
+        state = getattr(rows[i], "penalty_state", None)
+        if state is None or state.num_counted > len(rows[i].output_token_ids):
+            state = PenaltyState(rows[i], vocab, dev)
+            rows[i].penalty_state = state
+        state.update(rows[i].output_token_ids)
+        states.append(state)
+    counts = torch.stack([st.counts for st in states]).to(x.dtype)
     params = [rows[i].sampling_params for i in pen]
-    sub = logits[pen]
+    sub = x[pen]
     rep = [p.repetition_penalty for p in params]
     if any(r != 1.0 for r in rep):
-        seen = counts > 0
-        pr_r = [j for j, i in enumerate(pen) for _ in rows[i].prompt_token_ids]
-        pr_t = [t for i in pen for t in rows[i].prompt_token_ids]
-        if pr_t:
-            seen[torch.tensor(pr_r, device=dev), torch.tensor(pr_t, device=dev)] = True
-        rep_t = torch.tensor(rep, dtype=logits.dtype, device=dev)[:, None]
+        seen = torch.stack([st.prompt_seen for st in states]) | (counts > 0)
+        rep_t = torch.tensor(rep, dtype=x.dtype, device=dev)[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep_t, sub * rep_t), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)
-    sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
-    logits = logits.clone()
-    logits[pen] = sub
-    return logits
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)
+    x[pen] = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(x.dtype)
+
+
+def _process(logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+    """Grammar masks, then ``logit_bias`` and the ``min_tokens`` mask, then penalties (vLLM
+    v1 order), on one copy of ``logits`` (``logits`` itself is left raw for logprobs)."""
+    constrained = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+    pen = [i for i, r in enumerate(rows) if r.sampling_params.has_penalties]
+    biased = any(r.sampling_params.logit_bias or r.sampling_params.min_tokens for r in rows)
+    if not (constrained or pen or biased):
+        return logits
+    x = logits.clone()
+    if constrained:
+        _apply_grammars_(x, rows, constrained)
+    if biased:
+        _apply_bias_and_min_tokens_(x, rows)
+    if pen:
+        _apply_penalties_(x, rows, pen)
+    return x
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -183,7 +210,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingInput],
     unseeded rows share one draw and a seeded row only advances its own generator.
     """
     params = [r.sampling_params for r in rows]
-    x = _apply_penalties(_apply_bias_and_min_tokens(_apply_grammars(logits, rows), rows), rows)
+    x = _process(logits, rows)
     tokens = x.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

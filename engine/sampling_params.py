@@ -119,6 +119,10 @@ class SamplingParams:
                                    and self.min_tokens > self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got "
                                       f"{self.min_tokens}", "min_tokens")
+        if self.structured_output is not None and self.min_tokens:
+            # A complete grammar allows only eos, which min_tokens would mask: nothing left.
+            raise InvalidRequestError("min_tokens cannot be combined with structured output",
+                                      "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:

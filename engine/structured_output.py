@@ -68,14 +68,18 @@ class GrammarCompiler:
 
     Args:
         tokenizer: the model's Hugging Face (fast) tokenizer.
+        vocab_size: the model's vocabulary (its logits' width), which may be padded beyond the
+            tokenizer's; the masks are this wide.
         max_per_tenant: compiled grammars kept per tenant (least recently used dropped).
         max_tenants: tenants with a cache (the least recently active one's dropped).
 
     The llguidance tokenizer is built on first use (about 0.4 s for SmolLM2's 49,152 tokens).
     """
 
-    def __init__(self, tokenizer: Any, max_per_tenant: int = 16, max_tenants: int = 256) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, max_per_tenant: int = 16,
+                 max_tenants: int = 256) -> None:
         self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
         self._ll_tokenizer: Any = None
         self._caches: OrderedDict[str | None, OrderedDict[StructuredOutput, Any]] = \
             OrderedDict()
@@ -89,7 +93,8 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
+                                                                  n_vocab=self._vocab_size)
             return self._ll_tokenizer
 
     def matcher(self, spec: StructuredOutput, tenant_id: str | None = None) -> Any:

@@ -21,6 +21,7 @@ run (it would double-count usage).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import secrets
@@ -145,6 +146,11 @@ class CompletionCall:
     def chat(self) -> bool:
         return self.endpoint == "chat.completions"
 
+    def prompt_logprobs_of(self, c: ChoiceState) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt logprobs of ``c``'s prompt: its first choice computes them for all."""
+        n = self.params.n if self.params is not None else 1
+        return self.choices[c.prompt_index * n].prompt_logprobs
+
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
@@ -167,6 +173,9 @@ class CompletionCall:
                 params = self.params
                 if n > 1 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
+                if i > 0 and params.prompt_logprobs is not None:
+                    # Computed once per prompt (by choice 0): the others may hit the cache.
+                    params = replace(params, prompt_logprobs=None)
                 reqs.append(EngineRequest(
                     request_id=f"{self.request_id}-{j * n + i}",
                     prompt_token_ids=tuple(prompt.token_ids),
@@ -312,7 +321,8 @@ class CompletionsService:
         self.limiter = limiter
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
         self.prompts = PromptEncoder(self.info, self.preprocessor)
-        self.token_texts = TokenTexts(self.info.tokenizer)
+        # Its own tokenizer copy: the engine thread decodes with the original.
+        self.token_texts = TokenTexts(copy.deepcopy(self.info.tokenizer))
 
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
@@ -377,8 +387,14 @@ class CompletionsService:
                 return response
             await self._collect(call, streams, is_disconnected)
             call.status = "ok"
-            return JSONResponse(self._full_response(call).model_dump(mode="json"),
-                                headers=call.limit_headers())
+            params = call.params
+            if params is not None and (params.logprobs is not None
+                                       or params.prompt_logprobs is not None):
+                # Naming thousands of tokens takes a while: not on the event loop.
+                body = await asyncio.to_thread(self._response_body, call)
+            else:
+                body = self._response_body(call)
+            return JSONResponse(body, headers=call.limit_headers())
         except asyncio.CancelledError:
             call.status = "aborted"
             raise
@@ -599,6 +615,9 @@ class CompletionsService:
             for s in streams:
                 s.close()
 
+    def _response_body(self, call: CompletionCall) -> dict:
+        return self._full_response(call).model_dump(mode="json")
+
     def _full_response(self, call: CompletionCall) -> ChatCompletionResponse | CompletionResponse:
         if call.chat:
             choices = []
@@ -653,15 +672,16 @@ class CompletionsService:
         if echo:
             prompt = call.prompts[c.prompt_index]
             ids = prompt.token_ids + ids
-            lps = list(c.prompt_logprobs or [None] * len(prompt.token_ids)) + lps
+            lps = list(call.prompt_logprobs_of(c) or [None] * len(prompt.token_ids)) + lps
         return completion_logprobs(self.token_texts, lps, ids, params.logprobs, text_offset,
                                    call.as_token_ids)
 
     def _prompt_logprobs(self, call: CompletionCall, c: ChoiceState) -> PromptLogprobs | None:
         """vLLM ``prompt_logprobs``, only when the request asked for it by that name."""
-        if not call.wants_prompt_logprobs or c.prompt_logprobs is None:
+        entries = call.prompt_logprobs_of(c)
+        if not call.wants_prompt_logprobs or entries is None:
             return None
-        return prompt_logprobs(self.token_texts, c.prompt_logprobs, call.as_token_ids)
+        return prompt_logprobs(self.token_texts, entries, call.as_token_ids)
 
     @staticmethod
     def _echo_text(call: CompletionCall, c: ChoiceState) -> str:
@@ -702,6 +722,35 @@ class CompletionsService:
                                          list(out.new_logprobs), echo=False,
                                          text_offset=text_before)
 
+    def _output_chunks(self, call: CompletionCall, i: int, out: RequestOutput,
+                       sent: list[int | None], include_usage: bool) -> list[str]:
+        """The SSE chunks of one engine output of choice ``i`` (already applied to the call);
+        ``sent``: characters sent per choice, updated."""
+        c = call.choices[i]
+        chunks = []
+        if sent[i] is None and not call.chat:
+            first = self._first_completion_chunk(call, c, include_usage)
+            sent[i] = len(self._echo_text(call, c))
+            if first is not None:
+                chunks.append(_sse(first))
+        new_text = "" if call.score_only else out.new_text
+        logprobs = self._delta_logprobs(call, c, out, sent[i] or 0)
+        if call.tool_body is not None:  # the text is parsed once complete
+            if out.finished:
+                content, calls, finish = self._message(call, c)
+                chunks.append(_sse(self._chunk(call, include_usage, i, content, finish,
+                                               logprobs=logprobs, tool_calls=calls)))
+            elif logprobs is not None:
+                chunks.append(_sse(self._chunk(call, include_usage, i, None, None,
+                                               logprobs=logprobs)))
+            return chunks
+        if new_text or out.finished or logprobs is not None:
+            chunks.append(_sse(self._chunk(call, include_usage, i, new_text or None,
+                                           c.finish_reason if out.finished else None,
+                                           logprobs=logprobs)))
+            sent[i] = (sent[i] or 0) + len(new_text)
+        return chunks
+
     async def _stream(self, call: CompletionCall, streams: list[RequestStreamLike],
                       include_usage: bool) -> AsyncGenerator[str, None]:
         """SSE body: role chunk (chat), one chunk per text delta or finish, the usage chunk
@@ -718,32 +767,26 @@ class CompletionsService:
                     yield _sse(self._chunk(call, include_usage, c.index, "", None, role=True))
             # Characters sent per choice (completions ``text_offset``), None until the first.
             sent: list[int | None] = [None] * len(call.choices)
+            assert call.params is not None
+            n = call.params.n
+            # A prompt's choices share the prompt logprobs its first choice computes: the
+            # others' outputs wait until those are known (their first chunk carries them).
+            wait_for_source = not call.chat and call.params.prompt_logprobs is not None
+            held: dict[int, list[RequestOutput]] = {}
             async with aclosing(merge_streams(streams)) as outputs:
                 async for i, out in outputs:
-                    c = call.choices[i]
                     call.apply(i, out)
-                    if sent[i] is None and not call.chat:
-                        first = self._first_completion_chunk(call, c, include_usage)
-                        sent[i] = len(self._echo_text(call, c))
-                        if first is not None:
-                            yield _sse(first)
-                    new_text = "" if call.score_only else out.new_text
-                    logprobs = self._delta_logprobs(call, c, out, sent[i] or 0)
-                    if call.tool_body is not None:  # the text is parsed once complete
-                        if out.finished:
-                            content, calls, finish = self._message(call, c)
-                            yield _sse(self._chunk(call, include_usage, i, content, finish,
-                                                   logprobs=logprobs, tool_calls=calls))
-                        elif logprobs is not None:
-                            yield _sse(self._chunk(call, include_usage, i, None, None,
-                                                   logprobs=logprobs))
+                    source = i - i % n
+                    if wait_for_source and i != source \
+                            and call.choices[source].prompt_logprobs is None:
+                        held.setdefault(i, []).append(out)
                         continue
-                    if not new_text and not out.finished and logprobs is None:
-                        continue
-                    yield _sse(self._chunk(call, include_usage, i, new_text or None,
-                                           c.finish_reason if out.finished else None,
-                                           logprobs=logprobs))
-                    sent[i] = (sent[i] or 0) + len(new_text)
+                    ready = [(i, out)]
+                    if i == source:
+                        ready += [(j, o) for j in range(i + 1, i + n) for o in held.pop(j, [])]
+                    for j, o in ready:
+                        for chunk in self._output_chunks(call, j, o, sent, include_usage):
+                            yield chunk
             call.status = "ok"
             if include_usage:
                 cls = ChatCompletionStreamResponse if call.chat else CompletionStreamResponse

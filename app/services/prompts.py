@@ -107,7 +107,8 @@ class TokenizerService:
         if body.messages is not None:
             ids = self.prompts.encode_chat(body.messages, body.add_generation_prompt)
         else:
-            ids = self.prompts.encode(body.prompt or "", "prompt", body.add_special_tokens)
+            ids = self.prompts.encode(body.prompt or "", "prompt",
+                                      body.add_special_tokens is not False)
         strs = self.preprocessor.tokenizer().convert_ids_to_tokens(ids) \
             if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len,

@@ -8,17 +8,17 @@
   bundled SmolLM2's) gets a system section that lists the functions as JSON and shows the
   format above. Assistant ``tool_calls`` and ``tool`` results in the history are rendered as
   text in the same format (``<tool_response>``), so a multi-turn round trip keeps them.
-- ``tool_choice`` ``required`` or a named function: a grammar (``tool_grammar``) allows only
-  well-formed calls whose ``arguments`` match the function's JSON schema, so the output is
-  always a valid call; ``auto``: the model chooses, and the output is parsed.
-- Parsing (``parse_tool_calls``): every ``<tool_call>`` block whose body is a JSON object with
-  a known ``name`` becomes a ``ToolCall``; the text outside the blocks is the content.
+- A grammar (``tool_grammar``) makes every call well formed, its ``arguments`` matching the
+  function's JSON schema (compact JSON: no free whitespace): ``required`` or a named function
+  allow only calls; ``auto`` allows either calls or a text answer (one that does not start
+  with ``<``), so a call the model starts is always valid.
+- Parsing (``parse_tool_calls``, linear time): the ``<tool_call>`` blocks at the start of the
+  output become ``ToolCall`` records; an output that does not start with one is the content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from typing import Any
 
@@ -32,8 +32,9 @@ from app.protocol import (
 )
 from engine.structured_output import StructuredOutput
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_OPEN = "<tool_call>"
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+# Compact JSON inside calls: free whitespace would let a call grow without bound.
+_STRICT_JSON = {"whitespace_flexible": False}
 
 
 def template_renders_tools(template: str | None) -> bool:
@@ -115,17 +116,21 @@ def _call_schema(tool: ToolDef) -> dict[str, Any]:
 
 
 def tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None:
-    """With ``tool_choice`` ``required`` or named: a Lark grammar of one call (or, with
-    ``parallel_tool_calls``, one or more) whose JSON matches an offered function's schema."""
-    choice = body.tool_choice
-    if not body.calls_tools() or not (choice == "required" or isinstance(choice,
-                                                                           NamedToolChoice)):
+    """The Lark grammar of the output when tools are offered: one call (or, with
+    ``parallel_tool_calls``, one or more) whose JSON matches an offered function's schema;
+    with ``auto``, a text answer not starting with ``<`` is allowed instead."""
+    if not body.calls_tools():
         return None
+    choice = body.tool_choice
     schemas = [_call_schema(t) for t in _offered(body)]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {"x-guidance": _STRICT_JSON,
+              **(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})}
     repeat = ' ("\\n" call)*' if body.parallel_tool_calls is not False and \
         not isinstance(choice, NamedToolChoice) else ""
-    lark = (f"start: call{repeat}\n"
+    answer = "free | " if choice in (None, "auto") else ""
+    lark = (f"start: {answer}calls\n"
+            f"calls: call{repeat}\n"
+            "free: /[^<](?s:.*)/\n"
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}\n")
     return StructuredOutput("lark", lark)
@@ -133,27 +138,32 @@ def tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None:
 
 def parse_tool_calls(text: str, body: ChatCompletionRequest) -> tuple[str | None,
                                                                      list[ToolCall]]:
-    """(content, tool calls) of a model output. Blocks that are not JSON objects naming an
-    offered function stay in the content as text; without ``parallel_tool_calls`` only the
-    first call is kept."""
+    """(content, tool calls) of a model output, in linear time: the ``<tool_call>`` blocks at
+    the start of the output (the grammar only lets calls start there) whose body is a JSON
+    object naming an offered function; without ``parallel_tool_calls`` only the first is kept.
+    Anything else is content."""
     names = {t.function.name for t in _offered(body)}
     calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for match in _BLOCK.finditer(text):
+    pos = len(text) - len(text.lstrip())
+    while text.startswith(_OPEN, pos):
+        end = text.find(_CLOSE, pos + len(_OPEN))
+        if end < 0:
+            break
         try:
-            value = json.loads(match.group(1))
+            value = json.loads(text[pos + len(_OPEN):end])
         except ValueError:
-            continue
+            break
         if not isinstance(value, dict) or value.get("name") not in names:
-            continue
+            break
         arguments = value.get("arguments", value.get("parameters", {}))
-        kept.append(text[pos:match.start()])
-        pos = match.end()
         calls.append(ToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(
             name=value["name"], arguments=json.dumps(arguments))))
-    kept.append(text[pos:])
+        pos = end + len(_CLOSE)
+        while pos < len(text) and text[pos].isspace():  # the newline between calls
+            pos += 1
+    if not calls:
+        return text, []
     if body.parallel_tool_calls is False:
         calls = calls[:1]
-    content = "".join(kept).strip()
+    content = text[pos:].strip()
     return (content or None), calls

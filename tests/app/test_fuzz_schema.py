@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 
 MAX_EXAMPLES = 20
 CORE = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature",
-        "top_p", "top_k", "seed", "stream", "stop", "logprobs", "echo"}
+        "top_p", "seed", "stream"}
 
 @pytest.fixture(scope="module")
 def env(app_env_builder, tmp_path_factory):

@@ -53,6 +53,40 @@ def test_echo_returns_the_prompt_and_scores_it_with_max_tokens_0(app_env):
     assert '"text":"The sky is blue"' in texts[0]
 
 
+def test_a_prompts_choices_share_the_prompt_logprobs_its_first_choice_computes(
+        app_env, monkeypatch, tokenizer):
+    sizes = [len(tokenizer.encode("The sky is blue")), len(tokenizer.encode("Grass"))]
+    submitted = []
+    real = app_env.engine.add_request
+    monkeypatch.setattr(app_env.engine, "add_request",
+                        lambda req: submitted.append(req) or real(req))
+    body = {"prompt": ["The sky is blue", "Grass"], "echo": True, "logprobs": 1, "n": 3,
+            "max_tokens": 2, "ignore_eos": True, "prompt_logprobs": 1}
+    r = _post(app_env, "/v1/completions", body).json()
+    # One request per prompt computes prompt logprobs; the other choices do not.
+    assert [req.sampling_params.prompt_logprobs for req in submitted] == [1, None, None] * 2
+    for c in r["choices"]:
+        lp = c["logprobs"]
+        n_prompt = sizes[c["index"] // 3]
+        assert lp["token_logprobs"][0] is None
+        assert len(lp["tokens"]) == n_prompt + 2
+        assert all(v == -0.25 for v in lp["token_logprobs"][1:])  # the prompt's too
+        assert len(c["prompt_logprobs"]) == n_prompt
+    # Streamed: every choice's first chunk carries its prompt's text and logprobs.
+    s = app_env.client.post("/v1/completions", headers=app_env.headers(app_env.key_a),
+                            json={"model": app_env.model, **body, "stream": True})
+    firsts = {}
+    for line in s.text.splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == list(range(6))
+    for i, first in firsts.items():
+        assert first["text"] == ("The sky is blue" if i < 3 else "Grass")
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert len(first["prompt_logprobs"]) == sizes[i // 3]
+
+
 def test_retrieve_model(app_env):
     h = app_env.headers(app_env.key_a)
     card = app_env.client.get(f"/v1/models/{app_env.model}", headers=h)

@@ -327,10 +327,26 @@ def test_bad_new_field_values_are_400_with_param(send):
                         ({"max_tokens": 0}, "max_tokens"),
                         ({"prompt": ["a"] * 33}, "prompt"),
                         ({"prompt": ["a", "b", "c", "d", "e"], "n": 16}, "prompt"),
-                        ({"user": "u" * 257}, "user")):
+                        ({"user": "u" * 257}, "user"),
+                        ({"user": "\u0000x"}, "user"),
+                        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"stop_token_ids": list(range(257))}, "stop_token_ids")):
         seen = send("/v1/completions", {**PROMPT, **body})
         assert seen.status == 400, (body, seen.text)
         assert seen.body["error"]["param"] == param, (body, seen.body)
         assert seen.requests == []
     seen = send("/v1/chat/completions", {**CHAT, "top_logprobs": 2})
     assert seen.status == 400 and seen.body["error"]["param"] == "top_logprobs"
+    for body in ({"safety_identifier": "a\nb"},
+                 {"min_tokens": 2, "response_format": {"type": "json_object"}},
+                 {"min_tokens": 2, "tools": [WEATHER]},
+                 {"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "description": "d", "schema": {"type": "object"}}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": {"type": "no-such-type"}}}}):
+        seen = send("/v1/chat/completions", {**CHAT, **body})
+        assert seen.status == 400, (body, seen.text)
+        assert seen.requests == []
+    r = send("/tokenize", {"messages": CHAT["messages"], "add_special_tokens": True})
+    assert r.status == 400 and r.body["error"]["code"] == "unsupported_parameter"

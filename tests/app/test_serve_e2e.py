@@ -95,13 +95,15 @@ def test_openai_sdk_against_real_server(server):
         bad.models.list()
 
     # Structured output: the SDK's parse() with a pydantic model returns a parsed object.
+    # (Bounds matter on a 135M model: an unbounded JSON number can take digits forever.)
     class City(pydantic.BaseModel):
-        name: str
-        country: str
-        population_millions: float
+        name: str = pydantic.Field(max_length=40)
+        country: str = pydantic.Field(max_length=40)
+        population_millions: int = pydantic.Field(ge=0, le=100_000)
+        is_capital: bool
 
     parsed = client.chat.completions.parse(
-        model=model, response_format=City, max_tokens=60,
+        model=model, response_format=City, max_tokens=200, temperature=0,
         messages=[{"role": "user", "content": "Describe Paris as JSON."}])
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City) and city.name

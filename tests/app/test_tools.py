@@ -22,11 +22,11 @@ def _body(**kw) -> ChatCompletionRequest:
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw})
 
 
-def test_parse_keeps_text_and_turns_known_blocks_into_calls():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+def test_parse_turns_leading_blocks_into_calls():
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     content, calls = parse_tool_calls(text, _body())
-    assert content == "Let me check."
+    assert content is None
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
     assert len({c.id for c in calls}) == 2
@@ -35,12 +35,22 @@ def test_parse_keeps_text_and_turns_known_blocks_into_calls():
     assert [c.function.name for c in one] == ["get_weather"]
 
 
-def test_unknown_names_and_broken_json_stay_text():
+def test_text_answers_unknown_names_and_broken_json_stay_text():
     for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
                  "<tool_call>{not json</tool_call>", "<tool_call>[1, 2]</tool_call>",
-                 "plain answer"):
+                 "plain answer", 'Let me check.\n<tool_call>{"name": "get_time"}</tool_call>',
+                 "<tool_call>" + " " * 100_000):
         content, calls = parse_tool_calls(text, _body())
         assert calls == [] and content == text
+
+
+def test_parsing_a_huge_unterminated_call_is_linear():
+    import time
+
+    text = "<tool_call>\n{" + " " * 2_000_000
+    t0 = time.perf_counter()
+    assert parse_tool_calls(text, _body()) == (text, [])
+    assert time.perf_counter() - t0 < 0.5  # the old regex took seconds for 2,000 spaces
 
 
 def test_named_choice_offers_and_accepts_only_that_function():
@@ -56,13 +66,32 @@ def test_named_choice_offers_and_accepts_only_that_function():
     assert '"const": "get_time"' in grammar.spec and "call)*" not in grammar.spec
 
 
-def test_grammar_only_for_required_or_named():
-    assert tool_grammar(_body()) is None  # auto
+def test_grammar_per_tool_choice():
     assert tool_grammar(_body(tool_choice="none")) is None
+    auto = tool_grammar(_body())
+    assert auto is not None and "start: free | calls" in auto.spec
     required = tool_grammar(_body(tool_choice="required"))
     assert required is not None and "anyOf" in required.spec and "call)*" in required.spec
+    assert "start: calls" in required.spec
+    assert '"whitespace_flexible": false' in required.spec
     single = tool_grammar(_body(tool_choice="required", parallel_tool_calls=False))
     assert single is not None and "call)*" not in single.spec
+
+
+def test_the_tool_grammars_accept_calls_and_refuse_free_whitespace(tokenizer):
+    from engine.structured_output import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    padded = '<tool_call>\n{    "name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    for choice, text, ok in (("required", call, True), ("required", padded, False),
+                             ("required", "Sunny.", False), ("auto", "Sunny.", True),
+                             ("auto", call, True), ("auto", "<b>hi</b>", False)):
+        spec = tool_grammar(_body(tool_choice=choice))
+        assert spec is not None
+        matcher = compiler.matcher(spec, "t")
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.validate_tokens(ids) == len(ids)) is ok, (choice, text)
 
 
 def test_history_calls_and_results_are_rendered_as_text():

@@ -124,3 +124,27 @@ def test_logit_bias_and_penalties_change_greedy_output(make_llm_engine, prompt_i
     varied = run(engine, prompt_ids[:1], "freq", max_tokens=12,
                  frequency_penalty=2.0, logit_bias={base[3]: 8.0})[0].token_ids
     assert len(set(varied)) == len(varied)
+
+
+def test_a_fault_in_a_prompt_logprobs_request_fails_it_alone(make_llm_engine, prompt_ids):
+    """Regression: the prompt logprobs of a request that failed in the same step (its
+    sampling) were looked up after the request was gone: KeyError out of step() killed the
+    engine loop for every tenant."""
+    from engine.faults import inject
+
+    engine = make_llm_engine()
+
+    def fault(point: str, rid: str | None) -> None:
+        if point == "sample" and rid == "victim":
+            raise RuntimeError("injected")
+
+    p = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    with inject(fault):
+        results = run_to_completion(engine, [
+            EngineRequest("victim", tuple(prompt_ids[0]), p, tenant_id="a"),
+            EngineRequest("bystander", tuple(prompt_ids[1]), p, tenant_id="b")], max_steps=100)
+    assert results[0].finish_reason == "error"
+    assert results[1].finish_reason == "length" and len(results[1].token_ids) == 4
+    assert results[1].prompt_logprobs is not None
+    pool = engine.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks

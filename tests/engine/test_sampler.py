@@ -24,6 +24,7 @@ class Row:
     output_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
     grammar: object = None
+    penalty_state: object = None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -211,3 +212,19 @@ def test_out_of_range_settings_are_refused_naming_the_field(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_penalty_state_kept_across_steps_equals_a_fresh_count():
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.3,
+                            repetition_penalty=1.4)
+    kept = Row(params, prompt_token_ids=[1, 2, 3])
+    for step in range(12):
+        logits = torch.randn(1, 16)
+        fresh = Row(params, prompt_token_ids=[1, 2, 3], output_token_ids=list(
+            kept.output_token_ids))
+        got = sample_rows(logits, [kept], [None]).token_ids
+        assert got == sample_rows(logits, [fresh], [None]).token_ids, step
+        kept.output_token_ids.append(got[0])
+    assert kept.penalty_state.num_counted == 11
+    assert kept.penalty_state.counts.sum().item() == 11
