@@ -37,6 +37,7 @@ def key_info(row: ApiKey) -> ApiKeyInfo:
         created_at=row.created_at,
         expires_at=row.expires_at,
         revoked_at=row.revoked_at,
+        last_used_at=row.last_used_at,
     )
 
 

@@ -44,6 +44,8 @@ class ApiKeyInfo:
     created_at: datetime
     expires_at: datetime | None
     revoked_at: datetime | None
+    # Last authenticated use, flushed from the authenticator's buffer every minute (None: never).
+    last_used_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,16 @@ def _key_out(k: ApiKeyInfo) -> dict:
     return dataclasses.asdict(k)
 
 
+async def _tenant(request: Request, name_or_id: str) -> TenantInfo:
+    """The tenant a path or query names, by id or by name (ids first).
+
+    Raises:
+        TenantNotFound: neither exists (404, never an empty 200).
+        APIError: 400 when the string is one tenant's id and another's name.
+    """
+    return await _in_thread(_tenants(request).resolve, name_or_id, _param="tenant")
+
+
 async def _evict(request: Request, tenant_id: str | None, reason: str) -> int:
     engine: EngineClient = request.app.state.engine
     if tenant_id is None:
@@ -123,19 +133,21 @@ async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrinci
     return _tenant_out(t)
 
 
-@router.get("/tenants/{tenant_id}")
-async def get_tenant(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
-    return _tenant_out(await _in_thread(_tenants(request).get, tenant_id))
+@router.get("/tenants/{tenant}")
+async def get_tenant(tenant: str, request: Request, _: AdminPrincipal) -> dict:
+    """One tenant, by id or name."""
+    return _tenant_out(await _tenant(request, tenant))
 
 
-@router.patch("/tenants/{tenant_id}")
-async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
+@router.patch("/tenants/{tenant}")
+async def update_tenant(tenant: str, body: TenantPatch, request: Request,
                         admin: AdminPrincipal) -> dict:
-    """Changes flags and limits. Turning prefix caching off also drops the tenant's cached
-    blocks (reason ``reset``), so nothing of theirs stays cached."""
+    """Changes flags and limits (tenant by id or name). Turning prefix caching off also drops
+    the tenant's cached blocks (reason ``reset``), so nothing of theirs stays cached."""
     tenants = _tenants(request)
     limits = {k: getattr(body, k) for k in _NULLABLE_FIELDS if k in body.model_fields_set}
-    before = await _in_thread(tenants.get, tenant_id)
+    before = await _tenant(request, tenant)
+    tenant_id = before.id
     t = await _in_thread(tenants.update, tenant_id, disabled=body.disabled,
                          enable_prefix_caching=body.enable_prefix_caching, weight=body.weight,
                          actor=admin.subject, **limits)
@@ -147,10 +159,11 @@ async def update_tenant(tenant_id: str, body: TenantPatch, request: Request,
     return _tenant_out(t)
 
 
-@router.post("/tenants/{tenant_id}/rotate-salt")
-async def rotate_salt(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
+@router.post("/tenants/{tenant}/rotate-salt")
+async def rotate_salt(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
     """New salt version, current at once; the tenant's cached blocks are dropped (reason
     ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
+    tenant_id = (await _tenant(request, tenant)).id
     version = await _in_thread(_tenants(request).rotate_salt, tenant_id, actor=admin.subject)
     versions: SaltVersions = request.app.state.salt_versions
     versions.note_rotated(tenant_id, version)  # evicted here: no second eviction on next auth
@@ -158,14 +171,14 @@ async def rotate_salt(tenant_id: str, request: Request, admin: AdminPrincipal) -
     return {"tenant_id": tenant_id, "salt_version": version, "blocks_dropped": dropped}
 
 
-@router.post("/tenants/{tenant_id}/cache/reset")
-async def reset_tenant_cache(tenant_id: str, request: Request, admin: AdminPrincipal) -> dict:
+@router.post("/tenants/{tenant}/cache/reset")
+async def reset_tenant_cache(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
     """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
-    t = await _in_thread(_tenants(request).get, tenant_id)
-    dropped = await _evict(request, tenant_id, "reset")
-    await _in_thread(_usage(request).audit, admin.subject, "cache.reset", tenant_id,
+    t = await _tenant(request, tenant)
+    dropped = await _evict(request, t.id, "reset")
+    await _in_thread(_usage(request).audit, admin.subject, "cache.reset", t.id,
                      f"blocks={dropped} salt_version={t.current_salt_version}")
-    return {"tenant_id": tenant_id, "blocks_dropped": dropped}
+    return {"tenant_id": t.id, "blocks_dropped": dropped}
 
 
 @router.post("/cache/reset")
@@ -178,16 +191,18 @@ async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
 
 
 # -- API keys -------------------------------------------------------------------------------------
-@router.get("/tenants/{tenant_id}/keys")
-async def list_keys(tenant_id: str, request: Request, _: AdminPrincipal) -> dict:
-    keys = await _in_thread(_keys(request).list_for_tenant, tenant_id)
+@router.get("/tenants/{tenant}/keys")
+async def list_keys(tenant: str, request: Request, _: AdminPrincipal) -> dict:
+    """The tenant's keys (no secrets), with ``last_used_at``."""
+    keys = await _in_thread(_keys(request).list_for_tenant, (await _tenant(request, tenant)).id)
     return {"object": "list", "data": [_key_out(k) for k in keys]}
 
 
-@router.post("/tenants/{tenant_id}/keys", status_code=201)
-async def create_key(tenant_id: str, body: KeyCreate, request: Request,
+@router.post("/tenants/{tenant}/keys", status_code=201)
+async def create_key(tenant: str, body: KeyCreate, request: Request,
                      admin: AdminPrincipal) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
+    tenant_id = (await _tenant(request, tenant)).id
     token, info = await _in_thread(_keys(request).create, tenant_id, body.name,
                                    body.expires_at, _param="expires_at", actor=admin.subject)
     return {**_key_out(info), "key": token}
@@ -232,7 +247,8 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
             raise APIError(400, "cursor must be a next_cursor value from a previous page",
                            "cursor", "invalid_value")
         before_id = int(cursor)
-    query = AuditQuery(tenant_id=tenant, action=action, actor=actor, since=since, until=until,
+    tenant_id = None if tenant is None else (await _tenant(request, tenant)).id
+    query = AuditQuery(tenant_id=tenant_id, action=action, actor=actor, since=since, until=until,
                        before_id=before_id)
     rows = await _in_thread(_usage(request).list_audit, limit=limit + 1, query=query,
                             _param="since")
@@ -273,7 +289,8 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
     """Usage records (oldest first) or, with ``bucket_s``, per-tenant per-bucket sums
     (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone;
     ``end_user``: only calls a tenant made for this end user (OpenAI ``user``)."""
-    records = await _in_thread(_usage(request).list_usage, tenant, since, until, limit,
+    tenant_id = None if tenant is None else (await _tenant(request, tenant)).id
+    records = await _in_thread(_usage(request).list_usage, tenant_id, since, until, limit,
                                end_user)
     if bucket_s:
         rows, columns = _buckets(records, bucket_s), _BUCKET_COLUMNS

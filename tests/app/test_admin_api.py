@@ -445,3 +445,37 @@ def test_audit_pages_and_filters(env):
                 {"since": "2026-01-01T00:00:00"}, {"limit": 1001}):
         r = admin(env, "GET", "/admin/audit", params=bad)
         assert r.status_code == 400, (bad, r.text)
+
+
+def test_tenants_are_accepted_by_name_or_id_everywhere_and_unknown_ones_are_404(env):
+    t = admin(env, "POST", "/admin/tenants", json={"name": "Named-Co"}).json()
+    key = admin(env, "POST", "/admin/tenants/named-co/keys", json={"name": "k"})
+    assert key.status_code == 201 and key.json()["tenant_id"] == t["id"]  # name, any case
+    complete(env, key.json()["key"], prompt_of(777))
+    for path in ("/admin/tenants/Named-Co", f"/admin/tenants/{t['id']}"):
+        assert admin(env, "GET", path).json()["id"] == t["id"]
+    assert admin(env, "PATCH", "/admin/tenants/Named-Co", json={"weight": 3}).json()["weight"] == 3
+    assert admin(env, "GET", "/admin/tenants/Named-Co/keys").json()["data"][0]["name"] == "k"
+    assert admin(env, "POST", "/admin/tenants/Named-Co/rotate-salt").json()["tenant_id"] == t["id"]
+    assert admin(env, "POST", "/admin/tenants/Named-Co/cache/reset").json()["tenant_id"] == t["id"]
+    deadline = time.time() + 5
+    while time.time() < deadline and not admin(
+            env, "GET", "/admin/usage", params={"tenant": "Named-Co"}).json()["data"]:
+        time.sleep(0.05)
+    usage = admin(env, "GET", "/admin/usage", params={"tenant": "Named-Co"}).json()["data"]
+    assert [u["tenant_id"] for u in usage] == [t["id"]]
+    audit = admin(env, "GET", "/admin/audit", params={"tenant": "Named-Co"}).json()["data"]
+    assert {"tenant.create", "api_key.create", "tenant.rotate_salt", "cache.reset",
+            "tenant.update"} <= {
+        a["action"] for a in audit}
+    # An unknown tenant is a 404 everywhere, never an empty 200.
+    for method, path, kw in (("GET", "/admin/tenants/nobody", {}),
+                             ("GET", "/admin/tenants/nobody/keys", {}),
+                             ("POST", "/admin/tenants/nobody/rotate-salt", {}),
+                             ("POST", "/admin/tenants/nobody/cache/reset", {}),
+                             ("PATCH", "/admin/tenants/nobody", {"json": {"weight": 2}}),
+                             ("GET", "/admin/usage", {"params": {"tenant": "nobody"}}),
+                             ("GET", "/admin/audit", {"params": {"tenant": "nobody"}})):
+        r = admin(env, method, path, **kw)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json()["error"]["code"] == "tenant_not_found"

@@ -28,3 +28,8 @@ def test_last_used_at_is_flushed_in_the_background(app_env_builder, tmp_path):
             time.sleep(0.1)
         assert last_used() is not None
         db.dispose()
+        # Operators see it in the key listing (tenant named by name here).
+        keys = env.client.get("/admin/tenants/tenant-a/keys",
+                              headers=env.headers(env.admin_token)).json()["data"]
+        listed = {k["id"]: k["last_used_at"] for k in keys}
+        assert listed[key_id] is not None
