@@ -218,3 +218,43 @@ class RevokedToken(Base):
     jti: Mapped[str] = mapped_column(String(64), primary_key=True)
     revoked_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     actor: Mapped[str] = mapped_column(String(255))
+
+
+# Upper edges (seconds) of the TTFT histogram kept for usage reports; one more bin counts the
+# rest. Percentiles are interpolated within a bin, as Prometheus' histogram_quantile does.
+TTFT_BINS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TTFT_BIN_COLUMNS = tuple(f"ttft_bin_{i}" for i in range(len(TTFT_BINS_S) + 1))
+
+
+class UsageDailyRow(Base):
+    """Usage summed per UTC day, tenant, key, model and end user (``tenants.usage_reports``):
+    month-long daily reports read these rows, not every request's. Kept up to date in the same
+    transaction as the usage rows it sums. ``key_id`` and ``end_user`` are '' for none (part of
+    the primary key)."""
+
+    __tablename__ = "usage_daily"
+
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # YYYY-MM-DD, UTC
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    end_user: Mapped[str] = mapped_column(String(256), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger(), default=0)
+    errors: Mapped[int] = mapped_column(BigInteger(), default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_0: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_1: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_2: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_3: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_4: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_5: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_6: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_7: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_8: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_9: Mapped[int] = mapped_column(BigInteger(), default=0)
+    ttft_bin_10: Mapped[int] = mapped_column(BigInteger(), default=0)
+
+    __table_args__ = (Index("ix_usage_daily_tenant_day", "tenant_id", "day"),)

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tenants.models import USAGE_STATUSES, AuditLogRow, UsageRecordRow, require_aware, utcnow
 from tenants.records import AuditEntry, UsageRecord
+from tenants.usage_reports import UsageReportQuery, UsageReportRow, add_to_daily, usage_report
 
 
 def check_usage_record(record: UsageRecord) -> None:
@@ -29,8 +30,9 @@ def check_usage_record(record: UsageRecord) -> None:
         raise ValueError("token counts must be >= 0")
 
 
-def add_usage_record(session: Session, record: UsageRecord) -> None:
-    """Adds one request's usage to the session (written at the session's commit).
+def add_usage_record(session: Session, record: UsageRecord) -> datetime:
+    """Adds one request's usage to the session (written at the session's commit); returns the
+    time it is stored under. The caller adds it to ``usage_daily`` too (``add_to_daily``).
 
     Args:
         session: an open session, usually inside ``sessionmaker.begin()``.
@@ -42,6 +44,7 @@ def add_usage_record(session: Session, record: UsageRecord) -> None:
     """
     check_usage_record(record)
     require_aware(record.created_at, "created_at")
+    created_at = record.created_at or utcnow()
     session.add(
         UsageRecordRow(
             request_id=record.request_id,
@@ -55,10 +58,11 @@ def add_usage_record(session: Session, record: UsageRecord) -> None:
             completion_tokens=record.completion_tokens,
             ttft_s=record.ttft_s,
             latency_s=record.latency_s,
-            created_at=record.created_at or utcnow(),
+            created_at=created_at,
             end_user=record.end_user,
         )
     )
+    return created_at
 
 
 def select_usage(
@@ -229,7 +233,7 @@ class UsageStore:
             sqlalchemy.exc.IntegrityError: if ``tenant_id`` does not exist.
         """
         with self._session_factory.begin() as session:
-            add_usage_record(session, record)
+            add_to_daily(session, [(record, add_usage_record(session, record))])
 
     def record_usage_batch(self, records: list[UsageRecord]) -> int:
         """Stores records in one transaction, skipping request ids already stored (replaying a
@@ -247,8 +251,7 @@ class UsageStore:
             for r in records:
                 if r.request_id not in stored:
                     fresh.setdefault(r.request_id, r)  # a request id twice in one batch: once
-            for r in fresh.values():
-                add_usage_record(session, r)
+            add_to_daily(session, [(r, add_usage_record(session, r)) for r in fresh.values()])
         return len(fresh)
 
     def list_usage(
@@ -267,6 +270,15 @@ class UsageStore:
         """
         with self._session_factory() as session:
             return select_usage(session, tenant_id, since, until, limit, end_user)
+
+    def report(self, query: UsageReportQuery) -> list[UsageReportRow]:
+        """Usage per bucket and group (``tenants.usage_reports``).
+
+        Raises:
+            ValueError: a bad query (``UsageReportQuery.check``).
+        """
+        with self._session_factory() as session:
+            return usage_report(session, query)
 
     def audit(
         self,

@@ -34,7 +34,7 @@ def test_migrations_create_all_tables(database_url: str) -> None:
         run_migrations(engine)
         assert EXPECTED_TABLES | {"alembic_version"} <= _tables(engine)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
     finally:
         engine.dispose()
 
@@ -219,5 +219,32 @@ def test_downgrade_to_0002_and_back_keeps_every_row(database_url: str) -> None:
         with engine.connect() as conn:
             assert conn.execute(text("SELECT name_key FROM tenants")).scalar() == "acme"
             assert conn.execute(text("SELECT count(*) FROM tenant_salts")).scalar() == 1
+    finally:
+        engine.dispose()
+
+
+def test_migration_0008_sums_existing_usage_into_usage_daily(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        _upgrade_to(engine, "0007")
+        _add_0002_tenant(engine, "a" * 32, "acme")
+        day1 = datetime(2026, 11, 3, 23, 59, tzinfo=UTC)
+        with engine.begin() as conn:
+            for i, (at, status, ttft) in enumerate([(day1, "ok", 0.04), (day1, "error", None),
+                                                    (day1 + timedelta(minutes=2), "ok", 40.0)]):
+                conn.execute(text(
+                    "INSERT INTO usage_records (request_id, tenant_id, key_id, model, endpoint, "
+                    "status, prompt_tokens, cached_tokens, completion_tokens, ttft_s, "
+                    "created_at) VALUES (:r, :t, NULL, 'm', 'completions', :s, 10, 4, 2, :f, "
+                    ":c)"), {"r": f"r{i}", "t": "a" * 32, "s": status, "f": ttft,
+                              "c": at if database_url.startswith("postgresql")
+                              else at.replace(tzinfo=None)})
+        run_migrations(engine)
+        with engine.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT day, key_id, requests, errors, prompt_tokens, cached_tokens, "
+                "ttft_bin_1, ttft_bin_10 FROM usage_daily ORDER BY day")).all()
+        assert [tuple(r) for r in rows] == [("2026-11-03", "", 2, 1, 20, 8, 1, 0),
+                                            ("2026-11-04", "", 1, 0, 10, 4, 0, 1)]
     finally:
         engine.dispose()
