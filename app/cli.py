@@ -5,7 +5,9 @@ Every ``serve`` flag also reads ``SALTSERVE_<NAME>`` from the environment; flags
 
 from __future__ import annotations
 
+import csv
 import getpass
+import json
 import logging
 import os
 import sys
@@ -446,6 +448,173 @@ def token_revoke(jti: str, **opts: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"revoked jti {jti}")
+
+
+
+# -- usage reports and the running server's cache -----------------------------------------------
+def _when(text: str | None, now: datetime) -> datetime | None:
+    """``7d``, ``12h``, ``30m`` (before now) or an ISO 8601 time (UTC when it has no zone)."""
+    if text is None:
+        return None
+    units = {"d": timedelta(days=1), "h": timedelta(hours=1), "m": timedelta(minutes=1)}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return now - int(text[:-1]) * units[text[-1]]
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter("7d, 12h, 30m or an ISO 8601 time") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+@main.group()
+def usage() -> None:
+    """Usage reports (from the database)."""
+
+
+@usage.command("report")
+@click.option("--tenant", default=None, help="Tenant name or id. [all tenants]")
+@click.option("--since", default=None, help="7d, 12h, 30m or ISO 8601. [30d for 1d buckets]")
+@click.option("--until", default=None, help="As --since. [now]")
+@click.option("--bucket", type=click.Choice(["1m", "1h", "1d"]), default="1d", show_default=True)
+@click.option("--group-by", default="tenant", show_default=True,
+              help="Comma-separated: tenant, key, model, end_user.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True)
+@_common
+def usage_report(tenant: str | None, since: str | None, until: str | None, bucket: str,
+                 group_by: str, fmt: str, **opts: Any) -> None:
+    """Usage per calendar bucket (UTC): requests, errors, tokens, hit rate, TTFT p50 / p95."""
+    from app.routes.reports import COLUMNS, DEFAULT_RANGE
+    from tenants.usage_reports import UsageReportQuery
+
+    now = datetime.now(UTC)
+    end = _when(until, now) or now
+    start = _when(since, now) or end - DEFAULT_RANGE[bucket]
+    repo = _open_repository(_settings(**opts))
+    query = UsageReportQuery(
+        since=start, until=end, bucket=bucket,
+        group_by=tuple(g.strip() for g in group_by.split(",") if g.strip()),
+        tenant_id=_tenant_id(repo, tenant) if tenant else None)
+    try:
+        rows = repo.usage.report(query)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    data = [{c: getattr(r, c) for c in COLUMNS} for r in rows]
+    if fmt == "json":
+        click.echo(json.dumps(data, default=lambda v: v.isoformat(), indent=1))
+        return
+    if fmt == "csv":
+        writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for row in data:
+            writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
+                             for k, v in row.items()})
+        return
+    shown = ["bucket_start", *[c for c in ("tenant_name", "key_id", "model", "end_user")
+                               if any(row[c] for row in data)],
+             "requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
+             "hit_rate", "ttft_p50_s", "ttft_p95_s"]
+
+    def cell(v: Any) -> str:
+        if isinstance(v, datetime):
+            return v.strftime("%Y-%m-%d %H:%M")
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return "-" if v is None else str(v)
+
+    table = [shown] + [[cell(row[c]) for c in shown] for row in data]
+    widths = [max(len(r[i]) for r in table) for i in range(len(shown))]
+    for r in table:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+@tenants.command("set-limits")
+@click.argument("tenant")
+@click.option("--rpm", callback=_cache_bound, default=None, metavar="N|none",
+              help="Requests per minute. [unchanged]")
+@click.option("--tpm", callback=_cache_bound, default=None, metavar="N|none",
+              help="Tokens (prompt + max_tokens) per minute. [unchanged]")
+@click.option("--max-concurrent", callback=_cache_bound, default=None, metavar="N|none",
+              help="Requests in flight at once. [unchanged]")
+@_common
+def tenants_set_limits(tenant: str, rpm: Any, tpm: Any, max_concurrent: Any,
+                       **opts: Any) -> None:
+    """Set TENANT's rate limits (name or id; 'none' removes one); apply from its next
+    request."""
+    repo = _open_repository(_settings(**opts))
+    try:
+        t = repo.tenants.update(_tenant_id(repo, tenant), rpm_limit=rpm, tpm_limit=tpm,
+                                max_concurrent=max_concurrent, actor=_cli_actor())
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"tenant {t.name} id={t.id} rpm={t.rpm_limit} tpm={t.tpm_limit} "
+               f"max_concurrent={t.max_concurrent}")
+
+
+def _server_call(method: str, path: str, url: str, opts: dict[str, Any]) -> dict:
+    """Calls the running server's admin API with a 60-second admin JWT signed with the data
+    dir's platform key (the audit actor is ``cli:<OS user>``)."""
+    import urllib.error
+    import urllib.request
+
+    from app.bootstrap import prepare_data_dir
+    from tenants.tokens import issue_token, load_or_create_platform_key
+
+    settings = _settings(**opts)
+    key = load_or_create_platform_key(prepare_data_dir(settings.data_dir))
+    jwt = issue_token(key, settings.jwt_config(), subject=_cli_actor(), role="admin",
+                      tenant_id=None, ttl_s=60)
+    req = urllib.request.Request(url.rstrip("/") + path, method=method,
+                                 headers={"Authorization": f"Bearer {jwt}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise click.ClickException(f"{e.code}: {message}") from None
+    except urllib.error.URLError as e:
+        raise click.ClickException(f"no server at {url}: {e.reason}") from None
+
+
+def _server_url(fn):
+    return click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+                        envvar="SALTSERVE_URL", help="The running server. [env SALTSERVE_URL]")(fn)
+
+
+@main.group()
+def cache() -> None:
+    """The running server's prefix cache (through its admin API)."""
+
+
+@cache.command("stats")
+@_server_url
+@_common
+def cache_stats(url: str, **opts: Any) -> None:
+    """Pool blocks and each tenant's resident blocks, hit rate and evictions."""
+    s = _server_call("GET", "/admin/cache", url, opts)
+    click.echo(f"blocks: {s['num_blocks_total']} total, {s['num_blocks_free']} free, "
+               f"{s['num_blocks_used']} used, {s['num_blocks_cached']} cached")
+    for t in s["tenants"]:
+        rate = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
+        evictions = " ".join(f"{k}={v}" for k, v in sorted(t["evictions"].items()))
+        click.echo(f"{t['tenant_name'] or t['tenant_id']}: resident={t['resident_blocks']} "
+                   f"hit_rate={rate} queried={t['queried_tokens']} evictions: {evictions}")
+
+
+@cache.command("reset")
+@click.option("--tenant", default=None, help="Only this tenant (name or id). [every tenant]")
+@_server_url
+@_common
+def cache_reset(tenant: str | None, url: str, **opts: Any) -> None:
+    """Drop cached blocks (running requests are unharmed); audited."""
+    from urllib.parse import quote
+
+    path = f"/admin/tenants/{quote(tenant, safe='')}/cache/reset" if tenant else "/admin/cache/reset"
+    r = _server_call("POST", path, url, opts)
+    click.echo(f"blocks dropped: {r['blocks_dropped']}")
 
 
 if __name__ == "__main__":

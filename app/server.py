@@ -21,7 +21,7 @@ from app.auth import AdminRefusals
 from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
 from app.metrics import ServerMetrics
-from app.routes import admin, health, metrics, openai
+from app.routes import admin, health, metrics, openai, reports
 from app.services.completions import CompletionsService
 from app.services.prompts import TokenizerService
 from engine.protocol import EngineClient
@@ -207,6 +207,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.include_router(openai.tokenizer_router)
     app.include_router(metrics.router)
     app.include_router(admin.router)
+    app.include_router(reports.admin_router)
+    app.include_router(reports.tenant_router)
     app.include_router(admin.schema_router)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: ids also cover 413s

@@ -181,6 +181,30 @@ async def reset_tenant_cache(tenant: str, request: Request, admin: AdminPrincipa
     return {"tenant_id": t.id, "blocks_dropped": dropped}
 
 
+@router.get("/cache")
+async def cache_stats(request: Request, _: AdminPrincipal) -> dict:
+    """The KV block pool and each tenant's prefix-cache accounting, without Prometheus:
+    blocks (total, free, used, cached), and per tenant resident blocks, queried and hit
+    prompt tokens (cumulative since start), hit rate and evicted blocks by reason. Tenant
+    names beside ids (``null`` for a tenant deleted since, or tenantless requests)."""
+    engine: EngineClient = request.app.state.engine
+    snap = await engine.stats()
+    names = {t.id: t.name for t in await _in_thread(_tenants(request).list_all)}
+    tenants = []
+    for tenant_id, st in sorted(snap.tenants.items(), key=lambda kv: str(kv[0])):
+        q = st.prefix_cache_queries
+        tenants.append({
+            "tenant_id": tenant_id, "tenant_name": names.get(tenant_id or ""),
+            "resident_blocks": st.resident_blocks, "cache_share_blocks": st.cache_share_blocks,
+            "queried_tokens": q, "hit_tokens": st.prefix_cache_hits,
+            "hit_rate": st.prefix_cache_hits / q if q else None,
+            "evictions": dict(st.evictions)})
+    return {"num_blocks_total": snap.num_blocks_total, "num_blocks_free": snap.num_blocks_free,
+            "num_blocks_used": snap.num_blocks_used, "num_blocks_cached": snap.num_blocks_cached,
+            "kv_cache_usage": snap.kv_cache_usage, "hit_rate": snap.hit_rate,
+            "evictions": dict(snap.evictions), "tenants": tenants}
+
+
 @router.post("/cache/reset")
 async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
     """Drops every cached block of every tenant; running requests unharmed."""
@@ -259,43 +283,19 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
 
 
 _USAGE_COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
-_BUCKET_COLUMNS = ["tenant_id", "bucket_start", "requests", "errors", "prompt_tokens",
-                   "cached_tokens", "completion_tokens"]
-
-
-def _buckets(records: list[UsageRecord], bucket_s: int) -> list[dict]:
-    out: dict[tuple[str, int], dict] = {}
-    for r in records:
-        assert r.created_at is not None, "stored usage records always have a time"
-        start = int(r.created_at.timestamp()) // bucket_s * bucket_s
-        row = out.setdefault((r.tenant_id, start), {
-            "tenant_id": r.tenant_id, "bucket_start": start, "requests": 0, "errors": 0,
-            "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0})
-        row["requests"] += 1
-        row["errors"] += r.status != "ok"
-        row["prompt_tokens"] += r.prompt_tokens
-        row["cached_tokens"] += r.cached_tokens
-        row["completion_tokens"] += r.completion_tokens
-    return [out[k] for k in sorted(out, key=lambda k: (k[1], k[0]))]
-
-
 @router.get("/usage", response_model=None)
 async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
                 since: datetime | None = None, until: datetime | None = None,
                 limit: int | None = Query(None, ge=1, le=100_000),
-                bucket_s: int | None = Query(None, ge=1, le=366 * 86400),
                 end_user: str | None = Query(None, max_length=256),
                 format: Literal["json", "csv"] = "json") -> dict | Response:
-    """Usage records (oldest first) or, with ``bucket_s``, per-tenant per-bucket sums
-    (``bucket_start`` in unix seconds). ``since``/``until`` must carry a timezone;
-    ``end_user``: only calls a tenant made for this end user (OpenAI ``user``)."""
+    """Usage records, one per call, oldest first (sums per bucket: ``/admin/usage/report``).
+    ``since``/``until`` must carry a timezone; ``end_user``: only calls a tenant made for this
+    end user (OpenAI ``user``)."""
     tenant_id = None if tenant is None else (await _tenant(request, tenant)).id
     records = await _in_thread(_usage(request).list_usage, tenant_id, since, until, limit,
                                end_user)
-    if bucket_s:
-        rows, columns = _buckets(records, bucket_s), _BUCKET_COLUMNS
-    else:
-        rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
+    rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
     if format == "json":
         return {"object": "list", "data": rows}
     buf = io.StringIO()

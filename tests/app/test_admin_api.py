@@ -344,13 +344,15 @@ def test_usage_report_json_and_csv(env):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
     parsed = list(csv.DictReader(io.StringIO(r.text)))
     assert len(parsed) == len(rows) and parsed[-1]["prompt_tokens"] == "20"
-    r = admin(env, "GET", "/admin/usage", params={"bucket_s": 3600, "format": "json"})
-    buckets = r.json()["data"]
-    mine = [b for b in buckets if b["tenant_id"] == env.tenant_b]
-    assert sum(b["requests"] for b in mine) == len(rows)
-    assert sum(b["prompt_tokens"] for b in mine) == sum(x["prompt_tokens"] for x in rows)
-    r = admin(env, "GET", "/admin/usage", params={"bucket_s": 60, "format": "csv"})
-    assert r.text.splitlines()[0].startswith("tenant_id,bucket_start,requests")
+    for bucket in ("1h", "1d"):
+        r = admin(env, "GET", "/admin/usage/report", params={"bucket": bucket})
+        buckets = r.json()["data"]
+        mine = [b for b in buckets if b["tenant_id"] == env.tenant_b]
+        assert sum(b["requests"] for b in mine) == len(rows)
+        assert sum(b["prompt_tokens"] for b in mine) == sum(x["prompt_tokens"] for x in rows)
+        assert {b["tenant_name"] for b in mine} == {"tenant-b"}
+    r = admin(env, "GET", "/admin/usage/report", params={"bucket": "1m", "format": "csv"})
+    assert r.text.splitlines()[0].startswith("bucket_start,tenant_id,tenant_name,key_id")
     assert admin(env, "GET", "/admin/usage", params={"format": "xml"}).status_code == 400
     assert admin(env, "GET", "/admin/usage",
                  params={"since": "2020-01-01T00:00:00"}).status_code == 400  # naive time
@@ -479,3 +481,48 @@ def test_tenants_are_accepted_by_name_or_id_everywhere_and_unknown_ones_are_404(
         r = admin(env, method, path, **kw)
         assert r.status_code == 404, (method, path, r.text)
         assert r.json()["error"]["code"] == "tenant_not_found"
+
+
+def test_usage_report_routes_and_a_tenants_own_usage(env):
+    complete(env, env.key_a, prompt_of(8, 40))
+    complete(env, env.key_a, prompt_of(8, 40))  # a repeat: a hit
+    complete(env, env.key_b, prompt_of(9, 40))
+    assert env.client.app.state.usage_journal.wait_stored()
+    r = admin(env, "GET", "/admin/usage/report",
+              params={"tenant": "tenant-a", "bucket": "1h", "group_by": "tenant,key,model"})
+    assert r.status_code == 200, r.text
+    rows = r.json()["data"]
+    assert {row["tenant_id"] for row in rows} == {env.tenant_a}
+    assert all(row["key_id"] and row["model"] == env.model for row in rows)
+    assert sum(row["cached_tokens"] for row in rows) >= FULL
+    assert any(row["hit_rate"] and row["hit_rate"] > 0 for row in rows)
+    assert all(row["ttft_p50_s"] is not None for row in rows)
+    # A tenant reads its own usage only, with its own key.
+    own = env.client.get("/v1/usage", params={"bucket": "1h", "group_by": "key"},
+                         headers=env.headers(env.key_b))
+    assert own.status_code == 200, own.text
+    assert {row["tenant_id"] for row in own.json()["data"]} == {env.tenant_b}
+    assert env.client.get("/v1/usage", headers=env.headers(env.admin_token)).status_code == 403
+    for params, status in (({"group_by": "colour"}, 400), ({"bucket": "2h"}, 400),
+                           ({"tenant": "nobody"}, 404),
+                           ({"bucket": "1m", "since": "2026-01-01T00:00:00Z"}, 400)):
+        assert admin(env, "GET", "/admin/usage/report", params=params).status_code == status
+    assert env.client.get("/v1/usage", params={"group_by": "tenant"},
+                          headers=env.headers(env.key_a)).status_code == 400
+
+
+def test_cache_stats_without_prometheus(env):
+    admin(env, "POST", "/admin/cache/reset")
+    prompt = prompt_of(31, 40)
+    assert cached(env, env.key_a, prompt) == 0
+    assert cached(env, env.key_a, prompt) == FULL
+    r = admin(env, "GET", "/admin/cache")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["num_blocks_total"] == 64
+    assert body["num_blocks_free"] + body["num_blocks_used"] == 64
+    a = next(t for t in body["tenants"] if t["tenant_id"] == env.tenant_a)
+    assert a["tenant_name"] == "tenant-a" and a["resident_blocks"] >= 2
+    assert a["hit_tokens"] >= FULL and 0 < a["hit_rate"] <= 1
+    assert set(a["evictions"]) >= {"capacity", "salt_rotation", "reset"}
+    assert env.client.get("/admin/cache", headers=env.headers(env.key_a)).status_code == 403

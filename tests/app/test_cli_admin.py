@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import json
 import re
 
 import pytest
@@ -216,3 +217,35 @@ def test_unwritable_database_and_exposed_secrets_stop_the_start(tmp_path):
     jwt_key.chmod(0o640)
     with pytest.raises(ValueError, match=f"run chmod 600 {jwt_key}"):
         load_or_create_platform_key(tmp_path)
+
+
+def test_usage_report_and_set_limits(cli, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from tenants.records import UsageRecord
+
+    repo = open_repository(Settings(data_dir=tmp_path, master_key=None))
+    now = datetime.now(UTC)
+    repo.usage.record_usage_batch([UsageRecord(
+        request_id=f"r{i}", tenant_id=cli.tenant_id, key_id=None, model="m",
+        endpoint="completions", status="ok", prompt_tokens=100, cached_tokens=25 * i,
+        completion_tokens=5, ttft_s=0.3, created_at=now - timedelta(hours=i)) for i in range(3)])
+    table = cli("usage", "report", "--tenant", "acme", "--since", "1d").output
+    assert table.splitlines()[0].split()[:3] == ["bucket_start", "tenant_name", "requests"]
+    assert sum(int(line.split()[3]) for line in table.splitlines()[1:]) == 3
+    csv_out = cli("usage", "report", "--since", "1d", "--bucket", "1h", "--format",
+                  "csv").output
+    assert csv_out.splitlines()[0].startswith("bucket_start,tenant_id,tenant_name")
+    assert len(csv_out.splitlines()) == 4  # one hour bucket per record
+    as_json = json.loads(cli("usage", "report", "--since", "2d", "--bucket", "1h", "--format",
+                             "json").output)
+    assert sorted(r["cached_tokens"] for r in as_json) == [0, 25, 50]
+    assert sorted(r["hit_rate"] for r in as_json) == [0.0, 0.25, 0.5]
+    bad = cli("usage", "report", "--bucket", "1m", "--since", "30d", ok=False)
+    assert bad.exit_code != 0 and "buckets" in bad.output
+    assert cli("usage", "report", "--tenant", "nobody", ok=False).exit_code != 0
+
+    out = cli("tenants", "set-limits", "acme", "--rpm", "60", "--max-concurrent", "4").output
+    assert "rpm=60" in out and "tpm=None" in out and "max_concurrent=4" in out
+    out = cli("tenants", "set-limits", "acme", "--rpm", "none").output
+    assert "rpm=None" in out and "max_concurrent=4" in out

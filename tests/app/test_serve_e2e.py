@@ -169,3 +169,28 @@ def test_openai_sdk_tool_calling_round_trip(server):
     alone = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
     # The call (its JSON) and the result (<tool_response>) were rendered, not dropped.
     assert final.usage.prompt_tokens >= alone.usage.prompt_tokens + 30
+
+
+def test_cli_cache_commands_talk_to_the_running_server(server):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    base, data_dir = server
+    runner = CliRunner(env={"SALTSERVE_MASTER_KEY": ""})
+    common = ["--data-dir", str(data_dir), "--url", base]
+    client = openai.OpenAI(base_url=base + "/v1",
+                           api_key=(data_dir / "demo-api-key").read_text().strip())
+    long_prompt = "Tell me about bridges. " * 8
+    for _ in range(2):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=long_prompt,
+                                  max_tokens=1)
+    stats = runner.invoke(main, ["cache", "stats", *common])
+    assert stats.exit_code == 0, stats.output
+    assert "blocks:" in stats.output and "demo: resident=" in stats.output
+    reset = runner.invoke(main, ["cache", "reset", "--tenant", "demo", *common])
+    assert reset.exit_code == 0, reset.output
+    assert int(reset.output.split(":")[1]) > 0
+    down = runner.invoke(main, ["cache", "stats", "--data-dir", str(data_dir), "--url",
+                                "http://127.0.0.1:9"])
+    assert down.exit_code != 0 and "no server at" in down.output
