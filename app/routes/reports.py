@@ -82,6 +82,12 @@ async def own_usage(request: Request, auth: CurrentTenant, since: datetime | Non
                     group_by: str = Query("", max_length=64),
                     format: Literal["json", "csv"] = "json") -> dict | Response:
     """The calling tenant's own usage (never another's), as ``/admin/usage/report``;
-    ``group_by``: comma-separated ``key,model,end_user``."""
+    ``group_by``: comma-separated ``key,model,end_user``. Counts against the tenant's
+    requests-per-minute and concurrency limits (429 beyond them)."""
     groups = ("tenant", *_group_by(group_by, ("key", "model", "end_user")))
-    return await _report(request, auth.tenant_id, since, until, bucket, groups, format)
+    lease = request.app.state.completions.admit(auth)
+    try:
+        return await _report(request, auth.tenant_id, since, until, bucket, groups, format)
+    finally:
+        if lease is not None:
+            lease.release(0)

@@ -364,7 +364,7 @@ class CompletionsService:
                               self.info.served_model_name, auth)
         handed_off = False  # True once a streaming response owns finalisation
         try:
-            call.lease = self._admit(call)  # before the body is read: a 429 costs nothing
+            call.lease = self.admit(call.auth)  # before the body is read: a 429 costs nothing
             try:
                 raw = await read_body()
             except ClientDisconnect:
@@ -531,21 +531,22 @@ class CompletionsService:
     def _limits(auth: AuthContext) -> TenantLimits:
         return TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
 
-    def _admit(self, call: CompletionCall) -> Lease | None:
+    def admit(self, auth: AuthContext) -> Lease | None:
         """Takes a lease on the tenant's limits before any work: one request (rpm), one
-        concurrency slot, and a token window that is not already full (tpm).
+        concurrency slot, and a token window that is not already full (tpm). Also used by
+        other tenant routes that cost server work (``GET /v1/usage``).
 
         Returns:
-            The lease, or None when the tenant has no limits.
+            The lease (release it on every path), or None when the tenant has no limits.
 
         Raises:
             APIError: 429 ``rate_limit_exceeded`` with ``x-ratelimit-*`` and ``Retry-After``.
         """
-        limits = self._limits(call.auth)
+        limits = self._limits(auth)
         if not limits.any:
             return None
         try:
-            return self.limiter.acquire(call.auth.tenant_id, limits, 0)
+            return self.limiter.acquire(auth.tenant_id, limits, 0)
         except RateLimitExceeded as e:
             raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 

@@ -526,3 +526,17 @@ def test_cache_stats_without_prometheus(env):
     assert a["hit_tokens"] >= FULL and 0 < a["hit_rate"] <= 1
     assert set(a["evictions"]) >= {"capacity", "salt_rotation", "reset"}
     assert env.client.get("/admin/cache", headers=env.headers(env.key_a)).status_code == 403
+
+
+def test_a_tenant_flooding_its_usage_report_is_rate_limited_and_others_are_not(env):
+    t = admin(env, "POST", "/admin/tenants", json={"name": "report-flooder"}).json()
+    admin(env, "PATCH", f"/admin/tenants/{t['id']}", json={"rpm_limit": 3})
+    key = admin(env, "POST", f"/admin/tenants/{t['id']}/keys", json={}).json()["key"]
+    codes = [env.client.get("/v1/usage", params={"bucket": "1m"},
+                            headers=env.headers(key)).status_code for _ in range(6)]
+    assert codes[:3] == [200] * 3 and set(codes[3:]) == {429}
+    r = env.client.get("/v1/usage", headers=env.headers(key))
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in r.headers
+    # Another tenant's reports and calls are unaffected.
+    assert env.client.get("/v1/usage", headers=env.headers(env.key_a)).status_code == 200
+    complete(env, env.key_a, prompt_of(55))
