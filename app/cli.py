@@ -5,11 +5,11 @@ Every ``serve`` flag also reads ``SALTSERVE_<NAME>`` from the environment; flags
 
 from __future__ import annotations
 
-import csv
 import getpass
 import json
 import logging
 import os
+import re
 import sys
 import types
 from dataclasses import fields
@@ -457,11 +457,11 @@ def _when(text: str | None, now: datetime) -> datetime | None:
     if text is None:
         return None
     units = {"d": timedelta(days=1), "h": timedelta(hours=1), "m": timedelta(minutes=1)}
-    if text[:-1].isdigit() and text[-1:] in units:
-        return now - int(text[:-1]) * units[text[-1]]
     try:
+        if re.fullmatch(r"[0-9]{1,7}[dhm]", text):
+            return now - int(text[:-1]) * units[text[-1]]
         t = datetime.fromisoformat(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise click.BadParameter("7d, 12h, 30m or an ISO 8601 time") from None
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
@@ -484,31 +484,23 @@ def usage() -> None:
 def usage_report(tenant: str | None, since: str | None, until: str | None, bucket: str,
                  group_by: str, fmt: str, **opts: Any) -> None:
     """Usage per calendar bucket (UTC): requests, errors, tokens, hit rate, TTFT p50 / p95."""
-    from app.routes.reports import COLUMNS, DEFAULT_RANGE
-    from tenants.usage_reports import UsageReportQuery
+    from tenants.usage_reports import REPORT_COLUMNS, csv_text, default_query, report_dicts
 
     now = datetime.now(UTC)
-    end = _when(until, now) or now
-    start = _when(since, now) or end - DEFAULT_RANGE[bucket]
     repo = _open_repository(_settings(**opts))
-    query = UsageReportQuery(
-        since=start, until=end, bucket=bucket,
-        group_by=tuple(g.strip() for g in group_by.split(",") if g.strip()),
-        tenant_id=_tenant_id(repo, tenant) if tenant else None)
     try:
+        query = default_query(bucket, _when(since, now), _when(until, now),
+                              tuple(g.strip() for g in group_by.split(",") if g.strip()),
+                              _tenant_id(repo, tenant) if tenant else None)
         rows = repo.usage.report(query)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    data = [{c: getattr(r, c) for c in COLUMNS} for r in rows]
+    data = report_dicts(rows)
     if fmt == "json":
         click.echo(json.dumps(data, default=lambda v: v.isoformat(), indent=1))
         return
     if fmt == "csv":
-        writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        for row in data:
-            writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
-                             for k, v in row.items()})
+        click.echo(csv_text(data, REPORT_COLUMNS), nl=False)
         return
     shown = ["bucket_start", *[c for c in ("tenant_name", "key_id", "model", "end_user")
                                if any(row[c] for row in data)],

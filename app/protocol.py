@@ -129,7 +129,7 @@ class _SamplingFields(BaseModel):
 
     def end_user(self) -> str | None:
         """The end user the call is made for (``safety_identifier``, else ``user``)."""
-        return getattr(self, "safety_identifier", None) or self.user
+        return getattr(self, "safety_identifier", None) or self.user or None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, defaults: Mapping[str, float],

@@ -3,7 +3,9 @@ daily report for one tenant and for all tenants (target: each under 1 s), on SQL
 PostgreSQL, plus a 2-day hourly report of one tenant (read from the raw rows).
 
 The rows are bulk-loaded and ``usage_daily`` is built with migration 0008's backfill statement
-(what upgrading an existing database does); a live server keeps it up to date row by row.
+(what upgrading an existing database does). The live write path is measured too: 10,000 rows
+stored the way the usage journal stores them (500-row batches, each row and its rollup upsert
+in one transaction), every row with its own end user.
 
 Usage: ``python benchmarks/bench_usage_reports.py [--rows 1000000] [--postgres-url URL]``
 (PostgreSQL: a scratch database ``saltserve_bench`` is created and dropped on that server).
@@ -83,9 +85,27 @@ def timed(store: UsageStore, query: UsageReportQuery) -> tuple[float, int]:
     return best, n
 
 
+def write_path(store: UsageStore, ids: list[str]) -> None:
+    from tenants.records import UsageRecord
+
+    n, batch = 10_000, 500
+    recs = [UsageRecord(request_id=f"live-{i}", tenant_id=ids[i % len(ids)], key_id=None,
+                        model="SmolLM2-135M-Instruct", endpoint="chat.completions", status="ok",
+                        prompt_tokens=100, cached_tokens=10, completion_tokens=20, ttft_s=0.1,
+                        latency_s=0.5, created_at=END - timedelta(seconds=i),
+                        end_user=f"user-{i}") for i in range(n)]
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        store.record_usage_batch(recs[i:i + batch])
+    seconds = time.perf_counter() - t0
+    print(f"  write path: {n:,} rows in {batch}-row batches  {seconds:6.2f} s "
+          f"({n / seconds:,.0f} rows/s)")
+
+
 def run(label: str, url: str, rows: int) -> None:
     print(f"{label}:")
     store, ids = load(url, rows, 100)
+    write_path(store, ids)
     since = END - timedelta(days=DAYS)
     for name, q in (
             ("30-day daily, one tenant", UsageReportQuery(since, END, "1d", ("tenant",), ids[7])),

@@ -227,10 +227,11 @@ TTFT_BIN_COLUMNS = tuple(f"ttft_bin_{i}" for i in range(len(TTFT_BINS_S) + 1))
 
 
 class UsageDailyRow(Base):
-    """Usage summed per UTC day, tenant, key, model and end user (``tenants.usage_reports``):
-    month-long daily reports read these rows, not every request's. Kept up to date in the same
-    transaction as the usage rows it sums. ``key_id`` and ``end_user`` are '' for none (part of
-    the primary key)."""
+    """Usage summed per UTC day, tenant, key and model (``tenants.usage_reports``): month-long
+    daily reports read these rows, not every request's. Kept up to date in the same
+    transaction as the usage rows it sums. ``key_id`` is '' for none (part of the primary key).
+    End users are not a key here (a tenant chooses them freely, one per request if it likes):
+    reports by end user read the raw rows."""
 
     __tablename__ = "usage_daily"
 
@@ -239,7 +240,6 @@ class UsageDailyRow(Base):
         String(32), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     key_id: Mapped[str] = mapped_column(String(12), primary_key=True)
     model: Mapped[str] = mapped_column(String(255), primary_key=True)
-    end_user: Mapped[str] = mapped_column(String(256), primary_key=True)
     requests: Mapped[int] = mapped_column(BigInteger(), default=0)
     errors: Mapped[int] = mapped_column(BigInteger(), default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)

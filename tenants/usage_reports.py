@@ -8,15 +8,19 @@ rate (cached / prompt tokens) and TTFT p50 and p95. TTFT percentiles come from a
 percentile function) and PostgreSQL.
 
 Daily reports read ``usage_daily`` (``UsageDailyRow``), which ``add_to_daily`` keeps up to date
-in the transaction that stores the usage rows, so a month-long report reads about one row per
-day and group instead of every request's. Minute and hour reports group the raw rows.
+in the transaction that stores the usage rows, so a month-long report reads one row per day,
+tenant, key and model instead of every request's. Minute and hour reports, and reports by end
+user (a tenant names end users freely), group the raw rows. Daily reports count whole UTC days:
+the range is widened to day boundaries, and the report says which range it counted.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,6 +41,11 @@ from tenants.records import UsageRecord
 BUCKETS = {"1m": timedelta(minutes=1), "1h": timedelta(hours=1), "1d": timedelta(days=1)}
 GROUP_BY = ("tenant", "key", "model", "end_user")
 MAX_BUCKETS = 10_000  # per report: a 30-day minute report (43,200 buckets) is refused
+MAX_ROWS = 50_000  # per report: a larger one is refused (narrow the range or the grouping)
+# Range reported when ``since`` is omitted: a useful window for each bucket size.
+DEFAULT_RANGE = {"1m": timedelta(hours=3), "1h": timedelta(days=2), "1d": timedelta(days=30)}
+_EARLIEST = datetime(1971, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9998, 1, 1, tzinfo=UTC)
 # Bucket label formats: SQLite stores naive UTC as 'YYYY-MM-DD HH:MM:SS...' (a prefix is the
 # bucket); PostgreSQL formats the UTC time the same way.
 _PREFIX = {"1m": 16, "1h": 13, "1d": 10}
@@ -63,10 +72,12 @@ class UsageReportQuery:
     tenant_id: str | None = None
 
     def check(self) -> None:
-        """Raises ValueError for a naive time, an empty range, an unknown bucket or group, or
-        more than ``MAX_BUCKETS`` buckets."""
+        """Raises ValueError for a naive time, a time outside 1971..9997, an empty range, an
+        unknown bucket or group, or more than ``MAX_BUCKETS`` buckets."""
         require_aware(self.since, "since")
         require_aware(self.until, "until")
+        if not (_EARLIEST <= self.since <= _LATEST and _EARLIEST <= self.until <= _LATEST):
+            raise ValueError("since and until must be between 1971 and 9997")
         if self.bucket not in BUCKETS:
             raise ValueError(f"bucket must be one of {', '.join(BUCKETS)}")
         unknown = set(self.group_by) - set(GROUP_BY)
@@ -77,6 +88,30 @@ class UsageReportQuery:
         if (self.until - self.since) / BUCKETS[self.bucket] > MAX_BUCKETS:
             raise ValueError(f"more than {MAX_BUCKETS} {self.bucket} buckets; use a larger "
                              "bucket or a shorter range")
+
+    def counted_range(self) -> tuple[datetime, datetime]:
+        """The range the report counts: daily reports widen it to whole UTC days."""
+        if self.bucket != "1d":
+            return self.since, self.until
+        day = timedelta(days=1)
+        start = self.since.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        end = (self.until - timedelta(microseconds=1)).astimezone(UTC).replace(
+            hour=0, minute=0, second=0, microsecond=0) + day
+        return start, end
+
+
+def default_query(bucket: str, since: datetime | None, until: datetime | None,
+                  group_by: tuple[str, ...], tenant_id: str | None) -> UsageReportQuery:
+    """A query with the default range filled in (``DEFAULT_RANGE`` before ``until``, which
+    defaults to now). Raises ValueError for a range that cannot be computed."""
+    try:
+        end = until or datetime.now(UTC)
+        start = since or end - DEFAULT_RANGE[bucket]
+    except (OverflowError, KeyError):
+        raise ValueError("since and until must be between 1971 and 9997, with a bucket of "
+                         f"{', '.join(BUCKETS)}") from None
+    return UsageReportQuery(since=start, until=end, bucket=bucket, group_by=group_by,
+                            tenant_id=tenant_id)
 
 
 @dataclass(frozen=True)
@@ -131,12 +166,13 @@ def day_of(t: datetime) -> str:
 
 
 def add_to_daily(session: Session, records: Iterable[tuple[UsageRecord, datetime]]) -> None:
-    """Adds stored usage rows (each with the time it was stored under) to ``usage_daily``, one
-    upsert per (day, tenant, key, model, end user); call in the transaction that adds them."""
-    sums: dict[tuple[str, str, str, str, str], list[int]] = defaultdict(
+    """Adds stored usage rows (each with the time it was stored under) to ``usage_daily``: one
+    multi-row upsert per call, keys in a fixed order (concurrent writers on PostgreSQL lock
+    them in the same order, so they cannot deadlock); call in the transaction that adds them."""
+    sums: dict[tuple[str, str, str, str], list[int]] = defaultdict(
         lambda: [0] * (5 + len(TTFT_BIN_COLUMNS)))
     for r, created_at in records:
-        acc = sums[(day_of(created_at), r.tenant_id, r.key_id or "", r.model, r.end_user or "")]
+        acc = sums[(day_of(created_at), r.tenant_id, r.key_id or "", r.model)]
         acc[0] += 1
         acc[1] += r.status != "ok"
         acc[2] += r.prompt_tokens
@@ -151,12 +187,11 @@ def add_to_daily(session: Session, records: Iterable[tuple[UsageRecord, datetime
     table = UsageDailyRow.__table__
     counters = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
                 *TTFT_BIN_COLUMNS)
-    keys = ("day", "tenant_id", "key_id", "model", "end_user")
-    for key, acc in sums.items():
-        stmt = insert(table).values(**dict(zip(keys, key)), **dict(zip(counters, acc)))
-        session.execute(stmt.on_conflict_do_update(
-            index_elements=list(keys),
-            set_={c: table.c[c] + stmt.excluded[c] for c in counters}))
+    keys = ("day", "tenant_id", "key_id", "model")
+    stmt = insert(table).values([{**dict(zip(keys, key)), **dict(zip(counters, sums[key]))}
+                                 for key in sorted(sums)])
+    session.execute(stmt.on_conflict_do_update(
+        index_elements=list(keys), set_={c: table.c[c] + stmt.excluded[c] for c in counters}))
 
 
 def _bucket_label(session: Session, column: Any, bucket: str) -> Any:
@@ -172,10 +207,14 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
         ValueError: from ``UsageReportQuery.check``.
     """
     q.check()
-    daily = q.bucket == "1d"
+    since, until = q.counted_range()
+    daily = q.bucket == "1d" and "end_user" not in q.group_by
     src: Any = UsageDailyRow if daily else UsageRecordRow
-    group_cols = {"tenant": src.tenant_id, "key": src.key_id, "model": src.model,
-                  "end_user": src.end_user}
+    # NULL and '' are both "none" (the rollup stores ''): grouped and ordered as ''.
+    group_cols = {"tenant": src.tenant_id, "key": func.coalesce(src.key_id, ""),
+                  "model": src.model}
+    if not daily:
+        group_cols["end_user"] = func.coalesce(src.end_user, "")
     label = src.day if daily else _bucket_label(session, src.created_at, q.bucket)
     chosen = [g for g in GROUP_BY if g in q.group_by]
     cols: list[Any] = [label.label("bucket"), *[group_cols[g].label(g) for g in chosen]]
@@ -197,18 +236,20 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
     if "tenant" in chosen:
         stmt = stmt.join(Tenant, Tenant.id == src.tenant_id)
     if daily:
-        first = day_of(q.since)
-        last = day_of(q.until - timedelta(microseconds=1))
-        stmt = stmt.where(src.day >= first, src.day <= last)
+        stmt = stmt.where(src.day >= day_of(since), src.day < day_of(until))
     else:
-        stmt = stmt.where(src.created_at >= q.since, src.created_at < q.until)
+        stmt = stmt.where(src.created_at >= since, src.created_at < until)
     if q.tenant_id is not None:
         stmt = stmt.where(src.tenant_id == q.tenant_id)
     groups = [label, *[group_cols[g] for g in chosen]]
     order = [label, *([func.max(Tenant.name)] if "tenant" in chosen else []), *groups[1:]]
-    stmt = stmt.group_by(*groups).order_by(*order)
+    stmt = stmt.group_by(*groups).order_by(*order).limit(MAX_ROWS + 1)
+    result = session.execute(stmt).all()
+    if len(result) > MAX_ROWS:
+        raise ValueError(f"the report has more than {MAX_ROWS} rows; use a larger bucket, a "
+                         "shorter range or fewer groups")
     out = []
-    for row in session.execute(stmt):
+    for row in result:
         values = row._mapping
         n = 1 + len(chosen) + ("tenant" in chosen)
         requests, errors, prompt, cached, completion, *bins = (int(v or 0) for v in row[n:])
@@ -225,3 +266,22 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
             ttft_p50_s=quantile(bins, 0.5), ttft_p95_s=quantile(bins, 0.95),
             ttft_bins=tuple(bins)))
     return out
+
+
+REPORT_COLUMNS = [f.name for f in fields(UsageReportRow) if f.name != "ttft_bins"]
+
+
+def report_dicts(rows: Iterable[UsageReportRow]) -> list[dict[str, Any]]:
+    """The rows as plain dicts of ``REPORT_COLUMNS`` (JSON, CSV, tables)."""
+    return [{c: getattr(r, c) for c in REPORT_COLUMNS} for r in rows]
+
+
+def csv_text(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
+    """CSV with a header line; datetimes in ISO 8601."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
+                         for k, v in row.items()})
+    return buf.getvalue()

@@ -7,9 +7,7 @@ plaintext is in the create response only.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import re
 from datetime import datetime
 from functools import partial
@@ -23,10 +21,12 @@ from app.auth import AdminPrincipal
 from app.errors import APIError
 from engine.protocol import EngineClient
 from tenants.api_key_store import ApiKeyStore
+from tenants.errors import TenantNotFound
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.salt_versions import SaltVersions
 from tenants.tenant_store import MAX_LIMIT, MAX_TENANT_NAME_CHARS, TenantStore
 from tenants.usage import AuditQuery, UsageStore
+from tenants.usage_reports import csv_text
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 schema_router = APIRouter(tags=["admin"])
@@ -101,7 +101,7 @@ def _key_out(k: ApiKeyInfo) -> dict:
     return dataclasses.asdict(k)
 
 
-async def _tenant(request: Request, name_or_id: str) -> TenantInfo:
+async def resolve_tenant(request: Request, name_or_id: str) -> TenantInfo:
     """The tenant a path or query names, by id or by name (ids first).
 
     Raises:
@@ -136,7 +136,7 @@ async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrinci
 @router.get("/tenants/{tenant}")
 async def get_tenant(tenant: str, request: Request, _: AdminPrincipal) -> dict:
     """One tenant, by id or name."""
-    return _tenant_out(await _tenant(request, tenant))
+    return _tenant_out(await resolve_tenant(request, tenant))
 
 
 @router.patch("/tenants/{tenant}")
@@ -146,7 +146,7 @@ async def update_tenant(tenant: str, body: TenantPatch, request: Request,
     the tenant's cached blocks (reason ``reset``), so nothing of theirs stays cached."""
     tenants = _tenants(request)
     limits = {k: getattr(body, k) for k in _NULLABLE_FIELDS if k in body.model_fields_set}
-    before = await _tenant(request, tenant)
+    before = await resolve_tenant(request, tenant)
     tenant_id = before.id
     t = await _in_thread(tenants.update, tenant_id, disabled=body.disabled,
                          enable_prefix_caching=body.enable_prefix_caching, weight=body.weight,
@@ -163,7 +163,7 @@ async def update_tenant(tenant: str, body: TenantPatch, request: Request,
 async def rotate_salt(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
     """New salt version, current at once; the tenant's cached blocks are dropped (reason
     ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
-    tenant_id = (await _tenant(request, tenant)).id
+    tenant_id = (await resolve_tenant(request, tenant)).id
     version = await _in_thread(_tenants(request).rotate_salt, tenant_id, actor=admin.subject)
     versions: SaltVersions = request.app.state.salt_versions
     versions.note_rotated(tenant_id, version)  # evicted here: no second eviction on next auth
@@ -174,7 +174,7 @@ async def rotate_salt(tenant: str, request: Request, admin: AdminPrincipal) -> d
 @router.post("/tenants/{tenant}/cache/reset")
 async def reset_tenant_cache(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
     """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
-    t = await _tenant(request, tenant)
+    t = await resolve_tenant(request, tenant)
     dropped = await _evict(request, t.id, "reset")
     await _in_thread(_usage(request).audit, admin.subject, "cache.reset", t.id,
                      f"blocks={dropped} salt_version={t.current_salt_version}")
@@ -218,7 +218,7 @@ async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
 @router.get("/tenants/{tenant}/keys")
 async def list_keys(tenant: str, request: Request, _: AdminPrincipal) -> dict:
     """The tenant's keys (no secrets), with ``last_used_at``."""
-    keys = await _in_thread(_keys(request).list_for_tenant, (await _tenant(request, tenant)).id)
+    keys = await _in_thread(_keys(request).list_for_tenant, (await resolve_tenant(request, tenant)).id)
     return {"object": "list", "data": [_key_out(k) for k in keys]}
 
 
@@ -226,7 +226,7 @@ async def list_keys(tenant: str, request: Request, _: AdminPrincipal) -> dict:
 async def create_key(tenant: str, body: KeyCreate, request: Request,
                      admin: AdminPrincipal) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
-    tenant_id = (await _tenant(request, tenant)).id
+    tenant_id = (await resolve_tenant(request, tenant)).id
     token, info = await _in_thread(_keys(request).create, tenant_id, body.name,
                                    body.expires_at, _param="expires_at", actor=admin.subject)
     return {**_key_out(info), "key": token}
@@ -271,7 +271,14 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
             raise APIError(400, "cursor must be a next_cursor value from a previous page",
                            "cursor", "invalid_value")
         before_id = int(cursor)
-    tenant_id = None if tenant is None else (await _tenant(request, tenant)).id
+    tenant_id = None
+    if tenant is not None:  # audit rows outlive tenants: a removed tenant's id still filters
+        try:
+            tenant_id = (await resolve_tenant(request, tenant)).id
+        except TenantNotFound:
+            if not re.fullmatch(r"[0-9a-f]{32}", tenant):
+                raise
+            tenant_id = tenant
     query = AuditQuery(tenant_id=tenant_id, action=action, actor=actor, since=since, until=until,
                        before_id=before_id)
     rows = await _in_thread(_usage(request).list_audit, limit=limit + 1, query=query,
@@ -288,23 +295,21 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
                 since: datetime | None = None, until: datetime | None = None,
                 limit: int | None = Query(None, ge=1, le=100_000),
                 end_user: str | None = Query(None, max_length=256),
+                bucket_s: int | None = Query(None, include_in_schema=False),
                 format: Literal["json", "csv"] = "json") -> dict | Response:
     """Usage records, one per call, oldest first (sums per bucket: ``/admin/usage/report``).
     ``since``/``until`` must carry a timezone; ``end_user``: only calls a tenant made for this
     end user (OpenAI ``user``)."""
-    tenant_id = None if tenant is None else (await _tenant(request, tenant)).id
+    if bucket_s is not None:  # removed: sums per bucket come from SQL now
+        raise APIError(400, "bucket_s is gone: use GET /admin/usage/report?bucket=1m|1h|1d",
+                       "bucket_s", "unsupported_parameter")
+    tenant_id = None if tenant is None else (await resolve_tenant(request, tenant)).id
     records = await _in_thread(_usage(request).list_usage, tenant_id, since, until, limit,
                                end_user)
     rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
     if format == "json":
         return {"object": "list", "data": rows}
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
-                         for k, v in row.items()})
-    return Response(buf.getvalue(), media_type="text/csv")
+    return Response(csv_text(rows, columns), media_type="text/csv")
 
 
 @schema_router.get("/openapi.json", include_in_schema=False)

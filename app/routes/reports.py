@@ -5,10 +5,7 @@
 
 from __future__ import annotations
 
-import csv
-import dataclasses
-import io
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -16,14 +13,17 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth import AdminPrincipal, CurrentTenant
 from app.errors import APIError
-from tenants.usage_reports import GROUP_BY, UsageReportQuery, UsageReportRow
+from app.routes.admin import resolve_tenant
+from tenants.usage_reports import (
+    GROUP_BY,
+    REPORT_COLUMNS,
+    csv_text,
+    default_query,
+    report_dicts,
+)
 
 admin_router = APIRouter(prefix="/admin", tags=["admin"])
 tenant_router = APIRouter(prefix="/v1", tags=["openai"])
-
-# Range reported when ``since`` is omitted: a useful window for each bucket size.
-DEFAULT_RANGE = {"1m": timedelta(hours=3), "1h": timedelta(days=2), "1d": timedelta(days=30)}
-COLUMNS = [f.name for f in dataclasses.fields(UsageReportRow) if f.name != "ttft_bins"]
 
 
 def _group_by(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -38,25 +38,19 @@ def _group_by(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 async def _report(request: Request, tenant_id: str | None, since: datetime | None,
                   until: datetime | None, bucket: str, group_by: tuple[str, ...],
                   fmt: str) -> dict | Response:
-    until = until or datetime.now(UTC)
-    since = since or until - DEFAULT_RANGE[bucket]
-    query = UsageReportQuery(since=since, until=until, bucket=bucket, group_by=group_by,
-                             tenant_id=tenant_id)
+    """Runs the report off the event loop; answers JSON with the range it counted (daily
+    reports count whole UTC days), or CSV. Any refusal of the query is a 400."""
     try:
+        query = default_query(bucket, since, until, group_by, tenant_id)
         rows = await run_in_threadpool(request.app.state.repo.usage.report, query)
+        counted = query.counted_range()
     except ValueError as e:  # the query's own checks: client-safe messages
         raise APIError(400, str(e), None, "invalid_value") from None
-    data = [{k: v for k, v in dataclasses.asdict(r).items() if k != "ttft_bins"} for r in rows]
-    if fmt == "json":
-        return {"object": "list", "bucket": bucket, "since": since.isoformat(),
-                "until": until.isoformat(), "data": data}
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for row in data:
-        writer.writerow({k: (v.isoformat() if isinstance(v, datetime) else v)
-                         for k, v in row.items()})
-    return Response(buf.getvalue(), media_type="text/csv")
+    data = report_dicts(rows)
+    if fmt == "csv":
+        return Response(csv_text(data, REPORT_COLUMNS), media_type="text/csv")
+    return {"object": "list", "bucket": bucket, "since": counted[0].isoformat(),
+            "until": counted[1].isoformat(), "data": data}
 
 
 @admin_router.get("/usage/report", response_model=None)
@@ -68,10 +62,9 @@ async def usage_report(request: Request, _: AdminPrincipal, tenant: str | None =
     """Usage per calendar bucket (UTC) and group: requests, errors, prompt / cached /
     completion tokens, hit rate, TTFT p50 / p95, tenant name beside the id. ``tenant`` by id
     or name (404 if unknown); ``group_by``: comma-separated ``tenant,key,model,end_user``;
-    ``since`` / ``until`` timezone-aware (default: the last 3 hours, 2 days or 30 days)."""
-    tenant_id = None
-    if tenant is not None:
-        tenant_id = (await run_in_threadpool(request.app.state.repo.tenants.resolve, tenant)).id
+    ``since`` / ``until`` timezone-aware (default: the last 3 hours, 2 days or 30 days; daily
+    reports count whole UTC days, and the answer's ``since`` / ``until`` say which)."""
+    tenant_id = None if tenant is None else (await resolve_tenant(request, tenant)).id
     return await _report(request, tenant_id, since, until, bucket,
                          _group_by(group_by, GROUP_BY), format)
 

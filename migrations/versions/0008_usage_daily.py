@@ -1,11 +1,13 @@
-"""``usage_daily``: usage summed per UTC day, tenant, key, model and end user, for fast daily
-reports (``tenants.usage_reports``), filled from the existing usage rows.
+"""``usage_daily``: usage summed per UTC day, tenant, key and model, for fast daily reports
+(``tenants.usage_reports``), filled from the existing usage rows.
 
 Revision ID: 0008
 Revises: 0007
 Create Date: 2026-11-30
 
-A new table (no rebuild of another); the backfill is one INSERT ... SELECT ... GROUP BY.
+A new table (no rebuild of another); the backfill is one INSERT ... SELECT ... GROUP BY. Stop
+the servers that write to the database while migrating: rows an older server commits after
+the backfill's snapshot would be missing from the rollup.
 """
 
 from __future__ import annotations
@@ -42,17 +44,16 @@ def backfill_sql(dialect: str) -> str:
            else "substr(created_at, 1, 10)")
     bins = ", ".join(f"ttft_bin_{i}" for i in range(len(TTFT_BINS_S) + 1))
     return (
-        "INSERT INTO usage_daily (day, tenant_id, key_id, model, end_user, requests, errors, "
+        "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, "
         f"prompt_tokens, cached_tokens, completion_tokens, {bins}) "
-        f"SELECT {day}, tenant_id, COALESCE(key_id, ''), model, COALESCE(end_user, ''), "
+        f"SELECT {day}, tenant_id, COALESCE(key_id, ''), model, "
         "COUNT(*), SUM(CASE WHEN status <> 'ok' THEN 1 ELSE 0 END), SUM(prompt_tokens), "
         f"SUM(cached_tokens), SUM(completion_tokens), {_bin_sums()} "
-        f"FROM usage_records GROUP BY {day}, tenant_id, COALESCE(key_id, ''), model, "
-        "COALESCE(end_user, '')")
+        f"FROM usage_records GROUP BY {day}, tenant_id, COALESCE(key_id, ''), model")
 
 
 def upgrade() -> None:
-    counters = [sa.Column(name, sa.BigInteger(), nullable=False, server_default="0") for name in (
+    counters = [sa.Column(name, sa.BigInteger(), nullable=False) for name in (
         "requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
         *[f"ttft_bin_{i}" for i in range(len(TTFT_BINS_S) + 1)])]
     op.create_table(
@@ -62,7 +63,6 @@ def upgrade() -> None:
                   primary_key=True),
         sa.Column("key_id", sa.String(12), primary_key=True),
         sa.Column("model", sa.String(255), primary_key=True),
-        sa.Column("end_user", sa.String(256), primary_key=True),
         *counters)
     op.create_index("ix_usage_daily_tenant_day", "usage_daily", ["tenant_id", "day"])
     op.execute(backfill_sql(op.get_bind().dialect.name))

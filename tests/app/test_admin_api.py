@@ -509,6 +509,20 @@ def test_usage_report_routes_and_a_tenants_own_usage(env):
         assert admin(env, "GET", "/admin/usage/report", params=params).status_code == status
     assert env.client.get("/v1/usage", params={"group_by": "tenant"},
                           headers=env.headers(env.key_a)).status_code == 400
+    # Times at the edges of the calendar are 400s, not 500s (found by review).
+    for params in ({"until": "0001-01-01T00:00:00Z"}, {"until": "9999-12-31T23:00:00-02:00"},
+                   {"since": "0001-01-01T00:30:00+01:00", "bucket": "1h"}):
+        r = env.client.get("/v1/usage", params=params, headers=env.headers(env.key_a))
+        assert r.status_code == 400, (params, r.text)
+    # A daily report says which whole UTC days it counted.
+    r = admin(env, "GET", "/admin/usage/report",
+              params={"since": "2026-11-03T10:15:00+00:00", "until": "2026-11-04T01:00:00Z"})
+    assert (r.json()["since"], r.json()["until"]) == ("2026-11-03T00:00:00+00:00",
+                                                      "2026-11-05T00:00:00+00:00")
+    assert admin(env, "GET", "/admin/usage", params={"bucket_s": 60}).status_code == 400
+    # Audit rows outlive tenants: an id that is no tenant (any more) still filters.
+    gone = admin(env, "GET", "/admin/audit", params={"tenant": "f" * 32})
+    assert gone.status_code == 200 and gone.json()["data"] == []
 
 
 def test_cache_stats_without_prometheus(env):

@@ -244,6 +244,9 @@ def test_usage_report_and_set_limits(cli, tmp_path):
     bad = cli("usage", "report", "--bucket", "1m", "--since", "30d", ok=False)
     assert bad.exit_code != 0 and "buckets" in bad.output
     assert cli("usage", "report", "--tenant", "nobody", ok=False).exit_code != 0
+    for bad_since in ("\u00b2d", "99999999999d", "yesterday"):
+        r = cli("usage", "report", "--since", bad_since, ok=False)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
 
     out = cli("tenants", "set-limits", "acme", "--rpm", "60", "--max-concurrent", "4").output
     assert "rpm=60" in out and "tpm=None" in out and "max_concurrent=4" in out

@@ -108,3 +108,38 @@ def test_bad_queries_are_refused(loaded, kw, message):
     repo, _, _ = loaded
     with pytest.raises(ValueError, match=message):
         repo.usage.report(_q(**kw))
+
+
+def test_end_users_read_the_raw_rows_and_none_equals_empty(repo):
+    a = repo.create_tenant("acme")
+    recs = [_rec(i, a.id, T0 + timedelta(minutes=i), end_user=u)
+            for i, u in enumerate(["alice", "alice", "", None, "bob"])]
+    recs += [_rec(100 + i, a.id, T0, end_user=f"user-{i}") for i in range(50)]
+    assert repo.usage.record_usage_batch(recs) == 55
+    daily = repo.usage.report(_q(group_by=("end_user",)))
+    counts = {r.end_user: r.requests for r in daily}
+    assert counts["alice"] == 2 and counts["bob"] == 1 and counts[None] == 2
+    assert len(daily) == 3 + 50  # '' and NULL are one group: "no end user"
+    # The rollup is keyed by day, tenant, key and model only: 55 requests, one row.
+    from sqlalchemy import func, select
+
+    from tenants.models import UsageDailyRow
+
+    with repo.usage._session_factory() as session:
+        assert session.scalar(select(func.count()).select_from(UsageDailyRow)) == 1
+
+
+def test_daily_reports_count_whole_utc_days(loaded):
+    repo, a, _ = loaded
+    q = UsageReportQuery(since=T0 + timedelta(minutes=10), until=T0 + timedelta(minutes=11),
+                         bucket="1d", tenant_id=a.id)
+    assert q.counted_range() == (T0.replace(hour=0), T0.replace(hour=0) + timedelta(days=1))
+    assert [r.requests for r in repo.usage.report(q)] == [3]
+
+
+@pytest.mark.parametrize("since, until", [
+    (datetime(1, 1, 1, tzinfo=UTC), T0), (T0, datetime(9999, 12, 31, tzinfo=UTC))])
+def test_extreme_times_are_refused(loaded, since, until):
+    repo, _, _ = loaded
+    with pytest.raises(ValueError, match="between 1971 and 9997"):
+        repo.usage.report(UsageReportQuery(since=since, until=until))
