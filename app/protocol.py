@@ -61,17 +61,19 @@ def _refuse(reason: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", reason)
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request model that refuses unknown fields: none is ever silently ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
+
+class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: unsupported("stream obfuscation is not supported")
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Fields common to chat completions and completions (OpenAI, then vLLM extensions)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -169,33 +171,25 @@ def _check_content(v: Any) -> Any:
     return v
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(_Strict):
     """A call the model made: the function and its arguments as JSON text (OpenAI)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
@@ -225,10 +219,8 @@ class ChatMessage(BaseModel):
         return self.content or self.refusal or ""
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(_Strict):
     """OpenAI ``tools[].function``: ``parameters`` is a JSON schema (default: no arguments)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -236,22 +228,16 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolDef(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -272,11 +258,9 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     """OpenAI ``response_format``: free text, any JSON object, or JSON matching a schema
     (enforced by a grammar whether ``strict`` is set or not)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -613,10 +597,8 @@ class ModelList(BaseModel):
 # -- tokenizer endpoints (vLLM ``/tokenize``, ``/detokenize``) ---------------------------------
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     """vLLM ``/tokenize``: ``prompt`` (completions) or ``messages`` (chat template), not both."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -642,9 +624,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[StrictInt]
 

@@ -232,26 +232,17 @@ def test_every_reference_field_is_classified():
     assert set(CompletionRequest.model_fields) <= OPENAI_COMPLETION_FIELDS | VLLM_FIELDS
 
 
-@pytest.mark.parametrize("field", sorted(CHAT_ACCEPTED))
-def test_chat_field_is_accepted_with_its_effect(send, app_env, field):
-    extra, check = CHAT_ACCEPTED[field]
-    seen = send("/v1/chat/completions", {**CHAT, **extra})
-    assert seen.status == 200, seen.text
-    assert check(seen, app_env), field
+ACCEPTED = ([("/v1/chat/completions", CHAT, CHAT_ACCEPTED, f) for f in sorted(CHAT_ACCEPTED)]
+            + [("/v1/completions", PROMPT, COMPLETION_ACCEPTED, f)
+               for f in sorted(COMPLETION_ACCEPTED)]
+            + [("/v1/completions", PROMPT, VLLM_ACCEPTED, f) for f in sorted(VLLM_ACCEPTED)])
 
 
-@pytest.mark.parametrize("field", sorted(COMPLETION_ACCEPTED))
-def test_completion_field_is_accepted_with_its_effect(send, app_env, field):
-    extra, check = COMPLETION_ACCEPTED[field]
-    seen = send("/v1/completions", {**PROMPT, **extra})
-    assert seen.status == 200, seen.text
-    assert check(seen, app_env), field
-
-
-@pytest.mark.parametrize("field", sorted(VLLM_ACCEPTED))
-def test_vllm_extension_is_accepted_with_its_effect(send, app_env, field):
-    extra, check = VLLM_ACCEPTED[field]
-    seen = send("/v1/completions", {**PROMPT, **extra})
+@pytest.mark.parametrize(("path", "base", "table", "field"), ACCEPTED,
+                         ids=[f"{p.rsplit('/', 1)[1]}-{f}" for p, _, _, f in ACCEPTED])
+def test_field_is_accepted_with_its_effect(send, app_env, path, base, table, field):
+    extra, check = table[field]
+    seen = send(path, {**base, **extra})
     assert seen.status == 200, seen.text
     assert check(seen, app_env), field
 
