@@ -14,26 +14,22 @@ costs almost nothing)::
 Finalisation happens exactly once per call, in one place: the ``finally`` of ``_run`` for JSON
 responses and for calls refused before a response exists, or the ``finally`` of
 ``_FinalizingStreamingResponse.__call__`` once a stream response has been handed to Starlette
-(also when the client leaves before the first byte). ``CompletionCall.finalize`` refuses a second
-run (it would double-count usage).
+(also when the client leaves before the first byte). ``CompletionsService._finalize`` refuses a
+second run (it would double-count usage). The call's state lives in ``app.services.call``; its
+JSON bodies and SSE chunks are built by ``app.services.responses``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
-import secrets
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -41,200 +37,28 @@ from app.errors import APIError, error_body
 from app.limits import Lease, RateLimiter, RateLimitExceeded, TenantLimits
 from app.metrics import ServerMetrics
 from app.protocol import (
-    AssistantMessage,
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
     CompletionStreamResponse,
-    DeltaMessage,
-    DeltaToolCall,
-    PromptLogprobs,
-    PromptTokensDetails,
-    ToolCall,
-    UsageInfo,
 )
+from app.services.call import ChoiceState, CompletionCall, Endpoint, Prompt
 from app.services.logprobs import (
     TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
-    prompt_logprobs,
 )
 from app.services.preprocess import Preprocessor
 from app.services.prompts import PromptEncoder
-from app.services.tools import parse_tool_calls, tool_grammar
+from app.services.responses import ResponseBuilder, sse
+from app.services.tools import tool_grammar
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
-from engine.request import EngineRequest, RequestOutput, TenantShare, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.request import RequestOutput
 from tenants.records import AuthContext, UsageRecord
 
 logger = logging.getLogger(__name__)
 
-Endpoint = Literal["chat.completions", "completions"]
 UsageSink = Callable[[UsageRecord], None]
 BodyReader = Callable[[], Awaitable[bytes]]
-
-
-@dataclass
-class Prompt:
-    """One prompt of a call: its token ids and text (``echo`` returns the text)."""
-
-    token_ids: list[int] = field(repr=False)
-    text: str = field(default="", repr=False)
-
-
-@dataclass
-class ChoiceState:
-    """One completion of the call (prompt ``prompt_index``), as accumulated from engine
-    outputs."""
-
-    index: int
-    prompt_index: int = 0
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list, repr=False)
-    logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = field(default=None, repr=False)
-
-
-@dataclass
-class CompletionCall:
-    """One API call: n engine requests per prompt, and what it used.
-
-    Choice ``i`` answers prompt ``i // n`` (OpenAI and vLLM number a batch of prompts so).
-    ``status`` is None while the outcome is open; then ``"ok"`` (completed), ``"error"``
-    (refused or failed) or ``"aborted"`` (client disconnect or cancellation). A call finalised
-    while still open is recorded as ``"error"``.
-    """
-
-    request_id: str
-    endpoint: Endpoint
-    model: str
-    auth: AuthContext
-    created: int = field(default_factory=lambda: int(time.time()))
-    start: float = field(default_factory=time.monotonic)
-    prompts: list[Prompt] = field(default_factory=list, repr=False)
-    params: SamplingParams | None = None
-    cache_salt: bytes | None = field(default=None, repr=False)
-    first_token_time: float | None = None
-    choices: list[ChoiceState] = field(default_factory=list)
-    status: str | None = None
-    lease: Lease | None = None
-    submitted: bool = False  # the engine has the call's requests
-    finalized: bool = False
-    end_user: str | None = field(default=None, repr=False)
-    echo: bool = False  # completions: the prompt text is returned before the completion
-    score_only: bool = False  # completions with echo and max_tokens 0: no generated token
-    wants_prompt_logprobs: bool = False  # vLLM ``prompt_logprobs`` asked for by name
-    as_token_ids: bool = False  # vLLM ``return_tokens_as_token_ids``
-    service_tier: str | None = None  # echoed as "default" when the request named one
-    grammar: Any = field(default=None, repr=False)  # structured output: a compiled matcher
-    # Chat with tools offered: the request, to parse tool calls from the output
-    # (``app.services.tools``); the text is then sent once complete, also when streaming.
-    tool_body: ChatCompletionRequest | None = field(default=None, repr=False)
-
-    @property
-    def chat(self) -> bool:
-        return self.endpoint == "chat.completions"
-
-    def prompt_logprobs_of(self, c: ChoiceState) -> tuple[TokenLogprobs | None, ...] | None:
-        """The prompt logprobs of ``c``'s prompt: its first choice computes them for all."""
-        n = self.params.n if self.params is not None else 1
-        return self.choices[c.prompt_index * n].prompt_logprobs
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
-
-    def limit_headers(self) -> dict[str, str]:
-        return dict(self.lease.headers) if self.lease is not None else {}
-
-    def engine_requests(self) -> list[EngineRequest]:
-        """The n engine requests of each prompt; with n > 1 and a seed, choice i of a prompt
-        uses seed + i. The n choices share one prefill: through the tenant's prefix cache, or,
-        for a tenant with caching off, through a private per-call cache that no other request
-        can hit and that leaves nothing cached (``EngineRequest.private_cache``)."""
-        assert self.params is not None
-        n = self.params.n
-        private = n > 1 and not self.auth.enable_prefix_caching
-        reqs = []
-        for j, prompt in enumerate(self.prompts):
-            salt = secrets.token_bytes(32) if private else self.cache_salt
-            for i in range(n):
-                params = self.params
-                if n > 1 and params.seed is not None:
-                    params = replace(params, seed=params.seed + i)
-                if i > 0 and params.prompt_logprobs is not None:
-                    # Computed once per prompt (by choice 0): the others may hit the cache.
-                    params = replace(params, prompt_logprobs=None)
-                reqs.append(EngineRequest(
-                    request_id=f"{self.request_id}-{j * n + i}",
-                    prompt_token_ids=tuple(prompt.token_ids),
-                    sampling_params=params, tenant_id=self.auth.tenant_id,
-                    cache_salt=salt, private_cache=private,
-                    grammar=None if self.grammar is None else self.grammar.deep_copy(),
-                    enable_prefix_caching=self.auth.enable_prefix_caching,
-                    tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
-                                             self.auth.max_cache_blocks)))
-        return reqs
-
-    def apply(self, i: int, out: RequestOutput) -> None:
-        """Folds one engine output of choice ``i`` into the call."""
-        if self.first_token_time is None and out.new_token_ids:
-            self.first_token_time = time.monotonic()
-        c = self.choices[i]
-        c.num_cached_tokens = out.num_cached_tokens
-        if out.prompt_logprobs is not None:
-            c.prompt_logprobs = out.prompt_logprobs
-        if not self.score_only:
-            c.text += out.new_text
-            c.num_tokens = out.num_output_tokens
-            c.token_ids.extend(out.new_token_ids)
-            c.logprobs.extend(out.new_logprobs)
-        if out.finished:
-            if out.finish_reason == "error":  # a fault of this request only (engine/faults.py)
-                raise RequestFailedError(out.error or "the request failed in the engine")
-            c.finish_reason = "length" if self.score_only else out.finish_reason
-
-    def usage(self) -> UsageInfo:
-        """OpenAI ``usage``: cached tokens are those of each prompt's first choice (a prompt's
-        n choices share it)."""
-        completion = sum(c.num_tokens for c in self.choices)
-        prompt = self.num_prompt_tokens
-        n = self.params.n if self.params is not None else 1
-        cached = sum(c.num_cached_tokens for c in self.choices[::n])
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-    def usage_record(self) -> UsageRecord:
-        """The call's usage row. A call refused before it reached the engine (400, 429)
-        processed nothing and records 0 tokens, whatever its prompt: usage sums then equal the
-        Prometheus token counters (``ServerMetrics.observe_request``)."""
-        u = self.usage() if self.submitted else UsageInfo()
-        return UsageRecord(
-            request_id=self.request_id, tenant_id=self.auth.tenant_id, key_id=self.auth.key_id,
-            model=self.model, endpoint=self.endpoint, status=self.status or "error",
-            prompt_tokens=u.prompt_tokens,
-            cached_tokens=u.prompt_tokens_details.cached_tokens,
-            completion_tokens=u.completion_tokens,
-            ttft_s=None if self.first_token_time is None else self.first_token_time - self.start,
-            latency_s=time.monotonic() - self.start, end_user=self.end_user)
-
-
-def _sse(obj: BaseModel | dict) -> str:
-    body = (obj.model_dump_json() if isinstance(obj, BaseModel)
-            else json.dumps(obj, separators=(",", ":")))
-    return f"data: {body}\n\n"
 
 
 async def merge_streams(streams: Sequence[RequestStreamLike]
@@ -322,7 +146,7 @@ class CompletionsService:
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
         self.prompts = PromptEncoder(self.info, self.preprocessor)
         # Its own tokenizer copy: the engine thread decodes with the original.
-        self.token_texts = TokenTexts(copy.deepcopy(self.info.tokenizer))
+        self.responses = ResponseBuilder(TokenTexts(copy.deepcopy(self.info.tokenizer)))
 
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
@@ -391,9 +215,9 @@ class CompletionsService:
             if params is not None and (params.logprobs is not None
                                        or params.prompt_logprobs is not None):
                 # Naming thousands of tokens takes a while: not on the event loop.
-                body = await asyncio.to_thread(self._response_body, call)
+                body = await asyncio.to_thread(self.responses.response_body, call)
             else:
-                body = self._response_body(call)
+                body = self.responses.response_body(call)
             return JSONResponse(body, headers=call.limit_headers())
         except asyncio.CancelledError:
             call.status = "aborted"
@@ -421,18 +245,6 @@ class CompletionsService:
                 raise APIError(400, "prompt_logprobs: unsupported with stream for chat "
                                "completions; use a non-streamed call", "prompt_logprobs",
                                "unsupported_parameter")
-
-    def _first_completion_chunk(self, call: CompletionCall, c: ChoiceState,
-                                include_usage: bool) -> BaseModel | None:
-        """A completions stream's first chunk for choice ``c``: the echoed prompt text (with
-        its logprobs) and vLLM ``prompt_logprobs``; None when neither was asked for."""
-        if not call.echo and not call.wants_prompt_logprobs:
-            return None
-        logprobs = None
-        if call.echo:
-            logprobs = self._completion_logprobs(call, c, [], [], echo=True)
-        return self._chunk(call, include_usage, c.index, self._echo_text(call, c), None,
-                           logprobs=logprobs, prompt_lps=self._prompt_logprobs(call, c))
 
     def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str,
                  tenant_id: str) -> tuple[list[Prompt], Any]:
@@ -616,142 +428,6 @@ class CompletionsService:
             for s in streams:
                 s.close()
 
-    def _response_body(self, call: CompletionCall) -> dict:
-        return self._full_response(call).model_dump(mode="json")
-
-    def _full_response(self, call: CompletionCall) -> ChatCompletionResponse | CompletionResponse:
-        if call.chat:
-            choices = []
-            for c in call.choices:
-                content, calls, finish = self._message(call, c)
-                choices.append(ChatCompletionChoice(
-                    index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
-                    logprobs=self._chat_logprobs(call, c.logprobs), finish_reason=finish))
-            return ChatCompletionResponse(
-                id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
-                choices=choices,
-                service_tier=call.service_tier,
-                prompt_logprobs=self._prompt_logprobs(call, call.choices[0]))
-        return CompletionResponse(
-            id=call.request_id, created=call.created, model=call.model, usage=call.usage(),
-            choices=[CompletionChoice(
-                index=c.index, text=self._echo_text(call, c) + c.text,
-                logprobs=self._completion_logprobs(call, c, c.token_ids, c.logprobs,
-                                                   echo=call.echo),
-                finish_reason=c.finish_reason, prompt_logprobs=self._prompt_logprobs(call, c))
-                for c in call.choices])
-
-    @staticmethod
-    def _message(call: CompletionCall, c: ChoiceState
-                 ) -> tuple[str | None, list[ToolCall] | None, str | None]:
-        """(content, tool calls, finish reason) of a finished chat choice: with tools offered,
-        the output is parsed for calls, and a choice that made one finishes with
-        ``tool_calls`` (OpenAI)."""
-        if call.tool_body is None:
-            return c.text, None, c.finish_reason
-        content, calls = parse_tool_calls(c.text, call.tool_body)
-        if not calls:
-            return content or "", None, c.finish_reason
-        return content, calls, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-
-    # -- logprobs and echo (app.services.logprobs names the tokens) -------------------------------
-    def _chat_logprobs(self, call: CompletionCall, entries: list[TokenLogprobs]
-                       ) -> ChatChoiceLogprobs | None:
-        if call.params is None or call.params.logprobs is None:
-            return None
-        return chat_logprobs(self.token_texts, entries, call.as_token_ids)
-
-    def _completion_logprobs(self, call: CompletionCall, c: ChoiceState, token_ids: list[int],
-                             entries: list[TokenLogprobs], echo: bool,
-                             text_offset: int = 0) -> CompletionLogprobs | None:
-        """``echo``: the prompt's tokens (and their logprobs) come first."""
-        params = call.params
-        if params is None or params.logprobs is None:
-            return None
-        ids: list[int] = list(token_ids)
-        lps: list[TokenLogprobs | None] = list(entries)
-        if echo:
-            prompt = call.prompts[c.prompt_index]
-            ids = prompt.token_ids + ids
-            lps = list(call.prompt_logprobs_of(c) or [None] * len(prompt.token_ids)) + lps
-        return completion_logprobs(self.token_texts, lps, ids, params.logprobs, text_offset,
-                                   call.as_token_ids)
-
-    def _prompt_logprobs(self, call: CompletionCall, c: ChoiceState) -> PromptLogprobs | None:
-        """vLLM ``prompt_logprobs``, only when the request asked for it by that name."""
-        entries = call.prompt_logprobs_of(c)
-        if not call.wants_prompt_logprobs or entries is None:
-            return None
-        return prompt_logprobs(self.token_texts, entries, call.as_token_ids)
-
-    @staticmethod
-    def _echo_text(call: CompletionCall, c: ChoiceState) -> str:
-        return call.prompts[c.prompt_index].text if call.echo else ""
-
-    def _chunk(self, call: CompletionCall, include_usage: bool, i: int, text: str | None,
-               finish_reason: str | None, role: bool = False,
-               logprobs: ChatChoiceLogprobs | CompletionLogprobs | None = None,
-               prompt_lps: PromptLogprobs | None = None,
-               tool_calls: list[ToolCall] | None = None) -> BaseModel:
-        if call.chat:
-            delta = DeltaMessage(role="assistant" if role else None, content=text,
-                                 tool_calls=None if tool_calls is None else [
-                                     DeltaToolCall(index=k, **t.model_dump())
-                                     for k, t in enumerate(tool_calls)])
-            return ChatCompletionStreamResponse(
-                id=call.request_id, created=call.created, model=call.model,
-                include_usage=include_usage,
-                choices=[ChatCompletionStreamChoice(
-                    index=i, delta=delta, finish_reason=finish_reason,
-                    logprobs=logprobs if isinstance(logprobs, ChatChoiceLogprobs) else None)])
-        return CompletionStreamResponse(
-            id=call.request_id, created=call.created, model=call.model,
-            include_usage=include_usage,
-            choices=[CompletionChoice(
-                index=i, text=text or "", finish_reason=finish_reason,
-                logprobs=logprobs if isinstance(logprobs, CompletionLogprobs) else None,
-                prompt_logprobs=prompt_lps)])
-
-    def _delta_logprobs(self, call: CompletionCall, c: ChoiceState, out: RequestOutput,
-                        text_before: int) -> ChatChoiceLogprobs | CompletionLogprobs | None:
-        """The logprobs of one engine output's new tokens, for a stream chunk."""
-        if call.score_only or not out.new_logprobs:
-            return None
-        if call.chat:
-            return self._chat_logprobs(call, list(out.new_logprobs))
-        return self._completion_logprobs(call, c, list(out.new_token_ids),
-                                         list(out.new_logprobs), echo=False,
-                                         text_offset=text_before)
-
-    def _output_chunks(self, call: CompletionCall, i: int, out: RequestOutput,
-                       sent: list[int | None], include_usage: bool) -> list[str]:
-        """The SSE chunks of one engine output of choice ``i`` (already applied to the call);
-        ``sent``: characters sent per choice, updated."""
-        c = call.choices[i]
-        chunks = []
-        if sent[i] is None and not call.chat:
-            first = self._first_completion_chunk(call, c, include_usage)
-            sent[i] = len(self._echo_text(call, c))
-            if first is not None:
-                chunks.append(_sse(first))
-        new_text = "" if call.score_only else out.new_text
-        logprobs = self._delta_logprobs(call, c, out, sent[i] or 0)
-        if call.tool_body is not None:  # the text is parsed once complete
-            if out.finished:
-                content, calls, finish = self._message(call, c)
-                chunks.append(_sse(self._chunk(call, include_usage, i, content, finish,
-                                               logprobs=logprobs, tool_calls=calls)))
-            elif logprobs is not None:
-                chunks.append(_sse(self._chunk(call, include_usage, i, None, None,
-                                               logprobs=logprobs)))
-            return chunks
-        if new_text or out.finished or logprobs is not None:
-            chunks.append(_sse(self._chunk(call, include_usage, i, new_text or None,
-                                           c.finish_reason if out.finished else None,
-                                           logprobs=logprobs)))
-            sent[i] = (sent[i] or 0) + len(new_text)
-        return chunks
-
     async def _stream(self, call: CompletionCall, streams: list[RequestStreamLike],
                       include_usage: bool) -> AsyncGenerator[str, None]:
         """SSE body: role chunk (chat), one chunk per text delta or finish, the usage chunk
@@ -765,7 +441,8 @@ class CompletionsService:
         try:
             if call.chat:
                 for c in call.choices:
-                    yield _sse(self._chunk(call, include_usage, c.index, "", None, role=True))
+                    yield sse(self.responses.chunk(call, include_usage, c.index, "", None,
+                                                   role=True))
             # Characters sent per choice (completions ``text_offset``), None until the first.
             sent: list[int | None] = [None] * len(call.choices)
             assert call.params is not None
@@ -786,12 +463,12 @@ class CompletionsService:
                     if i == source:
                         ready += [(j, o) for j in range(i + 1, i + n) for o in held.pop(j, [])]
                     for j, o in ready:
-                        for chunk in self._output_chunks(call, j, o, sent, include_usage):
+                        for chunk in self.responses.output_chunks(call, j, o, sent, include_usage):
                             yield chunk
             call.status = "ok"
             if include_usage:
                 cls = ChatCompletionStreamResponse if call.chat else CompletionStreamResponse
-                yield _sse(cls(id=call.request_id, created=call.created, model=call.model,
+                yield sse(cls(id=call.request_id, created=call.created, model=call.model,
                                choices=[], usage=call.usage(), include_usage=True))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -799,15 +476,15 @@ class CompletionsService:
             raise
         except EngineDeadError:
             call.status = "error"
-            yield _sse(error_body(503, "the inference engine is not available", None,
+            yield sse(error_body(503, "the inference engine is not available", None,
                                   "engine_unavailable"))
         except RequestFailedError as e:
             call.status = "error"
-            yield _sse(error_body(500, e.message, None, "request_failed"))
+            yield sse(error_body(500, e.message, None, "request_failed"))
         except Exception as e:  # noqa: BLE001 - never a stack trace to the client
             call.status = "error"
             logger.error("stream failed: %s", type(e).__name__)
-            yield _sse(error_body(500, "internal server error", None, "internal_error"))
+            yield sse(error_body(500, "internal server error", None, "internal_error"))
         finally:
             for s in streams:
                 s.close()

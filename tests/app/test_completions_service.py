@@ -230,7 +230,7 @@ def test_stream_client_gone_before_the_first_byte_records_once(env, service, spe
 
 
 def test_finalize_refuses_a_second_run(env, service, caplog):
-    from app.services.completions import CompletionCall
+    from app.services.call import CompletionCall
 
     call = CompletionCall("cmpl-x", "completions", env.model, _auth(env))
 
