@@ -122,11 +122,9 @@ class _SamplingFields(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
+        for key in v or {}:  # values are checked by SamplingParams, with the other limits
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids, got {key[:20]!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
     def end_user(self) -> str | None:
@@ -326,10 +324,6 @@ class ChatCompletionRequest(_SamplingFields):
                 and self.response_format.type != "text":
             raise PydanticCustomError("invalid_value", "response_format cannot be combined "
                                       "with tools unless tool_choice is 'none'")
-        if self.calls_tools() and self.min_tokens:
-            # The tool grammar ends with eos; min_tokens would mask it (SamplingParams).
-            raise PydanticCustomError("invalid_value", "min_tokens cannot be combined with "
-                                      "tools unless tool_choice is 'none'")
         return self
 
     def calls_tools(self) -> bool:
@@ -362,12 +356,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
-    def sampling_params(self, defaults: Mapping[str, float] = EMPTY) -> SamplingParams:
-        """Raises InvalidRequestError (a sampling value out of range)."""
+    def sampling_params(self, defaults: Mapping[str, float] = EMPTY,
+                        structured_output: StructuredOutput | None = None) -> SamplingParams:
+        """``structured_output``: the call's grammar (``response_format`` or the tools').
+
+        Raises InvalidRequestError (a sampling value out of range, or ``min_tokens`` with a
+        grammar)."""
         return self._sampling_params(
             self.max_completion_tokens or self.max_tokens,
             (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs, defaults,
-            self.response_format.structured_output() if self.response_format else None)
+            structured_output)
 
 
 PromptList = str | Annotated[list[StrictInt], Field(min_length=1)] | list[str] \
@@ -420,14 +418,16 @@ class CompletionRequest(_SamplingFields):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self, defaults: Mapping[str, float] = EMPTY) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float] = EMPTY,
+                        structured_output: StructuredOutput | None = None) -> SamplingParams:
         """Raises InvalidRequestError (a sampling value out of range)."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         # max_tokens 0 with echo scores the prompt: one token is computed, none returned.
         max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults,
+                                     structured_output)
 
 
 # -- responses ---------------------------------------------------------------------------------

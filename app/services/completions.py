@@ -53,6 +53,7 @@ from app.services.tools import tool_grammar
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import RequestOutput
+from engine.structured_output import StructuredOutput
 from tenants.records import AuthContext, UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -199,10 +200,10 @@ class CompletionsService:
             body = await self.preprocessor.parse(auth.tenant_id, model_cls, raw,
                                                  self.info.max_model_len)
             self._describe(call, body)
-            call.prompts, call.grammar = await self.preprocessor.run(
+            call.prompts, spec, call.grammar = await self.preprocessor.run(
                 auth.tenant_id, self._prepare, body, "messages" if call.chat else "prompt",
                 auth.tenant_id)
-            streams = self._submit(call, body)
+            streams = self._submit(call, body, spec)
             if body.stream:
                 include = bool(body.stream_options and body.stream_options.include_usage)
                 response = _FinalizingStreamingResponse(self._stream(call, streams, include),
@@ -247,10 +248,11 @@ class CompletionsService:
                                "unsupported_parameter")
 
     def _prepare(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str,
-                 tenant_id: str) -> tuple[list[Prompt], Any]:
+                 tenant_id: str) -> tuple[list[Prompt], StructuredOutput | None, Any]:
         """Checks the model, renders and tokenises the prompts and compiles the structured-output
         grammar, if any (in a worker thread: a costly schema costs its own tenant's share of the
-        workers, never the engine loop). Returns (prompts, grammar matcher or None).
+        workers, never the engine loop). Returns (prompts, grammar spec, matcher), the last two
+        None without a grammar.
 
         Raises:
             APIError: 400 unknown model, over-long prompt text, template or tokenizer failure.
@@ -260,21 +262,22 @@ class CompletionsService:
                            f"{self.info.served_model_name!r}", "model", "model_not_found")
         prompts = self._tokenize(body, prompt_param)
         if not isinstance(body, ChatCompletionRequest):
-            return prompts, None
+            return prompts, None, None
         spec, param = tool_grammar(body), "tools"
         if spec is None and body.response_format is not None:
             spec, param = body.response_format.structured_output(), "response_format"
         if spec is None:
-            return prompts, None
+            return prompts, None, None
         try:
-            return prompts, self.info.grammar_compiler.matcher(spec, tenant_id)
+            return prompts, spec, self.info.grammar_compiler.matcher(spec, tenant_id)
         except InvalidRequestError as e:
             raise APIError(400, e.message, param, "invalid_value") from None
 
-    def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest
-                ) -> list[RequestStreamLike]:
+    def _submit(self, call: CompletionCall, body: ChatCompletionRequest | CompletionRequest,
+                spec: StructuredOutput | None = None) -> list[RequestStreamLike]:
         """Checks the admitted, tokenised call, reserves its tokens and submits it; returns its
-        n engine streams.
+        n engine streams. ``spec``: the call's grammar (from ``_prepare``), checked with the
+        other sampling settings (``SamplingParams`` refuses it with ``min_tokens``).
 
         Raises:
             APIError: 400 / 429 (nothing reaches the engine).
@@ -282,7 +285,7 @@ class CompletionsService:
         """
         prompt_param = "messages" if call.chat else "prompt"
         try:
-            call.params = body.sampling_params(self.info.default_sampling)
+            call.params = body.sampling_params(self.info.default_sampling, spec)
         except InvalidRequestError as e:
             raise APIError(400, e.message, e.param, e.code) from None
         try:

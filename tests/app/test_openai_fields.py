@@ -339,5 +339,8 @@ def test_bad_new_field_values_are_400_with_param(send):
         seen = send("/v1/chat/completions", {**CHAT, **body})
         assert seen.status == 400, (body, seen.text)
         assert seen.requests == []
+    for grammar in ({"response_format": {"type": "json_object"}}, {"tools": [WEATHER]}):
+        seen = send("/v1/chat/completions", {**CHAT, "min_tokens": 2, **grammar})
+        assert seen.body["error"]["param"] == "min_tokens", seen.text  # one rule, one place
     r = send("/tokenize", {"messages": CHAT["messages"], "add_special_tokens": True})
     assert r.status == 400 and r.body["error"]["code"] == "unsupported_parameter"
