@@ -22,6 +22,7 @@ from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
 from app.metrics import ServerMetrics
 from app.routes import admin, health, metrics, openai, reports
+from app.services.admin import AdminService
 from app.services.completions import CompletionsService
 from app.services.prompts import TokenizerService
 from engine.protocol import EngineClient
@@ -192,6 +193,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
     app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation
+    app.state.admin = AdminService(repo, engine, app.state.salt_versions)
     # Owns the per-tenant rpm / tpm / concurrency limiter (``.limiter``, app/limits.py).
     journal = (UsageJournal(usage_journal_dir, repo.usage.record_usage_batch)
                if usage_journal_dir is not None else None)

@@ -1,0 +1,217 @@
+"""Operator actions, shared by the JSON admin API (``app.routes.admin``) and the console
+(``app.routes.console``): one implementation of each action, so both audit and evict alike.
+
+Every blocking store call runs off the event loop; a store's ``ValueError`` (its own,
+client-safe validation message) becomes a 400 ``APIError``. Mutations are audited with the
+caller's ``actor`` (the admin JWT ``sub``). Results never hold a salt or a key hash; a new key's
+plaintext is returned by ``create_key`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import datetime
+from functools import partial
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from app.errors import APIError
+from engine.protocol import EngineClient
+from tenants.errors import TenantNotFound
+from tenants.records import ApiKeyInfo, AuditEntry, TenantInfo
+from tenants.repository import TenantRepository
+from tenants.salt_versions import SaltVersions
+from tenants.usage import AuditQuery
+from tenants.usage_reports import UsageReportRow, default_query
+
+# TenantPatch fields where None means "no limit / no bound" (so "sent as None" differs from
+# "not sent"): passed to the store only when present.
+NULLABLE_LIMITS = ("rpm_limit", "tpm_limit", "max_concurrent", "min_cache_blocks",
+                   "max_cache_blocks")
+
+
+async def in_thread(fn: Any, *args: Any, _param: str | None = None, **kwargs: Any) -> Any:
+    """Runs a blocking store call off the event loop; its ValueError is a 400 (``_param``
+    names the field it is about)."""
+    try:
+        return await run_in_threadpool(partial(fn, *args, **kwargs))
+    except ValueError as e:  # the stores' own validation messages are client-safe
+        raise APIError(400, str(e), _param, "invalid_value") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditPage:
+    """One page of the audit log, newest first; ``next_cursor`` is None on the last page."""
+
+    rows: list[AuditEntry]
+    next_cursor: str | None
+
+
+class AdminService:
+    """Tenants, keys, salts, caches, audit and usage reports, for an admin ``actor``.
+
+    Args:
+        repo: the tenant repository (stores for tenants, keys, usage and audit).
+        engine: the engine client whose prefix cache the resets and rotations drop from.
+        salt_versions: the server's view of each tenant's salt version, shared with
+            ``app.auth`` (a rotation here is not evicted again on the tenant's next request).
+    """
+
+    def __init__(self, repo: TenantRepository, engine: EngineClient,
+                 salt_versions: SaltVersions) -> None:
+        self.repo, self.engine, self.salt_versions = repo, engine, salt_versions
+
+    # -- tenants ----------------------------------------------------------------------------
+    async def resolve_tenant(self, name_or_id: str) -> TenantInfo:
+        """The tenant a path or query names, by id or by name (ids first).
+
+        Raises:
+            TenantNotFound: neither exists (404, never an empty 200).
+            APIError: 400 when the string is one tenant's id and another's name.
+        """
+        return await in_thread(self.repo.tenants.resolve, name_or_id, _param="tenant")
+
+    async def list_tenants(self) -> list[TenantInfo]:
+        return await in_thread(self.repo.tenants.list_all)
+
+    async def create_tenant(self, name: str, enable_prefix_caching: bool,
+                            actor: str) -> TenantInfo:
+        """Creates a tenant (salt version 1). Raises DuplicateTenant (409) for a taken name,
+        APIError 400 for a bad one."""
+        return await in_thread(self.repo.tenants.create, name, _param="name",
+                               enable_prefix_caching=enable_prefix_caching, actor=actor)
+
+    async def update_tenant(self, tenant: str, actor: str, **changes: Any) -> TenantInfo:
+        """Changes flags, limits and share (``TenantStore.update`` keywords; limits in
+        ``NULLABLE_LIMITS`` only when given). Turning prefix caching off also drops the tenant's
+        cached blocks (reason ``reset``, audited ``cache.reset``), so nothing of theirs stays
+        cached."""
+        before = await self.resolve_tenant(tenant)
+        after = await in_thread(self.repo.tenants.update, before.id, actor=actor, **changes)
+        if before.enable_prefix_caching and not after.enable_prefix_caching:
+            dropped = await self.engine.evict_tenant_cache(before.id, "reset")
+            await in_thread(self.repo.usage.audit, actor, "cache.reset", before.id,
+                            f"blocks={dropped} salt_version={after.current_salt_version} "
+                            "cause=prefix_caching_off")
+        return after
+
+    async def rotate_salt(self, tenant: str, actor: str) -> dict:
+        """New salt version, current at once; the tenant's cached blocks are dropped (reason
+        ``salt_rotation``). Running requests finish unharmed. Returns ``tenant_id``,
+        ``salt_version`` and ``blocks_dropped``, never the salt."""
+        tenant_id = (await self.resolve_tenant(tenant)).id
+        version = await in_thread(self.repo.tenants.rotate_salt, tenant_id, actor=actor)
+        self.salt_versions.note_rotated(tenant_id, version)  # no second eviction on next auth
+        dropped = await self.engine.evict_tenant_cache(tenant_id, "salt_rotation")
+        return {"tenant_id": tenant_id, "salt_version": version, "blocks_dropped": dropped}
+
+    # -- caches -----------------------------------------------------------------------------
+    async def reset_tenant_cache(self, tenant: str, actor: str) -> dict:
+        """Drops every cached block of one tenant (reason ``reset``, audited); running requests
+        unharmed. Returns ``tenant_id`` and ``blocks_dropped``."""
+        t = await self.resolve_tenant(tenant)
+        dropped = await self.engine.evict_tenant_cache(t.id, "reset")
+        await in_thread(self.repo.usage.audit, actor, "cache.reset", t.id,
+                        f"blocks={dropped} salt_version={t.current_salt_version}")
+        return {"tenant_id": t.id, "blocks_dropped": dropped}
+
+    async def reset_cache(self, actor: str) -> dict:
+        """Drops every cached block of every tenant (audited); running requests unharmed."""
+        dropped = await self.engine.reset_prefix_cache()
+        await in_thread(self.repo.usage.audit, actor, "cache.reset_all", None,
+                        f"blocks={dropped}")
+        return {"blocks_dropped": dropped}
+
+    async def cache_stats(self) -> dict:
+        """The KV block pool and each tenant's prefix-cache accounting: blocks (total, free,
+        used, cached), and per tenant resident blocks, queried and hit prompt tokens
+        (cumulative since start), hit rate and evicted blocks by reason. Tenant names beside
+        ids (None for a tenant deleted since, or tenantless requests)."""
+        snap = await self.engine.stats()
+        names = {t.id: t.name for t in await self.list_tenants()}
+        tenants = []
+        for tenant_id, st in sorted(snap.tenants.items(), key=lambda kv: str(kv[0])):
+            q = st.prefix_cache_queries
+            tenants.append({
+                "tenant_id": tenant_id, "tenant_name": names.get(tenant_id or ""),
+                "resident_blocks": st.resident_blocks,
+                "cache_share_blocks": st.cache_share_blocks,
+                "queried_tokens": q, "hit_tokens": st.prefix_cache_hits,
+                "hit_rate": st.prefix_cache_hits / q if q else None,
+                "evictions": dict(st.evictions)})
+        return {"num_blocks_total": snap.num_blocks_total,
+                "num_blocks_free": snap.num_blocks_free,
+                "num_blocks_used": snap.num_blocks_used,
+                "num_blocks_cached": snap.num_blocks_cached,
+                "kv_cache_usage": snap.kv_cache_usage, "hit_rate": snap.hit_rate,
+                "evictions": dict(snap.evictions), "tenants": tenants}
+
+    # -- API keys ---------------------------------------------------------------------------
+    async def list_keys(self, tenant: str) -> list[ApiKeyInfo]:
+        """The tenant's keys (no secrets), with ``last_used_at``."""
+        tenant_id = (await self.resolve_tenant(tenant)).id
+        return await in_thread(self.repo.keys.list_for_tenant, tenant_id)
+
+    async def create_key(self, tenant: str, name: str | None, expires_at: datetime | None,
+                         actor: str) -> tuple[str, ApiKeyInfo]:
+        """Creates an API key: (plaintext, info). The plaintext is never available again."""
+        tenant_id = (await self.resolve_tenant(tenant)).id
+        return await in_thread(self.repo.keys.create, tenant_id, name, expires_at,
+                               _param="expires_at", actor=actor)
+
+    async def revoke_key(self, key_id: str, actor: str) -> ApiKeyInfo:
+        """Revokes a key (idempotent); refused from its next request on. Raises
+        ApiKeyNotFound (404)."""
+        return await in_thread(self.repo.keys.revoke, key_id, actor=actor)
+
+    # -- audit and usage --------------------------------------------------------------------
+    async def audit_page(self, *, tenant: str | None = None, action: str | None = None,
+                         actor: str | None = None, since: datetime | None = None,
+                         until: datetime | None = None, cursor: str | None = None,
+                         limit: int = 100) -> AuditPage:
+        """Audit rows, newest first, filtered by tenant (id or name; a removed tenant's
+        32-hex id still filters, since rows outlive tenants), action, actor and time (``since``
+        inclusive, ``until`` exclusive). ``cursor``: a previous page's ``next_cursor``.
+
+        Raises:
+            APIError 400: a bad cursor or a naive time. TenantNotFound: an unknown name.
+        """
+        before_id = None
+        if cursor is not None:
+            if not re.fullmatch(r"[0-9]{1,18}", cursor):
+                raise APIError(400, "cursor must be a next_cursor value from a previous page",
+                               "cursor", "invalid_value")
+            before_id = int(cursor)
+        tenant_id = None
+        if tenant is not None:
+            try:
+                tenant_id = (await self.resolve_tenant(tenant)).id
+            except TenantNotFound:
+                if not re.fullmatch(r"[0-9a-f]{32}", tenant):
+                    raise
+                tenant_id = tenant
+        query = AuditQuery(tenant_id=tenant_id, action=action, actor=actor, since=since,
+                           until=until, before_id=before_id)
+        rows = await in_thread(self.repo.usage.list_audit, limit=limit + 1, query=query,
+                               _param="since")
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return AuditPage(rows, str(rows[-1].id) if more else None)
+
+    async def usage_report(self, tenant_id: str | None, since: datetime | None,
+                           until: datetime | None, bucket: str, group_by: tuple[str, ...]
+                           ) -> tuple[list[UsageReportRow], tuple[datetime, datetime]]:
+        """Usage per calendar bucket (``tenants.usage_reports``), in SQL off the event loop:
+        (rows, the range counted; daily reports count whole UTC days).
+
+        Raises:
+            APIError 400: the query's own checks (range, bucket count, grouping).
+        """
+        try:
+            query = default_query(bucket, since, until, group_by, tenant_id)
+            rows = await run_in_threadpool(self.repo.usage.report, query)
+            return rows, query.counted_range()
+        except ValueError as e:  # the query's own checks: client-safe messages
+            raise APIError(400, str(e), None, "invalid_value") from None
