@@ -69,6 +69,8 @@ class Principal:
     via: Literal["api_key", "jwt"]
     tenant: AuthContext | None
     tenant_disabled: bool = False  # an admin JWT naming a disabled tenant (still an admin)
+    jti: str | None = None  # a JWT's id (revocable by it)
+    expires_at: int | None = None  # a JWT's ``exp``, unix seconds
 
     def __repr__(self) -> str:
         return (f"Principal(subject={self.subject!r}, role={self.role!r}, via={self.via!r}, "
@@ -109,7 +111,8 @@ def _jwt_principal(authenticator: Authenticator, verifier: JWTVerifier | None,
             if claims.role != "admin":
                 raise
             disabled = True  # the admin may still manage it (e.g. enable it again)
-    return Principal(claims.subject, claims.role, "jwt", ctx, disabled)
+    return Principal(claims.subject, claims.role, "jwt", ctx, disabled, claims.jti,
+                     claims.expires_at)
 
 
 async def authenticate(request: Request) -> Principal:
@@ -126,15 +129,25 @@ async def authenticate(request: Request) -> Principal:
     token = bearer_token(request)
     if token is None:
         raise _missing()
-    state = request.app.state
-    if looks_like_api_key(token):
-        principal = await run_in_threadpool(_api_key_principal, state.repo.authenticator, token)
-    else:  # JWTs on their own few threads: a slow JWKS fetch never holds up API-key requests
-        principal = await asyncio.get_running_loop().run_in_executor(
-            state.jwt_executor, _jwt_principal, state.repo.authenticator,
-            getattr(state, "jwt_verifier", None), state.repo.revocations, token)
+    principal = await principal_for_token(request, token)
     request.state.principal = principal
     return principal
+
+
+async def principal_for_token(request: Request, token: str) -> Principal:
+    """Resolves an API key or a JWT (``authenticate``'s rules) to a ``Principal``.
+
+    Raises:
+        InvalidToken (-> 401): bad key or JWT, or a JWT for an unknown tenant.
+        TenantDisabled (-> 403): the tenant is disabled.
+    """
+    state = request.app.state
+    if looks_like_api_key(token):
+        return await run_in_threadpool(_api_key_principal, state.repo.authenticator, token)
+    # JWTs on their own few threads: a slow JWKS fetch never holds up API-key requests.
+    return await asyncio.get_running_loop().run_in_executor(
+        state.jwt_executor, _jwt_principal, state.repo.authenticator,
+        getattr(state, "jwt_verifier", None), state.repo.revocations, token)
 
 
 async def _note_salt_version(request: Request, ctx: AuthContext) -> None:

@@ -109,6 +109,7 @@ def serve(**opts: Any) -> None:
     import uvicorn
 
     from app.bootstrap import bootstrap, make_jwt_verifier
+    from app.console.sessions import ConsoleSessions
     from app.server import create_app
     from engine.async_engine import AsyncLLM
     from engine.llm_engine import LLMEngine
@@ -118,6 +119,9 @@ def serve(**opts: Any) -> None:
     try:
         boot = bootstrap(settings)
         verifier = make_jwt_verifier(settings)
+        console_sessions = ConsoleSessions(settings.console_session_idle_s,
+                                           settings.console_session_max_s,
+                                           secure_cookie=settings.console_secure_cookie)
         engine = LLMEngine(settings.engine_config(boot.model_dir))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -132,7 +136,8 @@ def serve(**opts: Any) -> None:
         app = create_app(client, boot.repo, settings.max_request_body_bytes,
                          settings.metrics_token, jwt_verifier=verifier,
                          on_engine_death=stop_serving,
-                         usage_journal_dir=settings.data_dir / "usage-journal")
+                         usage_journal_dir=settings.data_dir / "usage-journal",
+                         console_sessions=console_sessions)
     except RuntimeError as e:  # another server already uses this data dir's usage journal
         raise click.ClickException(str(e)) from None
     base = f"http://{settings.host}:{settings.port}"

@@ -77,6 +77,19 @@ _FIXED: dict[type[Exception], tuple[int, str, str | None, str, dict[str, str] | 
 }
 
 
+def client_error(exc: Exception) -> tuple[int, str] | None:
+    """(status, message) that a client may see for a known error (``APIError``, the ``_FIXED``
+    table, an engine ``InvalidRequestError``); None for anything else (a 500)."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
+    if isinstance(exc, InvalidRequestError):
+        return 400, exc.message
+    for exc_type, (status, message, *_) in _FIXED.items():
+        if isinstance(exc, exc_type):
+            return status, message
+    return None
+
+
 def _fixed_handler(status: int, message: str, param: str | None, code: str,
                    headers: dict[str, str] | None):
     async def handler(_: Request, exc: Exception) -> JSONResponse:

@@ -18,10 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import AdminRefusals
+from app.console.sessions import ConsoleSessions
 from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
 from app.metrics import ServerMetrics
-from app.routes import admin, health, metrics, openai, reports
+from app.routes import admin, console, health, metrics, openai, reports
 from app.services.admin import AdminService
 from app.services.completions import CompletionsService
 from app.services.prompts import TokenizerService
@@ -111,7 +112,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
                jwt_verifier: JWTVerifier | None = None,
                last_used_flush_s: float = 60.0,
                on_engine_death: Callable[[], None] | None = None,
-               usage_journal_dir: Path | None = None) -> FastAPI:
+               usage_journal_dir: Path | None = None,
+               console_sessions: ConsoleSessions | None = None) -> FastAPI:
     """Builds the app around an engine client and a tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
@@ -130,6 +132,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             database (``tenants.usage_journal``; ``saltserve serve`` uses
             ``<data_dir>/usage-journal``); None writes them directly (no durability when the
             database refuses).
+        console_sessions: the operator console's session store (``app.routes.console``);
+            None: one with the default lifetimes (15 minutes idle, 1 hour at most).
     """
 
     async def watch_engine() -> None:
@@ -212,6 +216,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.include_router(reports.admin_router)
     app.include_router(reports.tenant_router)
     app.include_router(admin.schema_router)
+    console.install(app, console_sessions or ConsoleSessions())
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: ids also cover 413s
     return app

@@ -58,6 +58,14 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     metrics_token: str | None = Field(None, repr=False,
                                       description="bearer token for GET /metrics; unset = 403")
 
+    # The operator console (/console): server-side sessions opened with an admin JWT.
+    console_session_idle_s: float = Field(900.0, gt=0, description="console logout after this "
+                                          "many idle seconds")
+    console_session_max_s: float = Field(3600.0, gt=0, description="console sessions end this "
+                                         "many seconds after login (or at the JWT's exp)")
+    console_secure_cookie: bool = Field(False, description="always mark the console cookie "
+                                        "Secure (behind a TLS-terminating proxy)")
+
     # JWT bearer tokens (tenants.tokens): platform-issued (key in data_dir) + optional external IdP.
     jwt_algorithms: list[str] = ["EdDSA", "RS256"]
     jwt_issuer: str = "saltserve"

@@ -110,6 +110,7 @@ class TokenClaims:
     role: Role
     tenant_id: str | None
     jti: str | None = field(default=None, compare=False)  # not part of the identity
+    expires_at: int | None = field(default=None, compare=False)  # ``exp``, unix seconds
 
 
 def key_id(public_key: Any) -> str:
@@ -339,4 +340,5 @@ class JWTVerifier:
         jti = claims.get("jti")
         if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= 64):
             raise InvalidToken("bad_jwt")
-        return TokenClaims(subject=subject, role=role, tenant_id=tenant, jti=jti)
+        return TokenClaims(subject=subject, role=role, tenant_id=tenant, jti=jti,
+                           expires_at=claims["exp"] if isinstance(claims["exp"], int) else None)

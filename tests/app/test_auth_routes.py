@@ -2,7 +2,9 @@
 
 Routes are enumerated from ``app.routes`` (path parameters filled with dummies), so a route added
 later without an auth dependency fails here. Only ``GET /health`` and ``GET /version`` are
-public.
+public, and the console's login form (``/console/login``; its static assets are a mount, not a
+route). The console (``/console``) takes its session cookie only: without one, whatever bearer
+header is sent, a page redirects to the login form and a mutation is a 401.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from jwks_server import serve_jwks
 from tenants.tokens import key_id
 
 SCRAPE = "scrape-token-for-auth-tests"
-PUBLIC = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/version"), ("HEAD", "/version")}
+PUBLIC = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/version"), ("HEAD", "/version"),
+          ("GET", "/console/login"), ("POST", "/console/login")}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,23 @@ def all_routes(app) -> list[tuple[str, str]]:
 
 def call(env, method: str, path: str, headers: dict[str, str]):
     kw = {"json": {}} if method in ("POST", "PUT", "PATCH") else {}
-    return env.client.request(method, path, headers=headers, **kw)
+    return env.client.request(method, path, headers=headers, follow_redirects=False, **kw)
+
+
+def assert_refused(r, method: str, path: str) -> None:
+    """Refused for lack of credentials: the OpenAI-shaped 401 on the API; on the console, a
+    page redirects to the login form and anything else is a 401."""
+    where = (method, path, r.status_code, r.text[:300])
+    if path.startswith("/console"):
+        if method in ("GET", "HEAD"):
+            assert r.status_code == 303 and r.headers["location"] == "/console/login", where
+        else:
+            assert r.status_code == 401 and r.headers["hx-redirect"] == "/console/login", where
+        return
+    assert r.status_code == 401, where
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "authentication_error"
 
 
 def b64(obj: dict) -> str:
@@ -102,7 +121,8 @@ def test_enumeration_covers_every_router(env):
     for must in ("/v1/chat/completions", "/v1/completions", "/v1/models",
                  "/v1/models/dummy-0", "/tokenize", "/detokenize", "/version", "/metrics",
                  "/admin/tenants", "/admin/tenants/dummy-0/rotate-salt", "/admin/cache/reset",
-                 "/admin/audit", "/admin/usage", "/health"):
+                 "/admin/audit", "/admin/usage", "/health", "/console/overview",
+                 "/console/tenants/dummy-0/rotate-salt", "/console/audit"):
         assert must in paths, must
     assert "/docs" not in paths and "/redoc" not in paths  # no public schema UIs
 
@@ -113,11 +133,7 @@ def test_only_health_and_version_are_public(env):
     for method, path in all_routes(env.client.app):
         if (method, path) in PUBLIC:
             continue
-        r = call(env, method, path, {})
-        assert r.status_code == 401, (method, path, r.status_code, r.text)
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"}
-        assert err["type"] == "authentication_error"
+        assert_refused(call(env, method, path, {}), method, path)
 
 
 def test_every_route_rejects_every_bad_credential(env):
@@ -130,7 +146,7 @@ def test_every_route_rejects_every_bad_credential(env):
             continue
         for name, headers in creds.items():
             r = call(env, method, path, headers)
-            assert r.status_code == 401, (name, method, path, r.status_code, r.text)
+            assert_refused(r, method, path)
             assert "Traceback" not in r.text
             assert not any(s in r.text for s in secrets), (name, path)  # never echoed
             checked += 1

@@ -1,0 +1,462 @@
+"""The operator console (``/console``) over the real app: sessions, CSRF, headers, every page and
+action, and hostile callers. The browser walk-through is in ``test_console_browser.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.console.sessions import COOKIE, ConsoleSessions
+from app.routes.console import CSP
+from tenants.tokens import token_jti
+
+STATIC = Path(__file__).resolve().parents[2] / "app" / "console" / "static"
+CHAT = {"max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "user", "content": "console test " * 40}]}
+
+
+@pytest.fixture(scope="module")
+def env(app_env_builder, tmp_path_factory) -> Iterator:
+    with app_env_builder(tmp_path_factory.mktemp("console"), max_model_len=512,
+                         num_gpu_blocks_override=64) as e:
+        yield e
+
+
+class Console:
+    """The env's client as a console user: logs in, posts forms with the CSRF token."""
+
+    def __init__(self, env) -> None:
+        self.env, self.client = env, env.client
+        self.csrf = ""
+
+    def login(self, token: str | None = None):
+        self.client.cookies.clear()
+        page = self.client.get("/console/login")
+        login_csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        r = self.client.post("/console/login", data={"token": token or self.env.admin_token,
+                                                     "csrf_token": login_csrf},
+                             follow_redirects=False)
+        if r.status_code == 303:
+            self.csrf = self.csrf_of(self.get("/console/overview").text)
+        return r
+
+    @staticmethod
+    def csrf_of(html: str) -> str:
+        return re.search(r'name="csrf_token" value="([^"]+)"', html).group(1)
+
+    def get(self, path: str, **kw):
+        return self.client.get(path, follow_redirects=False, **kw)
+
+    def post(self, path: str, data: dict | None = None, csrf: bool = True, **kw):
+        data = dict(data or {})
+        if csrf:
+            data["csrf_token"] = self.csrf
+        return self.client.post(path, data=data, follow_redirects=False, **kw)
+
+    def follow(self, r):
+        """The page a 303 leads to (its one-time messages included)."""
+        assert r.status_code == 303, (r.status_code, r.text[:500])
+        return self.get(r.headers["location"])
+
+
+@pytest.fixture
+def console(env) -> Iterator[Console]:
+    c = Console(env)
+    yield c
+    env.client.cookies.clear()
+
+
+def audit_actions(env, actor: str | None = None) -> list[str]:
+    rows = env.repo.usage.list_audit(limit=1000)
+    return [r.action for r in rows if actor is None or r.actor == actor]
+
+
+def islands(html: str) -> list[dict]:
+    """The chart specs of a page's JSON data islands."""
+    return [spec for m in re.finditer(r'<script type="application/json" class="chart-data">'
+                                      r'(.*?)</script>', html, re.DOTALL)
+            for spec in json.loads(m.group(1))]
+
+
+# -- assets and headers -----------------------------------------------------------------------
+def test_vendored_assets_match_their_pins_and_keep_their_licences(env):
+    manifest = json.loads((STATIC / "vendor" / "VENDOR.json").read_text())
+    assert set(manifest["files"]) == {"htmx.min.js", "chart.umd.min.js"}
+    for name, pin in manifest["files"].items():
+        body = (STATIC / "vendor" / name).read_bytes()
+        assert hashlib.sha256(body).hexdigest() == pin["sha256"], name
+        assert pin["version"] in body[:400].decode("latin-1") or name == "htmx.min.js"
+        licence = (STATIC / "vendor" / pin["license_file"]).read_text()
+        assert ("MIT License" in licence) if pin["license"] == "MIT" else ("Zero-Clause BSD"
+                                                                           in licence)
+        served = env.client.get(f"/console/static/vendor/{name}")
+        assert served.status_code == 200 and served.content == body
+        assert served.headers["x-content-type-options"] == "nosniff"
+    # Only files under static/ are served.
+    assert env.client.get("/console/static/../sessions.py").status_code == 404
+    assert env.client.get("/console/static/%2e%2e/sessions.py").status_code == 404
+
+
+def test_every_console_page_has_a_strict_csp_and_no_inline_code(env, console):
+    assert console.login().status_code == 303
+    tenant = env.tenant_a
+    pages = ["/console/login", "/console/overview", "/console/overview/live",
+             "/console/tenants", f"/console/tenants/{tenant}",
+             f"/console/tenants/{tenant}/rotate-salt", f"/console/tenants/{tenant}/cache/reset",
+             "/console/cache/reset", "/console/usage", "/console/audit"]
+    for path in pages:
+        r = console.client.get(path)  # /console/login redirects a logged-in user
+        assert r.status_code == 200, (path, r.status_code)
+        h = r.headers
+        assert h["content-security-policy"] == CSP, path
+        assert "script-src 'self';" in CSP and "unsafe" not in CSP and "frame-ancestors 'none'" in CSP
+        assert h["cache-control"] == "no-store" and h["x-frame-options"] == "DENY"
+        assert h["referrer-policy"] == "no-referrer"
+        html = r.text
+        # No inline script (only data islands, which are never executed), no inline style,
+        # no inline event handlers: the CSP would refuse them.
+        for script in re.findall(r"<script\b[^>]*>", html):
+            assert 'src="/console/static/' in script or 'type="application/json"' in script
+        assert not re.search(r"\sstyle=|<style\b|\son[a-z]+=", html), path
+        # Every control has a label (accessible name).
+        for m in re.finditer(r"<(input|select|textarea)\b([^>]*)>", html):
+            attrs = m.group(2)
+            if 'type="hidden"' in attrs:
+                continue
+            control_id = re.search(r'id="([^"]+)"', attrs)
+            assert control_id and f'for="{control_id.group(1)}"' in html, (path, m.group(0))
+        for m in re.finditer(r"<button\b([^>]*)>(.*?)</button>", html, re.DOTALL):
+            assert m.group(2).strip() or "aria-label" in m.group(1), (path, m.group(0))
+
+
+# -- login, sessions and logout ---------------------------------------------------------------
+def test_login_opens_a_short_httponly_strict_session_and_is_audited(env, console):
+    r = console.login()
+    assert r.status_code == 303 and r.headers["location"] == "/console/overview"
+    cookie = next(c for c in r.headers.get_list("set-cookie") if c.startswith(COOKIE + "="))
+    attrs = {a.strip().split("=")[0].lower() for a in cookie.split(";")[1:]}
+    assert {"httponly", "path"} <= attrs and "samesite=strict" in cookie.lower()
+    assert "Path=/console" in cookie and "max-age" not in attrs  # a browser-session cookie
+    session_id = cookie.split(";")[0].split("=", 1)[1]
+    assert env.admin_token not in cookie and len(session_id) >= 40
+    overview = console.get("/console/overview")
+    assert overview.status_code == 200 and "test-admin" in overview.text
+    assert "console.login" in audit_actions(env, "test-admin")
+    # The session id is the only credential: a bearer header without it is not one.
+    console.client.cookies.clear()
+    r = console.get("/console/overview", headers=env.headers(env.admin_token))
+    assert r.status_code == 303 and r.headers["location"] == "/console/login"
+
+
+def test_tenant_credentials_and_bad_tokens_are_refused_at_login(env, console):
+    before = len(env.repo.usage.list_audit(limit=10_000))
+    cases = {"api key": (env.key_a, 403, "API key"),
+             "tenant jwt": (env.issue("tenant", env.tenant_a), 403, "tenant token"),
+             "garbage": ("a.b.c", 401, "Invalid"),
+             "expired": (env.issue("admin", ttl_s=10, now=int(time.time()) - 60), 401,
+                         "Invalid")}
+    revoked = env.issue("admin", subject="ex-admin")
+    env.client.post("/admin/tokens/revoke", headers=env.headers(env.admin_token),
+                    json={"jti": token_jti(revoked)})
+    cases["revoked"] = (revoked, 401, "Invalid")
+    for name, (token, status, text) in cases.items():
+        r = console.login(token)
+        assert r.status_code == status, (name, r.status_code)
+        assert text in r.text, name
+        assert COOKIE + "=" not in r.headers.get("set-cookie", ""), name
+        assert token not in r.text  # never echoed
+        assert console.get("/console/overview").status_code == 303, name
+    # Refused logins never write an audit row each (no flooding): only the revocation above.
+    rows = env.repo.usage.list_audit(limit=10_000)
+    assert [r.action for r in rows[: len(rows) - before]] == ["token.revoke"]
+
+
+def test_login_needs_its_own_csrf_token(env, console):
+    console.client.cookies.clear()
+    console.client.get("/console/login")
+    r = console.client.post("/console/login", data={"token": env.admin_token,
+                                                      "csrf_token": "forged"},
+                            follow_redirects=False)
+    assert r.status_code == 403 and COOKIE + "=" not in r.headers.get("set-cookie", "")
+    # Another site posting a stolen-looking form: refused on origin, even with the token.
+    page = console.client.get("/console/login")
+    r = console.client.post("/console/login", headers={"Origin": "http://evil.example"},
+                            data={"token": env.admin_token,
+                                  "csrf_token": Console.csrf_of(page.text)},
+                            follow_redirects=False)
+    assert r.status_code == 403
+
+
+def test_logout_ends_the_session_and_needs_csrf(env, console):
+    assert console.login().status_code == 303
+    session_id = console.client.cookies.get(COOKIE)
+    assert console.post("/console/logout", csrf=False).status_code == 403
+    assert console.get("/console/overview").status_code == 200  # still logged in
+    r = console.post("/console/logout")
+    assert r.status_code == 303 and r.headers["location"] == "/console/login?logged_out=1"
+    assert "You are logged out" in console.follow(r).text
+    assert "console.logout" in audit_actions(env, "test-admin")
+    # Replaying the old cookie does not bring the session back.
+    console.client.cookies.set(COOKIE, session_id, path="/console")
+    assert console.get("/console/overview").status_code == 303
+
+
+def test_revoking_the_admin_token_ends_its_console_sessions(env, console):
+    token = env.issue("admin", subject="soon-revoked")
+    assert console.login(token).status_code == 303
+    assert console.get("/console/tenants").status_code == 200
+    env.repo.revocations.revoke(token_jti(token))
+    assert console.get("/console/tenants").status_code == 303
+    assert console.login(token).status_code == 401
+
+
+def test_sessions_end_when_idle_after_max_age_and_at_the_jwt_exp():
+    now = [1000.0]
+    s = ConsoleSessions(idle_s=60, max_age_s=300, max_sessions=2, now=lambda: now[0])
+    sid, session = s.create("ops", "jti-1", token_expires_at=None)
+    now[0] += 59
+    assert s.get(sid) is session  # the idle clock restarts on each request
+    now[0] += 59
+    assert s.get(sid) is session
+    now[0] += 60
+    assert s.get(sid) is None and len(s) == 0  # idle for 60 s
+    sid, _ = s.create("ops", None, token_expires_at=None)
+    for _ in range(5):
+        now[0] += 50
+        assert s.get(sid) is not None
+    now[0] += 50
+    assert s.get(sid) is None  # 300 s after login, however busy
+    sid, _ = s.create("ops", None, token_expires_at=now[0] + 30)
+    now[0] += 30
+    assert s.get(sid) is None  # the JWT's own exp comes first
+    # Bounded: the oldest session goes first; ids are not stored, only their digests.
+    ids = [s.create(f"u{i}", None, None)[0] for i in range(3)]
+    assert s.get(ids[0]) is None and s.get(ids[2]) is not None and len(s) == 2
+    assert not any(i in repr(s._sessions) for i in ids)
+    with pytest.raises(ValueError):
+        ConsoleSessions(idle_s=600, max_age_s=60)
+
+
+# -- CSRF on every mutation -------------------------------------------------------------------
+def test_mutations_without_the_csrf_token_or_from_another_origin_change_nothing(env, console):
+    assert console.login().status_code == 303
+    tenants_before = env.repo.tenants.list_all()
+    salt = env.repo.get_tenant(env.tenant_a).current_salt_version
+    attempts = [("/console/tenants", {"name": "csrf-victim"}),
+                (f"/console/tenants/{env.tenant_a}/rotate-salt", {}),
+                (f"/console/tenants/{env.tenant_a}/update", {"disabled": "true"}),
+                (f"/console/tenants/{env.tenant_a}/keys", {"name": "stolen"}),
+                (f"/console/tenants/{env.tenant_a}/cache/reset", {}),
+                ("/console/cache/reset", {})]
+    for path, data in attempts:
+        assert console.post(path, data, csrf=False).status_code == 403, path
+        assert console.post(path, {**data, "csrf_token": "wrong"}, csrf=False
+                            ).status_code == 403, path
+        for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+            r = console.post(path, data, headers=headers)
+            assert r.status_code == 403, (path, headers)
+            assert "CSRF" in r.text
+    assert env.repo.tenants.list_all() == tenants_before
+    assert env.repo.get_tenant(env.tenant_a).current_salt_version == salt
+    assert len(env.repo.list_api_keys(env.tenant_a)) == 1
+    # The token as htmx sends it (a header) works, and so does this origin.
+    r = console.post("/console/tenants", {"name": "via-header"}, csrf=False,
+                     headers={"X-CSRF-Token": console.csrf, "Origin": "http://testserver",
+                              "Sec-Fetch-Site": "same-origin"})
+    assert r.status_code == 303 and env.repo.tenants.resolve("via-header")
+
+
+# -- pages and actions ------------------------------------------------------------------------
+def test_tenant_lifecycle_through_the_console(env, console):
+    assert console.login().status_code == 303
+    page = console.follow(console.post("/console/tenants", {"name": "acme",
+                                                            "enable_prefix_caching": "on"}))
+    acme = env.repo.tenants.resolve("acme")
+    assert acme.enable_prefix_caching and f"Tenant {acme.id}" not in page.text
+    assert "Tenant acme created" in page.text and acme.id in page.text
+    # A taken name: an error message, nothing created.
+    page = console.follow(console.post("/console/tenants", {"name": "ACME"}))
+    assert "already exists" in page.text and len(env.repo.tenants.list_all()) >= 3
+    # Limits and weight; a bad value changes nothing and says why.
+    page = console.follow(console.post(f"/console/tenants/{acme.id}/update",
+                                       {"weight": "3", "rpm_limit": "120", "tpm_limit": "",
+                                        "max_concurrent": "4"}))
+    t = env.repo.tenants.get(acme.id)
+    assert (t.weight, t.rpm_limit, t.tpm_limit, t.max_concurrent) == (3, 120, None, 4)
+    assert "Tenant acme saved" in page.text
+    for bad in ({"rpm_limit": "-1"}, {"weight": ""}, {"weight": "1e3"}, {"disabled": "maybe"},
+                {"weight": "5000"}, {"min_cache_blocks": "9", "max_cache_blocks": "2"}):
+        page = console.follow(console.post(f"/console/tenants/{acme.id}/update", bad))
+        assert "flash-error" in page.text, bad
+        assert env.repo.tenants.get(acme.id) == t, bad
+    # Disable and enable from the list; caching off and on.
+    r = console.post(f"/console/tenants/{acme.id}/update", {"disabled": "true", "back": "list"})
+    assert r.headers["location"] == "/console/tenants"
+    assert env.repo.tenants.get(acme.id).disabled
+    console.post(f"/console/tenants/{acme.id}/update", {"disabled": "false"})
+    console.post(f"/console/tenants/{acme.id}/update", {"enable_prefix_caching": "false"})
+    assert not env.repo.tenants.get(acme.id).enable_prefix_caching
+    console.post(f"/console/tenants/{acme.id}/update", {"enable_prefix_caching": "true"})
+    t = env.repo.tenants.get(acme.id)
+    assert not t.disabled and t.enable_prefix_caching
+    # By name too; an unknown tenant is a 404 page, never an empty one.
+    assert console.get("/console/tenants/acme").status_code == 200
+    missing = console.get("/console/tenants/nobody")
+    assert missing.status_code == 404 and "No such tenant" in missing.text
+    page = console.follow(console.post("/console/tenants/nobody/rotate-salt"))
+    assert "tenant not found" in page.text
+    actions = audit_actions(env, "test-admin")
+    assert actions.count("tenant.update") >= 5 and "tenant.create" in actions
+
+
+def test_a_new_key_is_shown_once_and_works_and_revoking_it_stops_it(env, console):
+    assert console.login().status_code == 303
+    r = console.post(f"/console/tenants/{env.tenant_b}/keys", {"name": "ci",
+                                                               "expires_in_days": "30"})
+    assert r.status_code == 201
+    key = re.search(r'id="new-key-value" readonly value="([^"]+)"', r.text).group(1)
+    assert key.startswith("ss-") and "shown this once" in r.text
+    info = next(k for k in env.repo.list_api_keys(env.tenant_b) if k.name == "ci")
+    assert info.expires_at is not None
+    ok = env.client.post("/v1/chat/completions", headers=env.headers(key),
+                         json={**CHAT, "model": env.model})
+    assert ok.status_code == 200
+    page = console.get(f"/console/tenants/{env.tenant_b}")
+    assert key not in page.text and info.last4 in page.text  # never shown again
+    bad = console.follow(console.post(f"/console/tenants/{env.tenant_b}/keys",
+                                      {"expires_in_days": "-3"}))
+    assert "expires in days" in bad.text
+    page = console.follow(console.post(f"/console/keys/{info.id}/revoke"))
+    assert "revoked" in page.text
+    refused = env.client.post("/v1/chat/completions", headers=env.headers(key),
+                              json={**CHAT, "model": env.model})
+    assert refused.status_code == 401
+    page = console.follow(console.post("/console/keys/nokey/revoke"))
+    assert "API key not found" in page.text
+
+
+def test_rotation_and_reset_confirm_what_they_drop_then_do_it(env, console):
+    assert console.login().status_code == 303
+    h = env.headers(env.key_a)
+    body = {**CHAT, "model": env.model,
+            "messages": [{"role": "user", "content": "rotate me " * 60}]}
+    env.client.post("/v1/chat/completions", headers=h, json=body)
+    again = env.client.post("/v1/chat/completions", headers=h, json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    confirm = console.get(f"/console/tenants/{env.tenant_a}/rotate-salt")
+    blocks = int(re.search(r"(\d+) cached blocks of tenant-a are dropped", confirm.text)
+                 .group(1))
+    assert blocks > 0
+    version = env.repo.get_tenant(env.tenant_a).current_salt_version
+    assert f"from version {version} to {version + 1}" in confirm.text  # shown, not done
+    page = console.follow(console.post(f"/console/tenants/{env.tenant_a}/rotate-salt"))
+    assert f"Salt rotated to version {version + 1}: {blocks} cached blocks dropped" in page.text
+    miss = env.client.post("/v1/chat/completions", headers=h, json=body).json()
+    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    hit = env.client.post("/v1/chat/completions", headers=h, json=body).json()
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # warms up again
+    confirm = console.get(f"/console/tenants/{env.tenant_a}/cache/reset")
+    blocks = int(re.search(r"(\d+) cached blocks of tenant-a are dropped", confirm.text)
+                 .group(1))
+    assert blocks > 0
+    page = console.follow(console.post(f"/console/tenants/{env.tenant_a}/cache/reset"))
+    assert f"Prefix cache reset: {blocks} cached blocks dropped" in page.text
+    miss = env.client.post("/v1/chat/completions", headers=h, json=body).json()
+    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Tenant B's cache was untouched by A's rotation and reset ... and B's repeat hits.
+    b_body = {**body, "messages": [{"role": "user", "content": "tenant b " * 60}]}
+    env.client.post("/v1/chat/completions", headers=env.headers(env.key_b), json=b_body)
+    console.follow(console.post(f"/console/tenants/{env.tenant_a}/cache/reset"))
+    b = env.client.post("/v1/chat/completions", headers=env.headers(env.key_b), json=b_body)
+    assert b.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    page = console.follow(console.post("/console/cache/reset"))
+    assert "The prefix cache of every tenant was reset" in page.text
+    actions = audit_actions(env, "test-admin")
+    assert {"tenant.rotate_salt", "cache.reset", "cache.reset_all"} <= set(actions)
+
+
+def test_overview_and_usage_show_the_numbers_and_charts(env, console):
+    assert console.login().status_code == 303
+    h = env.headers(env.key_b)
+    body = {**CHAT, "model": env.model,
+            "messages": [{"role": "user", "content": "usage page " * 60}]}
+    for _ in range(2):
+        assert env.client.post("/v1/chat/completions", headers=h, json=body).status_code == 200
+    assert env.client.app.state.usage_journal.wait_stored()
+    overview = console.get("/console/overview").text
+    charts = {c["id"]: c for c in islands(overview)}
+    assert set(charts) == {"chart-pool", "chart-resident", "chart-hit-rate", "chart-evictions"}
+    pool = charts["chart-pool"]["datasets"][0]["data"]
+    assert sum(pool[:2]) == 64  # free + in use = the pool
+    hit_rate = charts["chart-hit-rate"]
+    b_rate = hit_rate["datasets"][0]["data"][hit_rate["labels"].index("tenant-b")]
+    assert 0 < b_rate <= 100
+    live = console.get("/console/overview/live")
+    assert "<html" not in live.text and "tenant-b" in live.text  # a fragment
+    usage = console.get("/console/usage?tenant=tenant-b&range=1h").text
+    charts = {c["id"]: c for c in islands(usage)}
+    assert len(charts["chart-requests"]["labels"]) in (60, 61)  # every minute of the hour
+    requests = charts["chart-requests"]["datasets"]
+    assert [d["label"] for d in requests] == ["tenant-b"]
+    assert sum(requests[0]["data"]) >= 2
+    cached = sum(charts["chart-cached"]["datasets"][0]["data"])
+    assert cached > 0
+    csv = console.get("/console/usage.csv?tenant=tenant-b&range=1h&bucket=1m")
+    assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
+    lines = csv.text.strip().splitlines()
+    assert lines[0].startswith("bucket_start,tenant_id,tenant_name")
+    assert sum(int(x.split(",")[6]) for x in lines[1:]) == sum(requests[0]["data"])
+    # A bad filter is a message, not an error page; unknown tenants are named.
+    bad = console.get("/console/usage?tenant=nobody")
+    assert bad.status_code == 200 and "tenant not found" in bad.text
+    assert console.get("/console/usage?range=forever&bucket=1y").status_code == 200
+
+
+def test_audit_page_filters_and_pages(env, console):
+    assert console.login().status_code == 303
+    for i in range(3):
+        console.post("/console/tenants", {"name": f"audit-{i}"})
+    page = console.get("/console/audit?action=tenant.create&actor=test-admin").text
+    rows = re.findall(r'<th scope="row">([a-z_.]+)</th>', page)
+    assert rows and set(rows) == {"tenant.create"}
+    page = console.get("/console/audit?tenant=audit-1").text
+    assert re.findall(r'<th scope="row">([a-z_.]+)</th>', page) == ["tenant.create"]
+    # Pagination: 50 a page, then "Older entries" with a cursor.
+    for i in range(55):
+        env.repo.usage.audit("bulk", "tenant.update", env.tenant_b, f"n={i}")
+    first = console.get("/console/audit?actor=bulk").text
+    assert first.count('<th scope="row">tenant.update</th>') == 50
+    older = re.search(r'href="([^"]+)" rel="next"', first).group(1).replace("&amp;", "&")
+    assert "cursor=" in older and "actor=bulk" in older
+    second = console.get(older).text
+    assert second.count('<th scope="row">tenant.update</th>') == 5
+    assert 'rel="next"' not in second and "Newest" in second
+    bad = console.get("/console/audit?since=yesterday")
+    assert bad.status_code == 200 and "times look like" in bad.text
+    assert console.get("/console/audit?cursor=abc").status_code == 200
+
+
+# -- hostile input ----------------------------------------------------------------------------
+def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
+    assert console.login().status_code == 303
+    evil = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+    console.post("/console/tenants", {"name": evil})
+    tenant = env.repo.tenants.resolve(evil)
+    for path in ("/console/tenants", f"/console/tenants/{tenant.id}", "/console/audit"):
+        html = console.get(path).text
+        assert "<script>alert" not in html and "<img src=x" not in html, path
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, path
+    r = console.post("/console/tenants", {"name": "x" * (5 << 20)})
+    assert r.status_code == 413
+    # Another tenant's traffic is served meanwhile, unharmed.
+    ok = env.client.post("/v1/chat/completions", headers=env.headers(env.key_b),
+                         json={**CHAT, "model": env.model})
+    assert ok.status_code == 200
+    free, total, busy = env.engine_state()
+    assert not busy and free == total  # no leaked block
