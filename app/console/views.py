@@ -32,7 +32,7 @@ def overview_charts(stats: dict) -> list[dict[str, Any]]:
     ``AdminService.cache_stats``."""
     tenants = stats["tenants"]
     labels = [tenant_label(t["tenant_id"], t["tenant_name"]) for t in tenants]
-    seen = {r for t in tenants for r in t["evictions"]}
+    seen = {r for t in tenants for r, n in t["evictions"].items() if n}
     reasons = [r for r in EVICTION_REASONS if r in seen or r != "fault"] + sorted(
         seen - set(EVICTION_REASONS))
     free, cached = stats["num_blocks_free"], stats["num_blocks_cached"]

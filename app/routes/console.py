@@ -135,7 +135,7 @@ Mutation = Annotated[ConsoleSession, Depends(console_mutation)]
 
 class ConsoleHeaders:
     """Security headers on every ``/console`` response: the CSP, no sniffing, no framing, no
-    referrer; pages (not the static assets) are never cached."""
+    referrer to other sites; pages (not the static assets) are never cached."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -153,7 +153,9 @@ class ConsoleHeaders:
                 headers += [(b"content-security-policy", CSP.encode()),
                             (b"x-content-type-options", b"nosniff"),
                             (b"x-frame-options", b"DENY"),
-                            (b"referrer-policy", b"no-referrer"),
+                            # not no-referrer: under it a browser sends ``Origin: null`` on
+                            # form posts, which the origin check refuses
+                            (b"referrer-policy", b"same-origin"),
                             (b"cross-origin-opener-policy", b"same-origin")]
                 if not static:
                     headers.append((b"cache-control", b"no-store"))

@@ -77,11 +77,10 @@ def audit_actions(env, actor: str | None = None) -> list[str]:
     return [r.action for r in rows if actor is None or r.actor == actor]
 
 
-def islands(html: str) -> list[dict]:
-    """The chart specs of a page's JSON data islands."""
-    return [spec for m in re.finditer(r'<script type="application/json" class="chart-data">'
-                                      r'(.*?)</script>', html, re.DOTALL)
-            for spec in json.loads(m.group(1))]
+def chart_specs(html: str) -> list[dict]:
+    """The chart specs of a page's canvases."""
+    return [json.loads(m.group(1)) for m in re.finditer(r"<canvas [^>]*data-chart='([^']*)'",
+                                                        html)]
 
 
 # -- assets and headers -----------------------------------------------------------------------
@@ -117,12 +116,11 @@ def test_every_console_page_has_a_strict_csp_and_no_inline_code(env, console):
         assert h["content-security-policy"] == CSP, path
         assert "script-src 'self';" in CSP and "unsafe" not in CSP and "frame-ancestors 'none'" in CSP
         assert h["cache-control"] == "no-store" and h["x-frame-options"] == "DENY"
-        assert h["referrer-policy"] == "no-referrer"
+        assert h["referrer-policy"] == "same-origin"
         html = r.text
-        # No inline script (only data islands, which are never executed), no inline style,
-        # no inline event handlers: the CSP would refuse them.
+        # No inline script, no inline style, no inline event handlers: the CSP would refuse them.
         for script in re.findall(r"<script\b[^>]*>", html):
-            assert 'src="/console/static/' in script or 'type="application/json"' in script
+            assert 'src="/console/static/' in script
         assert not re.search(r"\sstyle=|<style\b|\son[a-z]+=", html), path
         # Every control has a label (accessible name).
         for m in re.finditer(r"<(input|select|textarea)\b([^>]*)>", html):
@@ -390,7 +388,7 @@ def test_overview_and_usage_show_the_numbers_and_charts(env, console):
         assert env.client.post("/v1/chat/completions", headers=h, json=body).status_code == 200
     assert env.client.app.state.usage_journal.wait_stored()
     overview = console.get("/console/overview").text
-    charts = {c["id"]: c for c in islands(overview)}
+    charts = {c["id"]: c for c in chart_specs(overview)}
     assert set(charts) == {"chart-pool", "chart-resident", "chart-hit-rate", "chart-evictions"}
     pool = charts["chart-pool"]["datasets"][0]["data"]
     assert sum(pool[:2]) == 64  # free + in use = the pool
@@ -400,7 +398,7 @@ def test_overview_and_usage_show_the_numbers_and_charts(env, console):
     live = console.get("/console/overview/live")
     assert "<html" not in live.text and "tenant-b" in live.text  # a fragment
     usage = console.get("/console/usage?tenant=tenant-b&range=1h").text
-    charts = {c["id"]: c for c in islands(usage)}
+    charts = {c["id"]: c for c in chart_specs(usage)}
     assert len(charts["chart-requests"]["labels"]) in (60, 61)  # every minute of the hour
     requests = charts["chart-requests"]["datasets"]
     assert [d["label"] for d in requests] == ["tenant-b"]

@@ -3,60 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pydantic
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import serve
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model",
-           str(model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "96"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not become healthy")
-        yield base, data_dir
-    finally:
-        proc.terminate()
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        assert "Traceback" not in out, out
-        # stdout is a pipe (a log), not a terminal: the demo key's file is named, the key never.
-        key = (data_dir / "demo-api-key").read_text().strip()
-        assert key not in out and "not printed: stdout is not a terminal" in out
+    with serve(model_dir, data_dir) as proc:
+        yield proc.base, data_dir
+    assert "Traceback" not in proc.output, proc.output
+    # stdout is a pipe (a log), not a terminal: the demo key's file is named, the key never.
+    key = (data_dir / "demo-api-key").read_text().strip()
+    assert key not in proc.output and "not printed: stdout is not a terminal" in proc.output
 
 
 def test_openai_sdk_against_real_server(server):

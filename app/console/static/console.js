@@ -1,4 +1,4 @@
-// saltserve console: draws the pages' charts (Chart.js) from their JSON data islands, opens the
+// saltserve console: draws the pages' charts (Chart.js) from their canvases' data-chart specs, opens the
 // new-key dialog, and copies its key. Loaded from this origin only (the CSP refuses inline
 // scripts and eval); htmx calls onLoad for the first page and for every swapped-in fragment.
 (function () {
@@ -10,11 +10,9 @@
     return function (value) { return value === null ? "—" : value + (unit === "%" ? "%" : unit ? " " + unit : ""); };
   }
 
-  function draw(spec) {
-    var canvas = document.getElementById(spec.id);
-    if (!canvas || !window.Chart) { return; }
-    var old = window.Chart.getChart(canvas);
-    if (old) { old.destroy(); }
+  function draw(canvas) {
+    if (!window.Chart) { return; }
+    var spec = JSON.parse(canvas.getAttribute("data-chart"));
     var line = spec.type === "line";
     var datasets = spec.datasets.map(function (d, i) {
       var color = COLORS[i % COLORS.length];
@@ -40,11 +38,19 @@
     });
   }
 
+  function within(root, selector) {  // root itself (htmx loads each swapped element) or below
+    var found = Array.prototype.slice.call(root.querySelectorAll(selector));
+    return root.matches && root.matches(selector) ? [root].concat(found) : found;
+  }
+
   function onLoad(root) {
-    root.querySelectorAll("script.chart-data").forEach(function (island) {
-      JSON.parse(island.textContent).forEach(draw);
-    });
-    root.querySelectorAll("dialog[data-open]").forEach(function (dialog) {
+    if (window.Chart) {  // charts whose canvas a swap removed: free them (live pages poll)
+      Object.values(window.Chart.instances).forEach(function (chart) {
+        if (!chart.canvas || !chart.canvas.isConnected) { chart.destroy(); }
+      });
+    }
+    within(root, "canvas[data-chart]").forEach(draw);
+    within(root, "dialog[data-open]").forEach(function (dialog) {
       dialog.removeAttribute("data-open");
       // The key leaves the page when the dialog closes: it is shown once.
       dialog.addEventListener("close", function () { dialog.remove(); });

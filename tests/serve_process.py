@@ -1,0 +1,64 @@
+"""``saltserve serve`` as a real process (uvicorn) on a free port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    base: str  # http://127.0.0.1:<port>
+    data_dir: Path
+    output: str = ""  # everything it printed, once it has stopped
+
+
+@contextmanager
+def serve(model_dir: Path, data_dir: Path, *args: str,
+          startup_timeout_s: float = 180.0) -> Iterator[ServerProcess]:
+    """Starts the server on the bundled model (``--max-model-len 512``,
+    ``--num-gpu-blocks-override 96`` and ``args``), waits for ``/health``; on exit stops it
+    (SIGTERM, then SIGKILL after 30 s) and keeps its output in ``.output``."""
+    port = free_port()
+    env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model",
+           str(model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "96", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    server = ServerProcess(f"http://127.0.0.1:{port}", data_dir)
+    try:
+        deadline = time.time() + startup_timeout_s
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(server.base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("server did not become healthy")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            server.output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            server.output, _ = proc.communicate()
