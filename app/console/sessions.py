@@ -98,9 +98,10 @@ class ConsoleSessions:
                 self._sessions.popitem(last=False)
         return session_id, session
 
-    def get(self, session_id: str | None) -> ConsoleSession | None:
-        """The live session of this id (its idle clock restarts), or None: unknown, idle too
-        long, or past its absolute end (an ended session is dropped)."""
+    def get(self, session_id: str | None, touch: bool = True) -> ConsoleSession | None:
+        """The live session of this id, or None: unknown, idle too long, or past its absolute
+        end (an ended session is dropped). ``touch``: the request is the operator's own, so
+        the idle clock restarts (a page's automatic refresh passes False)."""
         if not session_id:
             return None
         key, now = _digest(session_id), self._now()
@@ -111,7 +112,8 @@ class ConsoleSessions:
             if now >= session.expires_at or now - session.last_seen >= self.idle_s:
                 del self._sessions[key]
                 return None
-            session.last_seen = now
+            if touch:
+                session.last_seen = now
             return session
 
     def end(self, session_id: str | None) -> ConsoleSession | None:

@@ -80,8 +80,9 @@ def _admin(request: Request) -> AdminService:
     return request.app.state.admin
 
 
-async def console_session(request: Request) -> ConsoleSession:
-    """The caller's live session (cookie only: a bearer header is no console credential).
+async def console_session(request: Request, touch: bool = True) -> ConsoleSession:
+    """The caller's live session (cookie only: a bearer header is no console credential);
+    ``touch`` restarts its idle clock.
 
     Raises:
         LoginRequired: no live session, or the JWT it was opened with has been revoked since
@@ -89,7 +90,7 @@ async def console_session(request: Request) -> ConsoleSession:
     """
     sessions = _sessions(request)
     session_id = request.cookies.get(COOKIE)
-    session = sessions.get(session_id)
+    session = sessions.get(session_id, touch)
     if session is None:
         raise LoginRequired
     if session.jti is not None and await run_in_threadpool(
@@ -129,7 +130,14 @@ async def console_mutation(request: Request,
     return session
 
 
+async def polling_session(request: Request) -> ConsoleSession:
+    """The session of a page's automatic refresh: it does not count as the operator's activity
+    (an overview left open still logs out after the idle time)."""
+    return await console_session(request, touch=False)
+
+
 Session = Annotated[ConsoleSession, Depends(console_session)]
+Polling = Annotated[ConsoleSession, Depends(polling_session)]
 Mutation = Annotated[ConsoleSession, Depends(console_mutation)]
 
 
@@ -196,9 +204,10 @@ def install(app: FastAPI, sessions: ConsoleSessions) -> None:
 
     @app.exception_handler(LoginRequired)
     async def _login_required(request: Request, _: LoginRequired) -> Response:
-        if request.method in ("GET", "HEAD"):
+        if request.method in ("GET", "HEAD") and "hx-request" not in request.headers:
             return _redirect("/login")
-        # htmx follows HX-Redirect; a plain form post gets a page that says what happened.
+        # htmx (a boosted link or form, the overview's refresh) follows HX-Redirect to the
+        # login page; a plain form post gets a page that says what happened.
         response = _render(request, "message.html", 401, title="Logged out",
                            message="Your console session has ended. Log in again.")
         response.headers["HX-Redirect"] = PREFIX + "/login"
@@ -267,7 +276,10 @@ async def login(request: Request) -> Response:
     token = token.strip() if isinstance(token, str) else ""
     if not token:
         return _login_form(request, 400, error="Paste an admin token.")
-    if looks_like_api_key(token) or len(token) > MAX_TOKEN_CHARS:
+    if len(token) > MAX_TOKEN_CHARS:
+        refusals.anonymous("malformed")
+        return _login_form(request, 400, error="That is too long to be a token.")
+    if looks_like_api_key(token):
         refusals.anonymous("console_api_key")
         return _login_form(request, 403, error="That is an API key, a tenant credential: the "
                            "console needs an admin token (saltserve token issue --role admin).")
@@ -319,7 +331,7 @@ async def overview(request: Request, session: Session) -> Response:
 
 
 @router.get("/overview/live")
-async def overview_live(request: Request, session: Session) -> Response:
+async def overview_live(request: Request, session: Polling) -> Response:
     """The overview's live part (an htmx fragment: numbers, table and chart data)."""
     stats = await _admin(request).cache_stats()
     return _render(request, "_overview_live.html", session=session, stats=stats,

@@ -157,6 +157,7 @@ def test_tenant_credentials_and_bad_tokens_are_refused_at_login(env, console):
     cases = {"api key": (env.key_a, 403, "API key"),
              "tenant jwt": (env.issue("tenant", env.tenant_a), 403, "tenant token"),
              "garbage": ("a.b.c", 401, "Invalid"),
+             "too long": ("x" * 20_000, 400, "too long"),
              "expired": (env.issue("admin", ttl_s=10, now=int(time.time()) - 60), 401,
                          "Invalid")}
     revoked = env.issue("admin", subject="ex-admin")
@@ -214,9 +215,37 @@ def test_revoking_the_admin_token_ends_its_console_sessions(env, console):
     assert console.login(token).status_code == 401
 
 
+def test_the_overview_refresh_does_not_keep_an_idle_session_alive(env, console):
+    app = env.client.app
+    now = [1000.0]
+    real, app.state.console_sessions = app.state.console_sessions, ConsoleSessions(
+        idle_s=60, max_age_s=600, now=lambda: now[0])
+    try:
+        assert console.login().status_code == 303
+        for _ in range(2):  # the page polls every few seconds; the operator is away
+            now[0] += 25
+            assert console.get("/console/overview/live").status_code == 200
+        now[0] += 25  # 75 s since the operator's last own request
+        r = console.get("/console/overview/live", headers={"HX-Request": "true"})
+        assert r.status_code == 401 and r.headers["hx-redirect"] == "/console/login"
+        assert console.get("/console/overview").status_code == 303
+        # The operator's own requests do keep it alive.
+        assert console.login().status_code == 303
+        for _ in range(3):
+            now[0] += 25
+            assert console.get("/console/tenants").status_code == 200
+    finally:
+        app.state.console_sessions = real
+
+
 def test_sessions_end_when_idle_after_max_age_and_at_the_jwt_exp():
     now = [1000.0]
     s = ConsoleSessions(idle_s=60, max_age_s=300, max_sessions=2, now=lambda: now[0])
+    sid, session = s.create("ops", "jti-1", token_expires_at=None)
+    now[0] += 59
+    assert s.get(sid, touch=False) is session  # a page's own refresh: the clock runs on
+    now[0] += 1
+    assert s.get(sid) is None
     sid, session = s.create("ops", "jti-1", token_expires_at=None)
     now[0] += 59
     assert s.get(sid) is session  # the idle clock restarts on each request

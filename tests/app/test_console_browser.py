@@ -75,6 +75,8 @@ class Operator:
                 if m.type == "error" else None)
         page.on("pageerror", lambda e: self.problems.append(str(e)))
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        for old in ARTIFACTS.glob("*.png"):  # only this run's pages
+            old.unlink()
 
     def shot(self, name: str) -> None:
         self.page.screenshot(path=ARTIFACTS / f"{name}.png", full_page=True)
