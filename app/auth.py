@@ -286,13 +286,19 @@ async def admin_principal(request: Request) -> Principal:
         _refusals(request).anonymous("tenant_disabled")
         raise
     if principal.role != "admin":
-        refusals = _refusals(request)
-        if refusals.forbidden(principal.subject, request.method, request.url.path):
-            # In a fresh context: the rows are not this request's (no request ids on them).
-            await run_in_threadpool(contextvars.Context().run, refusals.flush,
-                                    request.app.state.repo.usage.audit, True)
+        await record_forbidden(request, principal.subject)
         raise APIError(403, "this route needs an admin token", None, "admin_required")
     return principal
+
+
+async def record_forbidden(request: Request, subject: str) -> None:
+    """Counts an admin-only request refused to valid non-admin credentials
+    (``AdminRefusals.forbidden``), flushing every pending row when too many are pending."""
+    refusals = _refusals(request)
+    if refusals.forbidden(subject, request.method, request.url.path):
+        # In a fresh context: the rows are not this request's (no request ids on them).
+        await run_in_threadpool(contextvars.Context().run, refusals.flush,
+                                request.app.state.repo.usage.audit, True)
 
 
 AdminPrincipal = Annotated[Principal, Depends(admin_principal)]

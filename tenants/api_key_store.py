@@ -41,6 +41,9 @@ def key_info(row: ApiKey) -> ApiKeyInfo:
     )
 
 
+MAX_KEY_NAME_CHARS = 255  # the column's width
+
+
 class ApiKeyStore:
     """Tenant API key rows.
 
@@ -75,8 +78,13 @@ class ApiKeyStore:
 
         Raises:
             TenantNotFound: if there is no such tenant.
-            ValueError: if ``expires_at`` is naive or not in the future (a key dead on arrival).
+            ValueError: if ``expires_at`` is naive or not in the future (a key dead on arrival),
+                or ``name`` is longer than ``MAX_KEY_NAME_CHARS`` or not printable.
         """
+        if name is not None and not (isinstance(name, str) and len(name) <= MAX_KEY_NAME_CHARS
+                                     and name.isprintable()):
+            raise ValueError(f"key name must be at most {MAX_KEY_NAME_CHARS} printable "
+                             "characters")
         require_aware(expires_at, "expires_at")
         if expires_at is not None and expires_at <= utcnow():
             raise ValueError("expires_at must be in the future")

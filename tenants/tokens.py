@@ -340,5 +340,7 @@ class JWTVerifier:
         jti = claims.get("jti")
         if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= 64):
             raise InvalidToken("bad_jwt")
+        # PyJWT has checked that ``exp`` is a number (an IdP may send 1796085553.5 or a
+        # numeric string); rounding down ends a console session early, never late.
         return TokenClaims(subject=subject, role=role, tenant_id=tenant, jti=jti,
-                           expires_at=claims["exp"] if isinstance(claims["exp"], int) else None)
+                           expires_at=int(float(claims["exp"])))

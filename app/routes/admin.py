@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.auth import AdminPrincipal
 from app.errors import APIError
 from app.services.admin import NULLABLE_LIMITS, AdminService, in_thread
+from tenants.api_key_store import MAX_KEY_NAME_CHARS
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.tenant_store import MAX_LIMIT, MAX_TENANT_NAME_CHARS
 from tenants.usage_reports import csv_text
@@ -55,7 +56,7 @@ class TenantPatch(BaseModel):
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str | None = Field(None, max_length=255)
+    name: str | None = Field(None, max_length=MAX_KEY_NAME_CHARS)
     # JSON has no datetime type: an ISO 8601 string (or unix seconds) is parsed.
     expires_at: datetime | None = Field(None, strict=False,
                                         description="timezone-aware ISO 8601, in the future")
@@ -209,8 +210,8 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
         raise APIError(400, "bucket_s is gone: use GET /admin/usage/report?bucket=1m|1h|1d",
                        "bucket_s", "unsupported_parameter")
     tenant_id = None if tenant is None else (await resolve_tenant(request, tenant)).id
-    records = await in_thread(request.app.state.repo.usage.list_usage, tenant_id, since, until, limit,
-                               end_user)
+    records = await in_thread(request.app.state.repo.usage.list_usage, tenant_id, since, until,
+                              limit, end_user)
     rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
     if format == "json":
         return {"object": "list", "data": rows}

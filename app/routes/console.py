@@ -31,14 +31,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.auth import principal_for_token
+from app.auth import principal_for_token, record_forbidden
 from app.console import views
 from app.console.sessions import COOKIE, LOGIN_COOKIE, ConsoleSession, ConsoleSessions
 from app.errors import client_error
-from app.services.admin import AdminService
+from app.services.admin import NULLABLE_LIMITS, AdminService, usage_report
 from tenants.api_keys import looks_like_api_key
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.records import TenantInfo
+from tenants.tenant_store import MAX_TENANT_NAME_CHARS
 from tenants.usage_reports import BUCKETS, REPORT_COLUMNS, csv_text, report_dicts
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ AUDIT_ACTIONS = ("tenant.create", "tenant.update", "tenant.rotate_salt", "api_ke
 AUDIT_PAGE_ROWS = 50
 USAGE_TABLE_ROWS = 500
 MAX_TOKEN_CHARS = 16_384  # a pasted JWT longer than this is refused unread
-_LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent", "min_cache_blocks",
-                 "max_cache_blocks")
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 templates = Jinja2Templates(directory=CONSOLE_DIR / "templates")
@@ -80,7 +79,7 @@ def _admin(request: Request) -> AdminService:
     return request.app.state.admin
 
 
-async def console_session(request: Request, touch: bool = True) -> ConsoleSession:
+async def _live_session(request: Request, touch: bool) -> ConsoleSession:
     """The caller's live session (cookie only: a bearer header is no console credential);
     ``touch`` restarts its idle clock.
 
@@ -98,6 +97,11 @@ async def console_session(request: Request, touch: bool = True) -> ConsoleSessio
         sessions.end(session_id)
         raise LoginRequired
     return session
+
+
+async def console_session(request: Request) -> ConsoleSession:
+    """The operator's live session (``_live_session``; the request counts as activity)."""
+    return await _live_session(request, touch=True)
 
 
 def _same_origin(request: Request) -> bool:
@@ -121,19 +125,38 @@ async def console_mutation(request: Request,
     Raises:
         LoginRequired: no live session. CsrfRefused: no or wrong token, or a cross-site request.
     """
-    presented = request.headers.get("x-csrf-token")
+    presented = request.headers.get("x-csrf-token")  # scripts; the pages send the field
     if presented is None:
-        presented = (await request.form()).get("csrf_token")
+        presented = (await read_form(request)).get("csrf_token")
     if not _same_origin(request) or not session.csrf_ok(
             presented if isinstance(presented, str) else None):
         raise CsrfRefused
     return session
 
 
+class BadForm(Exception):
+    """A form that is not valid UTF-8 text (refused, never stored with replacement
+    characters)."""
+
+
+async def read_form(request: Request) -> FormData:
+    """The request's form (url-encoded; parsed once per request).
+
+    Raises:
+        BadForm: a value was not valid UTF-8 (the parser replaced it with U+FFFD) or a field
+            is a file upload.
+    """
+    form = await request.form()
+    for value in form.values():
+        if not isinstance(value, str) or "\ufffd" in value:
+            raise BadForm
+    return form
+
+
 async def polling_session(request: Request) -> ConsoleSession:
     """The session of a page's automatic refresh: it does not count as the operator's activity
     (an overview left open still logs out after the idle time)."""
-    return await console_session(request, touch=False)
+    return await _live_session(request, touch=False)
 
 
 Session = Annotated[ConsoleSession, Depends(console_session)]
@@ -197,21 +220,30 @@ def _tenant_path(tenant: str, rest: str = "") -> str:
 def install(app: FastAPI, sessions: ConsoleSessions) -> None:
     """Adds the console to ``app``: routes, static assets, headers and its error pages."""
     app.state.console_sessions = sessions
-    app.include_router(router)
+    # The assets first: the router ends with a catch-all 404 page for /console/*.
     app.mount(PREFIX + "/static", StaticFiles(directory=CONSOLE_DIR / "static"),
               name="console-static")
+    app.include_router(router)
     app.add_middleware(ConsoleHeaders)
 
     @app.exception_handler(LoginRequired)
     async def _login_required(request: Request, _: LoginRequired) -> Response:
         if request.method in ("GET", "HEAD") and "hx-request" not in request.headers:
-            return _redirect("/login")
         # htmx (a boosted link or form, the overview's refresh) follows HX-Redirect to the
         # login page; a plain form post gets a page that says what happened.
-        response = _render(request, "message.html", 401, title="Logged out",
-                           message="Your console session has ended. Log in again.")
-        response.headers["HX-Redirect"] = PREFIX + "/login"
+            response: Response = _redirect("/login")
+        else:
+            response = _render(request, "message.html", 401, title="Logged out",
+                               message="Your console session has ended. Log in again.")
+            response.headers["HX-Redirect"] = PREFIX + "/login"
+        if COOKIE in request.cookies:  # a stale session cookie: the browser drops it
+            response.delete_cookie(COOKIE, path=PREFIX)
         return response
+
+    @app.exception_handler(BadForm)
+    async def _bad_form(request: Request, _: BadForm) -> Response:
+        return _render(request, "message.html", 400, title="Refused",
+                       message="The form was not valid UTF-8 text; nothing was changed.")
 
     @app.exception_handler(CsrfRefused)
     async def _csrf_refused(request: Request, _: CsrfRefused) -> Response:
@@ -244,11 +276,11 @@ templates.env.filters["utc"] = _fmt_time
 
 # -- login and logout -------------------------------------------------------------------------
 @router.get("/login")
-async def login_page(request: Request, logged_out: bool = False) -> Response:
+async def login_page(request: Request, logged_out: str = "") -> Response:
     """The login form; it carries a fresh login CSRF token, also set as a cookie."""
     if _sessions(request).get(request.cookies.get(COOKIE)) is not None:
         return _redirect("/overview")
-    return _login_form(request, 200, "You are logged out." if logged_out else None)
+    return _login_form(request, 200, "You are logged out." if logged_out == "1" else None)
 
 
 def _login_form(request: Request, status: int, notice: str | None = None,
@@ -266,7 +298,7 @@ async def login(request: Request) -> Response:
     """Opens a session for an admin JWT. Refuses API keys and tenant JWTs (403), bad, expired
     or revoked tokens (401), and a form without the login CSRF token (403); each refusal is
     counted as an ``/admin`` refusal is (never an audit row per attempt)."""
-    form = await request.form()
+    form = await read_form(request)
     presented, expected = form.get("csrf_token"), request.cookies.get(LOGIN_COOKIE)
     if not (_same_origin(request) and isinstance(presented, str) and expected
             and secrets.compare_digest(presented.encode(), expected.encode())):
@@ -289,11 +321,13 @@ async def login(request: Request) -> Response:
         refusals.anonymous(getattr(e, "reason", "tenant_disabled"))
         return _login_form(request, 401, error="Invalid, expired or revoked token.")
     if principal.role != "admin":
-        refusals.forbidden(principal.subject, "POST", PREFIX + "/login")
+        await record_forbidden(request, principal.subject)
         return _login_form(request, 403, error="That is a tenant token: the console needs an "
                            "admin token.")
-    session_id, session = _sessions(request).create(principal.subject, principal.jti,
-                                                    principal.expires_at)
+    sessions = _sessions(request)
+    sessions.end(request.cookies.get(COOKIE))  # a login replaces the browser's old session
+    session_id, session = sessions.create(principal.subject, principal.jti,
+                                          principal.expires_at)
     ends = datetime.fromtimestamp(session.expires_at, UTC)
     await run_in_threadpool(request.app.state.repo.usage.audit, principal.subject,
                             "console.login", None,
@@ -367,7 +401,7 @@ async def tenants_page(request: Request, session: Session) -> Response:
 
 @router.post("/tenants")
 async def create_tenant(request: Request, session: Mutation) -> Response:
-    form = await request.form()
+    form = await read_form(request)
     name = _text(form, "name")
     t = await _attempt(session, _admin(request).create_tenant(
         name, form.get("enable_prefix_caching") == "on", session.subject))
@@ -397,7 +431,7 @@ def _changes(form: FormData) -> dict[str, Any]:
             if value not in ("true", "false"):
                 raise ValueError(f"{flag} must be true or false")
             changes[flag] = value == "true"
-    for name in ("weight", *_LIMIT_FIELDS):
+    for name in ("weight", *NULLABLE_LIMITS):
         if name not in form:
             continue
         value = _text(form, name)
@@ -416,7 +450,7 @@ def _changes(form: FormData) -> dict[str, Any]:
 async def update_tenant(tenant: str, request: Request, session: Mutation) -> Response:
     """Enable / disable, caching on / off, weight and limits; back to the list or the detail
     page (``back``)."""
-    form = await request.form()
+    form = await read_form(request)
     back = "/tenants" if form.get("back") == "list" else _tenant_path(tenant)
     try:
         changes = _changes(form)
@@ -462,7 +496,7 @@ async def _tenant_page(request: Request, session: ConsoleSession, t: TenantInfo,
     keys = await admin.list_keys(t.id)
     cache = _tenant_cache(await admin.cache_stats(), t.id)
     return _render(request, "tenant.html", status, session=session, page="tenants", tenant=t,
-                   keys=keys, cache=cache, new_key=new_key, limit_fields=_LIMIT_FIELDS)
+                   keys=keys, cache=cache, new_key=new_key, limit_fields=NULLABLE_LIMITS)
 
 
 @router.get("/tenants/{tenant}")
@@ -477,12 +511,13 @@ async def tenant_page(tenant: str, request: Request, session: Session) -> Respon
 async def create_key(tenant: str, request: Request, session: Mutation) -> Response:
     """Issues a key and shows its plaintext once, in this response (never stored, never
     shown again)."""
-    form = await request.form()
+    form = await read_form(request)
     name = _text(form, "name") or None
     expires = _text(form, "expires_in_days")
     expires_at = None
     if expires:
-        if not (expires.isascii() and expires.isdigit() and 0 < int(expires) <= 3650):
+        if not (expires.isascii() and expires.isdigit() and len(expires) <= 4
+                and 0 < int(expires) <= 3650):
             session.flash("error", "expires in days must be a whole number from 1 to 3650, "
                                    "or empty for a key that does not expire")
             return _redirect(_tenant_path(tenant))
@@ -571,23 +606,27 @@ class _UsageFilter:
 
 
 def _usage_filter(tenant: str, range_: str, bucket: str) -> _UsageFilter:
+    """The filter asked for; an unknown range or bucket falls back to the defaults."""
     range_ = range_ if range_ in views.RANGES else "24h"
     bucket = bucket if bucket in BUCKETS else views.DEFAULT_BUCKET[range_]
-    return _UsageFilter(tenant[:64], range_, bucket)
+    return _UsageFilter(tenant, range_, bucket)
 
 
 async def _usage_rows(request: Request, session: ConsoleSession, f: _UsageFilter):
     """(rows, (since, until)) of the filter's report; None after an error message."""
     admin = _admin(request)
     tenant_id = None
+    if len(f.tenant) > MAX_TENANT_NAME_CHARS:
+        session.flash("error", "tenant not found")
+        return None
     if f.tenant:
         t = await _attempt(session, admin.resolve_tenant(f.tenant))
         if t is None:
             return None
         tenant_id = t.id
     until = datetime.now(UTC)
-    return await _attempt(session, admin.usage_report(
-        tenant_id, until - views.RANGES[f.range], until, f.bucket, ("tenant",)))
+    return await _attempt(session, usage_report(
+        request.app.state.repo.usage, tenant_id, until - views.RANGES[f.range], until, f.bucket, ("tenant",)))
 
 
 @router.get("/usage")
@@ -613,7 +652,8 @@ async def usage_csv(request: Request, session: Session, tenant: str = "", range:
     """The usage page's report as CSV (``/admin/usage/report``'s columns)."""
     f = _usage_filter(tenant, range, bucket)
     report = await _usage_rows(request, session, f)
-    if report is None:
+    if report is None:  # the usage page says why
+        session.take_flashes()
         return _redirect("/usage?" + f.query())
     return Response(csv_text(report_dicts(report[0]), REPORT_COLUMNS), media_type="text/csv",
                     headers={"Content-Disposition":
@@ -622,13 +662,20 @@ async def usage_csv(request: Request, session: Session, tenant: str = "", range:
 
 # -- audit ------------------------------------------------------------------------------------
 def _utc_input(value: str) -> datetime | None:
-    """A ``datetime-local`` input's value, read as UTC. Raises ValueError for a bad one."""
+    """A ``datetime-local`` input's value, read as UTC (or in the offset it carries). Raises
+    ValueError for a bad one."""
     if not value:
         return None
     try:
-        return datetime.fromisoformat(value).replace(tzinfo=UTC)
+        t = datetime.fromisoformat(value)
     except ValueError:
         raise ValueError("times look like 2026-12-01T09:30 (UTC)") from None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+# The audit page's filters and their longest values (their columns' widths).
+_AUDIT_FILTERS = {"tenant": MAX_TENANT_NAME_CHARS, "action": 64, "actor": 255, "since": 40,
+                  "until": 40}
 
 
 @router.get("/audit")
@@ -637,10 +684,13 @@ async def audit_page(request: Request, session: Session, tenant: str = "", actio
                      cursor: str = "") -> Response:
     """The audit log, newest first, filtered and paged (``AUDIT_PAGE_ROWS`` a page)."""
     admin = _admin(request)
-    filters = {"tenant": tenant[:64], "action": action[:64], "actor": actor[:255],
-               "since": since[:32], "until": until[:32]}
+    filters = {"tenant": tenant, "action": action, "actor": actor, "since": since,
+               "until": until}
     page, rows, next_cursor = None, [], None
     try:
+        for name, longest in _AUDIT_FILTERS.items():
+            if len(filters[name]) > longest:
+                raise ValueError(f"{name} is longer than any {name} ({longest} characters)")
         start, end = _utc_input(filters["since"]), _utc_input(filters["until"])
     except ValueError as e:
         session.flash("error", str(e))
@@ -659,3 +709,10 @@ async def audit_page(request: Request, session: Session, tenant: str = "", actio
                    newest_url=f"{PREFIX}/audit?{urlencode(query)}",
                    older_url=(f"{PREFIX}/audit?{urlencode({**query, 'cursor': next_cursor})}"
                               if next_cursor else None))
+
+
+@router.get("/{path:path}")
+async def not_found(request: Request, session: Session, path: str) -> Response:
+    """Any other console path (registered last): a console 404 page."""
+    return _render(request, "message.html", 404, session=session, title="Not found",
+                   message="The console has no such page.")

@@ -23,7 +23,7 @@ from tenants.errors import TenantNotFound
 from tenants.records import ApiKeyInfo, AuditEntry, TenantInfo
 from tenants.repository import TenantRepository
 from tenants.salt_versions import SaltVersions
-from tenants.usage import AuditQuery
+from tenants.usage import AuditQuery, UsageStore
 from tenants.usage_reports import UsageReportRow, default_query
 
 # TenantPatch fields where None means "no limit / no bound" (so "sent as None" differs from
@@ -200,18 +200,20 @@ class AdminService:
         rows = rows[:limit]
         return AuditPage(rows, str(rows[-1].id) if more else None)
 
-    async def usage_report(self, tenant_id: str | None, since: datetime | None,
-                           until: datetime | None, bucket: str, group_by: tuple[str, ...]
-                           ) -> tuple[list[UsageReportRow], tuple[datetime, datetime]]:
-        """Usage per calendar bucket (``tenants.usage_reports``), in SQL off the event loop:
-        (rows, the range counted; daily reports count whole UTC days).
 
-        Raises:
-            APIError 400: the query's own checks (range, bucket count, grouping).
-        """
-        try:
-            query = default_query(bucket, since, until, group_by, tenant_id)
-            rows = await run_in_threadpool(self.repo.usage.report, query)
-            return rows, query.counted_range()
-        except ValueError as e:  # the query's own checks: client-safe messages
-            raise APIError(400, str(e), None, "invalid_value") from None
+async def usage_report(usage: UsageStore, tenant_id: str | None, since: datetime | None,
+                       until: datetime | None, bucket: str, group_by: tuple[str, ...]
+                       ) -> tuple[list[UsageReportRow], tuple[datetime, datetime]]:
+    """Usage per calendar bucket (``tenants.usage_reports``), in SQL off the event loop:
+    (rows, the range counted; daily reports count whole UTC days). Serves operators (any
+    tenant) and tenants (``tenant_id`` their own).
+
+    Raises:
+        APIError 400: the query's own checks (range, bucket count, grouping).
+    """
+    try:
+        query = default_query(bucket, since, until, group_by, tenant_id)
+        rows = await run_in_threadpool(usage.report, query)
+        return rows, query.counted_range()
+    except ValueError as e:  # the query's own checks: client-safe messages
+        raise APIError(400, str(e), None, "invalid_value") from None

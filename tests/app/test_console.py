@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.console.sessions import COOKIE, ConsoleSessions
-from app.routes.console import CSP
+from app.routes.console import AUDIT_ACTIONS, CSP
 from tenants.tokens import token_jti
 
 STATIC = Path(__file__).resolve().parents[2] / "app" / "console" / "static"
@@ -84,6 +84,13 @@ def chart_specs(html: str) -> list[dict]:
 
 
 # -- assets and headers -----------------------------------------------------------------------
+def test_the_csp_allows_nothing_inline_and_nothing_foreign():
+    directives = dict(d.strip().split(" ", 1) for d in CSP.split(";"))
+    assert directives["default-src"] == "'none'" and directives["script-src"] == "'self'"
+    assert directives["style-src"] == "'self'" and directives["frame-ancestors"] == "'none'"
+    assert "unsafe" not in CSP and "*" not in CSP and "http" not in CSP
+
+
 def test_vendored_assets_match_their_pins_and_keep_their_licences(env):
     manifest = json.loads((STATIC / "vendor" / "VENDOR.json").read_text())
     assert set(manifest["files"]) == {"htmx.min.js", "chart.umd.min.js"}
@@ -97,31 +104,37 @@ def test_vendored_assets_match_their_pins_and_keep_their_licences(env):
         served = env.client.get(f"/console/static/vendor/{name}")
         assert served.status_code == 200 and served.content == body
         assert served.headers["x-content-type-options"] == "nosniff"
-    # Only files under static/ are served.
-    assert env.client.get("/console/static/../sessions.py").status_code == 404
-    assert env.client.get("/console/static/%2e%2e/sessions.py").status_code == 404
+    # Only files under static/ are served (the rest is the console's 404, or its login).
+    for path in ("/console/static/../sessions.py", "/console/static/%2e%2e/sessions.py",
+                 "/console/static/..%2fsessions.py", "/console/static/nothing.js"):
+        r = env.client.get(path, follow_redirects=False)
+        assert r.status_code in (303, 404) and "ConsoleSessions" not in r.text, path
 
 
 def test_every_console_page_has_a_strict_csp_and_no_inline_code(env, console):
+    console.client.cookies.clear()
+    login_page = console.get("/console/login")
     assert console.login().status_code == 303
     tenant = env.tenant_a
-    pages = ["/console/login", "/console/overview", "/console/overview/live",
+    pages = ["/console/overview", "/console/overview/live",
              "/console/tenants", f"/console/tenants/{tenant}",
              f"/console/tenants/{tenant}/rotate-salt", f"/console/tenants/{tenant}/cache/reset",
              "/console/cache/reset", "/console/usage", "/console/audit"]
-    for path in pages:
-        r = console.client.get(path)  # /console/login redirects a logged-in user
-        assert r.status_code == 200, (path, r.status_code)
+    errors = [console.get("/console/tenants/nobody"), console.get("/console/no-such-page"),
+              console.post("/console/tenants", {"name": "x"}, csrf=False)]
+    assert [r.status_code for r in errors] == [404, 404, 403]
+    for path, r in [("/console/login", login_page), *((p, console.get(p)) for p in pages),
+                    *(("error page", r) for r in errors)]:
+        assert r.status_code in (200, 403, 404), (path, r.status_code)
         h = r.headers
         assert h["content-security-policy"] == CSP, path
-        assert "script-src 'self';" in CSP and "unsafe" not in CSP and "frame-ancestors 'none'" in CSP
         assert h["cache-control"] == "no-store" and h["x-frame-options"] == "DENY"
         assert h["referrer-policy"] == "same-origin"
         html = r.text
         # No inline script, no inline style, no inline event handlers: the CSP would refuse them.
         for script in re.findall(r"<script\b[^>]*>", html):
             assert 'src="/console/static/' in script
-        assert not re.search(r"\sstyle=|<style\b|\son[a-z]+=", html), path
+        assert not re.search(r"\sstyle=|<style\b|\son[a-z]+=|hx-headers|hx-on", html), path
         # Every control has a label (accessible name).
         for m in re.finditer(r"<(input|select|textarea)\b([^>]*)>", html):
             attrs = m.group(2)
@@ -150,6 +163,52 @@ def test_login_opens_a_short_httponly_strict_session_and_is_audited(env, console
     console.client.cookies.clear()
     r = console.get("/console/overview", headers=env.headers(env.admin_token))
     assert r.status_code == 303 and r.headers["location"] == "/console/login"
+
+
+def test_the_cookies_are_secure_over_https(env, console):
+    console.client.cookies.clear()
+    page = console.client.get("https://testserver/console/login")
+    login_cookie = page.headers["set-cookie"]
+    assert login_cookie.startswith("saltserve_console_login=") and "Secure" in login_cookie
+    r = console.client.post("https://testserver/console/login",
+                            data={"token": env.admin_token,
+                                  "csrf_token": Console.csrf_of(page.text)},
+                            follow_redirects=False)
+    assert r.status_code == 303
+    session_cookie = next(c for c in r.headers.get_list("set-cookie")
+                          if c.startswith(COOKIE + "="))
+    assert "Secure" in session_cookie and "HttpOnly" in session_cookie
+    plain = console.login()  # over http (no TLS, no SALTSERVE_CONSOLE_SECURE_COOKIE): not
+    assert "Secure" not in plain.headers["set-cookie"]  # Secure, or the browser would drop it
+
+
+def test_sessions_cannot_be_fixed_and_a_new_login_replaces_the_old(env, console):
+    console.client.cookies.clear()
+    console.client.cookies.set(COOKIE, "chosen-by-an-attacker", path="/console")
+    r = console.get("/console/overview")
+    assert r.status_code == 303
+    assert f'{COOKIE}=""' in r.headers["set-cookie"]  # the stale cookie is cleared
+    console.client.cookies.set(COOKIE, "chosen-by-an-attacker", path="/console")
+    assert console.login().status_code == 303
+    first = console.client.cookies.get(COOKIE)
+    assert first != "chosen-by-an-attacker"
+    # Logging in again from a login form loaded earlier (another tab) ends the first session.
+    console.client.cookies.clear()
+    form = console.get("/console/login")
+    console.client.cookies.set(COOKIE, first, path="/console")
+    r = console.client.post("/console/login", data={"token": env.admin_token,
+                                                    "csrf_token": Console.csrf_of(form.text)},
+                            follow_redirects=False)
+    assert r.status_code == 303
+    second = r.cookies.get(COOKIE)
+    assert second and second != first
+    console.client.cookies.clear()
+    console.client.cookies.set(COOKIE, first, path="/console")
+    assert console.get("/console/overview").status_code == 303  # the first one ended
+    # Dependencies add no query parameters a caller could play with.
+    assert console.login().status_code == 303
+    assert console.get("/console/tenants?touch=false").status_code == 200
+    assert console.get("/console/login?logged_out=yes").status_code == 303  # logged in
 
 
 def test_tenant_credentials_and_bad_tokens_are_refused_at_login(env, console):
@@ -211,6 +270,9 @@ def test_revoking_the_admin_token_ends_its_console_sessions(env, console):
     assert console.login(token).status_code == 303
     assert console.get("/console/tenants").status_code == 200
     env.repo.revocations.revoke(token_jti(token))
+    r = console.post("/console/tenants", {"name": "after-revocation"})
+    assert r.status_code == 401 and r.headers["hx-redirect"] == "/console/login"
+    assert "after-revocation" not in {t.name for t in env.repo.tenants.list_all()}
     assert console.get("/console/tenants").status_code == 303
     assert console.login(token).status_code == 401
 
@@ -275,7 +337,11 @@ def test_mutations_without_the_csrf_token_or_from_another_origin_change_nothing(
     assert console.login().status_code == 303
     tenants_before = env.repo.tenants.list_all()
     salt = env.repo.get_tenant(env.tenant_a).current_salt_version
+    key = env.repo.list_api_keys(env.tenant_a)[0]
+    other = Console(env)  # another operator's session: its token is not this one's
     attempts = [("/console/tenants", {"name": "csrf-victim"}),
+                (f"/console/keys/{key.id}/revoke", {}),
+                ("/console/logout", {}),
                 (f"/console/tenants/{env.tenant_a}/rotate-salt", {}),
                 (f"/console/tenants/{env.tenant_a}/update", {"disabled": "true"}),
                 (f"/console/tenants/{env.tenant_a}/keys", {"name": "stolen"}),
@@ -285,13 +351,24 @@ def test_mutations_without_the_csrf_token_or_from_another_origin_change_nothing(
         assert console.post(path, data, csrf=False).status_code == 403, path
         assert console.post(path, {**data, "csrf_token": "wrong"}, csrf=False
                             ).status_code == 403, path
-        for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                        {"Origin": "null"}, {"Sec-Fetch-Site": "same-site"},
+                        {"Origin": "http://testserver.evil.example"}):
             r = console.post(path, data, headers=headers)
             assert r.status_code == 403, (path, headers)
             assert "CSRF" in r.text
     assert env.repo.tenants.list_all() == tenants_before
     assert env.repo.get_tenant(env.tenant_a).current_salt_version == salt
     assert len(env.repo.list_api_keys(env.tenant_a)) == 1
+    assert env.repo.list_api_keys(env.tenant_a)[0].revoked_at is None
+    assert console.get("/console/overview").status_code == 200  # not logged out
+    session_id = console.client.cookies.get(COOKIE)
+    other.login(env.issue("admin", subject="other-admin"))
+    stolen = other.csrf
+    console.client.cookies.clear()
+    console.client.cookies.set(COOKIE, session_id, path="/console")
+    assert console.post("/console/tenants", {"name": "x", "csrf_token": stolen}, csrf=False
+                        ).status_code == 403
     # The token as htmx sends it (a header) works, and so does this origin.
     r = console.post("/console/tenants", {"name": "via-header"}, csrf=False,
                      headers={"X-CSRF-Token": console.csrf, "Origin": "http://testserver",
@@ -356,9 +433,14 @@ def test_a_new_key_is_shown_once_and_works_and_revoking_it_stops_it(env, console
     assert ok.status_code == 200
     page = console.get(f"/console/tenants/{env.tenant_b}")
     assert key not in page.text and info.last4 in page.text  # never shown again
-    bad = console.follow(console.post(f"/console/tenants/{env.tenant_b}/keys",
-                                      {"expires_in_days": "-3"}))
-    assert "expires in days" in bad.text
+    keys_before = len(env.repo.list_api_keys(env.tenant_b))
+    for form, message in (({"expires_in_days": "-3"}, "expires in days"),
+                          ({"expires_in_days": "1" * 5000}, "expires in days"),
+                          ({"name": "k" * 1000}, "key name must be at most 255"),
+                          ({"name": "nul\x00byte"}, "printable")):
+        bad = console.follow(console.post(f"/console/tenants/{env.tenant_b}/keys", form))
+        assert message in bad.text, form
+    assert len(env.repo.list_api_keys(env.tenant_b)) == keys_before
     page = console.follow(console.post(f"/console/keys/{info.id}/revoke"))
     assert "revoked" in page.text
     refused = env.client.post("/v1/chat/completions", headers=env.headers(key),
@@ -442,7 +524,22 @@ def test_overview_and_usage_show_the_numbers_and_charts(env, console):
     # A bad filter is a message, not an error page; unknown tenants are named.
     bad = console.get("/console/usage?tenant=nobody")
     assert bad.status_code == 200 and "tenant not found" in bad.text
-    assert console.get("/console/usage?range=forever&bucket=1y").status_code == 200
+    odd = console.get("/console/usage?range=forever&bucket=1y").text
+    assert "<option selected>24h</option>" in odd and "<option selected>1h</option>" in odd
+    csv_bad = console.follow(console.get("/console/usage.csv?tenant=nobody"))
+    assert csv_bad.text.count("tenant not found") == 1
+
+
+def test_the_audit_filter_lists_every_action_the_code_writes():
+    """``AUDIT_ACTIONS`` is a hand-kept list: every action string passed to an audit call in
+    app/ and tenants/ must be in it (a new action without a filter entry fails here)."""
+    call = re.compile(r'(?:add_audit\(\s*[^,()]+,\s*[^,()]+,|\baudit\(\s*[^,()]+(?:\([^)]*\))?,'
+                      r'|\.audit,\s*[^,()]+,)\s*"([a-z_]+\.[a-z_]+)"')
+    root = STATIC.parents[2]
+    written = {m.group(1) for d in ("app", "tenants") for p in (root / d).rglob("*.py")
+               for m in call.finditer(p.read_text())}
+    assert {"cache.reset", "console.login", "api_key.create", "auth.admin_forbidden"} <= written
+    assert written <= set(AUDIT_ACTIONS), written - set(AUDIT_ACTIONS)
 
 
 def test_audit_page_filters_and_pages(env, console):
@@ -466,19 +563,49 @@ def test_audit_page_filters_and_pages(env, console):
     assert 'rel="next"' not in second and "Newest" in second
     bad = console.get("/console/audit?since=yesterday")
     assert bad.status_code == 200 and "times look like" in bad.text
-    assert console.get("/console/audit?cursor=abc").status_code == 200
+    bad = console.get("/console/audit?cursor=abc")
+    assert "cursor must be a next_cursor value" in bad.text
+    long_name = "L" * 64
+    console.post("/console/tenants", {"name": long_name})
+    too_long = console.get("/console/audit?tenant=" + long_name * 5).text
+    assert "tenant is longer than any tenant" in too_long
+    assert 'scope="row">tenant.create' not in too_long  # no other tenant's rows instead
+    # A time with an offset means that instant (not the same wall-clock time in UTC).
+    from datetime import UTC, datetime, timedelta, timezone
+
+    plus5 = timezone(timedelta(hours=5))
+    since = (datetime.now(UTC) - timedelta(minutes=5)).astimezone(plus5)
+    page = console.get("/console/audit", params={"actor": "bulk",
+                                                 "since": since.isoformat(timespec="minutes")})
+    assert page.text.count('<th scope="row">tenant.update</th>') == 50
 
 
 # -- hostile input ----------------------------------------------------------------------------
 def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
     assert console.login().status_code == 303
-    evil = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
-    console.post("/console/tenants", {"name": evil})
+    evil = '<script>alert(1)</script>"><img src=x onerror=alert(2)>\'</canvas>'
+    console.post("/console/tenants", {"name": evil, "enable_prefix_caching": "on"})
     tenant = env.repo.tenants.resolve(evil)
-    for path in ("/console/tenants", f"/console/tenants/{tenant.id}", "/console/audit"):
+    key, _ = env.repo.create_api_key(tenant.id)
+    r = env.client.post("/v1/chat/completions", headers=env.headers(key),
+                        json={**CHAT, "model": env.model})
+    assert r.status_code == 200, r.text
+    assert env.client.app.state.usage_journal.wait_stored()
+    for path in ("/console/tenants", f"/console/tenants/{tenant.id}", "/console/audit",
+                 "/console/overview", f"/console/usage?tenant={tenant.id}&range=1h"):
         html = console.get(path).text
         assert "<script>alert" not in html and "<img src=x" not in html, path
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, path
+        # The name in the charts' single-quoted attributes comes back whole, as data.
+        labels = [label for spec in chart_specs(html) for label in
+                  spec["labels"] + [d["label"] for d in spec["datasets"]]]
+        if path.startswith(("/console/overview", "/console/usage")):
+            assert any(evil in label for label in labels), path
+    r = console.client.post("/console/tenants", content=f"name=%FF%FE&csrf_token={console.csrf}",
+                            headers={"Content-Type": "application/x-www-form-urlencoded"},
+                            follow_redirects=False)
+    assert r.status_code == 400 and "not valid UTF-8" in r.text
+    assert not [t for t in env.repo.tenants.list_all() if "\ufffd" in t.name]
     r = console.post("/console/tenants", {"name": "x" * (5 << 20)})
     assert r.status_code == 413
     # Another tenant's traffic is served meanwhile, unharmed.

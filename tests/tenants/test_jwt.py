@@ -117,6 +117,21 @@ def test_hs_rs_confusion_is_refused(tmp_path, platform):
              sign(ed25519.Ed25519PrivateKey.generate(), claims(), kid=None))
 
 
+def test_an_idp_token_exp_of_any_number_type_is_whole_seconds(tmp_path, platform):
+    """``expires_at`` (a console session's end) is the token's exp rounded down, whether the
+    identity provider wrote exp as an int, a float or a numeric string."""
+    idp = ed25519.Ed25519PrivateKey.generate()
+    pem = idp.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "idp.pem").write_bytes(pem)
+    v = JWTVerifier(JWTConfig(public_key_file=tmp_path / "idp.pem"), platform.public_key())
+    now = int(time.time())
+    for exp in (now + 600, now + 600.75, str(now + 600)):
+        token = sign(idp, claims(exp=exp, role="admin", tenant=None), kid=None)
+        assert v.verify(token).expires_at == now + 600, exp
+    rejected(v, sign(idp, claims(exp="soon", role="admin", tenant=None), kid=None))
+
+
 def test_expiry_and_leeway(platform):
     now = int(time.time())
     old = sign(platform, claims(iat=now - 100, exp=now - 10))
