@@ -52,6 +52,7 @@ from tenants.records import AuthContext
 from tenants.revocations import TokenRevocations
 from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
+from tenants.usage import current_tenant_id
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ async def current_tenant(request: Request) -> AuthContext:
     if principal.tenant is None:
         raise APIError(403, "this route needs a tenant: use an API key or a JWT with a tenant "
                        "claim", None, "tenant_required")
+    current_tenant_id.set(principal.tenant.tenant_id)  # for log lines (app.logs)
     await _note_salt_version(request, principal.tenant)
     return principal.tenant
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import getpass
 import json
-import logging
 import os
 import re
+import socket
 import sys
 import types
 from dataclasses import fields
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import click
+import pydantic
 
+from app.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from app.settings import Settings
 from engine.config import EngineConfig
 
@@ -55,13 +57,15 @@ def _common(fn):  # --data-dir and --database-url for every command
 
 
 @click.group()
+@click.version_option(package_name="saltserve", prog_name="saltserve")
 def main() -> None:
     """saltserve: multi-tenant OpenAI-compatible LLM serving with tenant-salted prefix caching."""
     os.umask(0o077)  # the database, journal and key files this process creates are private
-    logging.basicConfig(level=os.environ.get("SALTSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "transformers", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        env = Settings()
+        configure_logging(env.log_format, env.log_level, env.replica_id or socket.gethostname())
+    except (ValueError, pydantic.ValidationError):  # serve reports bad settings in full
+        configure_logging()
 
 
 def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
@@ -99,10 +103,33 @@ def _serve_options(fn):
                       help="Hugging Face folder (safetensors). [bundled SmolLM2-135M-Instruct]")(fn)
     fn = click.option("--port", type=int, default=None, help="[8000; env SALTSERVE_PORT]")(fn)
     fn = click.option("--host", default=None, help="[127.0.0.1; env SALTSERVE_HOST]")(fn)
+    fn = click.option("--log-format", type=click.Choice(LOG_FORMATS), default=None,
+                      help="text, or JSON lines with timestamp, level, request, tenant and "
+                           "replica ids (uvicorn's access log too). [text; env "
+                           "SALTSERVE_LOG_FORMAT]")(fn)
+    fn = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None,
+                      help="Also uvicorn's. [info; env SALTSERVE_LOG_LEVEL]")(fn)
+    fn = click.option("--replica-id", default=None,
+                      help="This replica's name in log lines. [<hostname>:<port>; env "
+                           "SALTSERVE_REPLICA_ID]")(fn)
     return _common(fn)
 
 
-@main.command()
+def env_only_settings() -> list[str]:
+    """``SALTSERVE_*`` settings that have no ``serve`` flag (secrets and rarely changed
+    options), for ``serve --help``."""
+    flags = {p.name for p in serve.params}
+    return [f"SALTSERVE_{name.upper()}" for name in Settings.model_fields if name not in flags]
+
+
+class _ServeCommand(click.Command):
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_paragraph()
+        formatter.write_text("Environment-only settings (docs/deployment.md describes each): "
+                             + ", ".join(env_only_settings()) + ".")
+
+
+@main.command(cls=_ServeCommand)
 @_serve_options
 def serve(**opts: Any) -> None:
     """Start the OpenAI-compatible server (first start converts the model and creates a key)."""
@@ -115,6 +142,8 @@ def serve(**opts: Any) -> None:
     from engine.llm_engine import LLMEngine
 
     settings = _settings(**opts)
+    configure_logging(settings.log_format, settings.log_level,
+                      settings.replica_id or f"{socket.gethostname()}:{settings.port}")
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
     try:
         boot = bootstrap(settings)
@@ -163,8 +192,9 @@ def serve(**opts: Any) -> None:
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
+    # log_config=None: uvicorn's loggers keep app.logs' handler and format.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="info"))
+                                           log_level=settings.log_level, log_config=None))
     try:
         server.run()
     finally:

@@ -30,7 +30,7 @@ from engine.protocol import EngineClient
 from tenants.repository import TenantRepository
 from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
-from tenants.usage import current_client_request_id, current_request_id
+from tenants.usage import current_client_request_id, current_request_id, current_tenant_id
 from tenants.usage_journal import UsageJournal
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class RequestIdMiddleware:
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
         request_id = uuid.uuid4().hex
         token = current_request_id.set(request_id)
+        tenant_token = current_tenant_id.set(None)  # set by app.auth once authenticated
         client_token = current_client_request_id.set(
             given if _REQUEST_ID_OK.fullmatch(given) else None)
 
@@ -68,6 +69,7 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            current_tenant_id.reset(tenant_token)
             current_client_request_id.reset(client_token)
             current_request_id.reset(token)
 

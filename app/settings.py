@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 from pydantic import Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +54,11 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     database_url: str | None = Field(None, description="default: sqlite in data_dir")
     master_key: str | None = Field(None, repr=False, description="salt encryption key")
     create_demo_tenant: bool = True
+    # Logging (app.logs): text or JSON lines on stderr; the level governs uvicorn too.
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    replica_id: str | None = Field(None, description="this replica's name in every log line "
+                                   "[<hostname>:<port>]")
     max_request_body_bytes: int = 4 << 20
     metrics_token: str | None = Field(None, repr=False,
                                       description="bearer token for GET /metrics; unset = 403")

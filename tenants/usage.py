@@ -126,6 +126,8 @@ def select_usage(
 current_request_id: ContextVar[str | None] = ContextVar("current_request_id", default=None)
 current_client_request_id: ContextVar[str | None] = ContextVar("current_client_request_id",
                                                                default=None)
+# The tenant the request authenticated as (set by app.auth), for log lines (app.logs).
+current_tenant_id: ContextVar[str | None] = ContextVar("current_tenant_id", default=None)
 
 
 def add_audit(

@@ -14,12 +14,22 @@ from serve_process import serve
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve")
-    with serve(model_dir, data_dir) as proc:
+    with serve(model_dir, data_dir, "--log-format", "json", "--replica-id", "r1") as proc:
         yield proc.base, data_dir
     assert "Traceback" not in proc.output, proc.output
     # stdout is a pipe (a log), not a terminal: the demo key's file is named, the key never.
     key = (data_dir / "demo-api-key").read_text().strip()
     assert key not in proc.output and "not printed: stdout is not a terminal" in proc.output
+    # JSON log lines (click's own messages stay plain text), uvicorn's access log included,
+    # each with the replica id, and the request and tenant ids while serving a request.
+    logs = [json.loads(line) for line in proc.output.splitlines() if line.startswith("{")]
+    assert logs and all(r["replica_id"] == "r1" and {"timestamp", "level", "logger",
+                                                      "message"} <= set(r) for r in logs)
+    access = [r for r in logs if r["logger"] == "uvicorn.access"]
+    chats = [r for r in access if r["path"] == "/v1/chat/completions" and r["status"] == 200]
+    assert chats and all(len(r["request_id"]) == 32 and len(r["tenant_id"]) == 32
+                         for r in chats)
+    assert "capital of France" not in proc.output  # prompts are never logged
 
 
 def test_openai_sdk_against_real_server(server):
