@@ -21,10 +21,11 @@ Dependencies:
   (truncated, percent-escaped). Never the token.
 - ``MetricsScraper`` (``/metrics``): the scrape token or an admin JWT; tenants get 403.
 
-``CurrentTenant`` also notices a salt rotation done by another process (``saltserve tenants
-rotate-salt``): the first request that authenticates with a newer salt version than the server
-last saw for that tenant evicts the tenant's cached blocks (reason ``salt_rotation``) once,
-before it is served. Tokens, keys and salts are never logged.
+``CurrentTenant`` also notices a salt rotation or cache reset done by another process (another
+replica whose broadcast did not arrive, ``saltserve tenants rotate-salt``): the first request
+that authenticates with a newer salt version or cache epoch than the server last saw for that
+tenant evicts the tenant's cached blocks (reason ``salt_rotation`` or ``reset``) once, before it
+is served. Tokens, keys and salts are never logged.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from starlette.concurrency import run_in_threadpool
 from app.errors import APIError
 from tenants.api_keys import looks_like_api_key
 from tenants.authenticator import Authenticator
+from tenants.cache_generations import CacheGenerations
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.records import AuthContext
 from tenants.revocations import TokenRevocations
-from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_tenant_id
 
@@ -151,17 +152,17 @@ async def principal_for_token(request: Request, token: str) -> Principal:
         getattr(state, "jwt_verifier", None), state.repo.revocations, token)
 
 
-async def _note_salt_version(request: Request, ctx: AuthContext) -> None:
-    """Evicts a tenant's cached blocks once when its salt version moved on behind our back
-    (``SaltVersions.note_seen`` hands the old version to exactly one request)."""
-    versions: SaltVersions = request.app.state.salt_versions
-    last = versions.note_seen(ctx.tenant_id, ctx.salt_version)
-    if last is None:
-        return  # first sight since start, or not newer: nothing to evict
-    tenant_id = ctx.tenant_id
-    dropped = await request.app.state.engine.evict_tenant_cache(tenant_id, "salt_rotation")
-    logger.info("tenant %s salt version %d -> %d: dropped %d cached blocks", tenant_id, last,
-                ctx.salt_version, dropped)
+async def _note_generation(request: Request, ctx: AuthContext) -> None:
+    """Evicts a tenant's cached blocks once when its salt version or cache epoch moved on
+    behind this process's back (another replica or the CLI rotated or reset, and its broadcast
+    did not reach us): ``CacheGenerations.note_seen`` tells exactly one request."""
+    generations: CacheGenerations = request.app.state.cache_generations
+    reason = generations.note_seen(ctx.tenant_id, ctx.salt_version, ctx.cache_epoch)
+    if reason is None:
+        return  # first sight since start, or nothing newer: nothing to evict
+    dropped = await request.app.state.engine.evict_tenant_cache(ctx.tenant_id, reason)
+    logger.info("tenant %s moved to salt version %d, cache epoch %d (%s): dropped %d cached "
+                "blocks", ctx.tenant_id, ctx.salt_version, ctx.cache_epoch, reason, dropped)
 
 
 async def current_tenant(request: Request) -> AuthContext:
@@ -179,7 +180,7 @@ async def current_tenant(request: Request) -> AuthContext:
         raise APIError(403, "this route needs a tenant: use an API key or a JWT with a tenant "
                        "claim", None, "tenant_required")
     current_tenant_id.set(principal.tenant.tenant_id)  # for log lines (app.logs)
-    await _note_salt_version(request, principal.tenant)
+    await _note_generation(request, principal.tenant)
     return principal.tenant
 
 

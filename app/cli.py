@@ -109,6 +109,9 @@ def _serve_options(fn):
                            "SALTSERVE_LOG_FORMAT]")(fn)
     fn = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None,
                       help="Also uvicorn's. [info; env SALTSERVE_LOG_LEVEL]")(fn)
+    fn = click.option("--redis-url", default=None,
+                      help="Redis shared by the replicas (cache evictions, rate limits). "
+                           "[unset: one replica; env SALTSERVE_REDIS_URL]")(fn)
     fn = click.option("--replica-id", default=None,
                       help="This replica's name in log lines. [<hostname>:<port>; env "
                            "SALTSERVE_REPLICA_ID]")(fn)
@@ -136,14 +139,15 @@ def serve(**opts: Any) -> None:
     import uvicorn
 
     from app.bootstrap import bootstrap, make_jwt_verifier
+    from app.cluster import ClusterConfig
     from app.console.sessions import ConsoleSessions
     from app.server import create_app
     from engine.async_engine import AsyncLLM
     from engine.llm_engine import LLMEngine
 
     settings = _settings(**opts)
-    configure_logging(settings.log_format, settings.log_level,
-                      settings.replica_id or f"{socket.gethostname()}:{settings.port}")
+    replica_id = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
+    configure_logging(settings.log_format, settings.log_level, replica_id)
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
     try:
         boot = bootstrap(settings)
@@ -166,7 +170,9 @@ def serve(**opts: Any) -> None:
                          settings.metrics_token, jwt_verifier=verifier,
                          on_engine_death=stop_serving,
                          usage_journal_dir=settings.data_dir / "usage-journal",
-                         console_sessions=console_sessions)
+                         console_sessions=console_sessions,
+                         cluster=ClusterConfig(settings.redis_url, settings.redis_namespace,
+                                               replica_id))
     except RuntimeError as e:  # another server already uses this data dir's usage journal
         raise click.ClickException(str(e)) from None
     base = f"http://{settings.host}:{settings.port}"

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.auth import AdminRefusals
+from app.cluster import ClusterConfig, ClusterEvents
 from app.console.sessions import ConsoleSessions
 from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
@@ -27,8 +28,8 @@ from app.services.admin import AdminService
 from app.services.completions import CompletionsService
 from app.services.prompts import TokenizerService
 from engine.protocol import EngineClient
+from tenants.cache_generations import CacheGenerations
 from tenants.repository import TenantRepository
-from tenants.salt_versions import SaltVersions
 from tenants.tokens import JWTVerifier
 from tenants.usage import current_client_request_id, current_request_id, current_tenant_id
 from tenants.usage_journal import UsageJournal
@@ -115,7 +116,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
                last_used_flush_s: float = 60.0,
                on_engine_death: Callable[[], None] | None = None,
                usage_journal_dir: Path | None = None,
-               console_sessions: ConsoleSessions | None = None) -> FastAPI:
+               console_sessions: ConsoleSessions | None = None,
+               cluster: ClusterConfig | None = None) -> FastAPI:
     """Builds the app around an engine client and a tenant repository.
 
     The engine loop starts with the app's lifespan and stops with it. API-key ``last_used_at``
@@ -136,6 +138,8 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             database refuses).
         console_sessions: the operator console's session store (``app.routes.console``);
             None: one with the default lifetimes (15 minutes idle, 1 hour at most).
+        cluster: how this replica reaches the others (``app.cluster``: Redis URL, namespace,
+            replica id); None: a single replica.
     """
 
     async def watch_engine() -> None:
@@ -160,6 +164,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
         if journal is not None:
             journal.start()  # first stores what an earlier process left
         engine.start()
+        await events.start()
         flusher = asyncio.create_task(flush_periodically())
         watchdog = asyncio.create_task(watch_engine())
         try:
@@ -167,6 +172,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
         finally:
             flusher.cancel()
             watchdog.cancel()
+            await events.close()
             # Each step on its own: a database that refuses at shutdown (the case the usage
             # journal exists for) must not skip the steps after it.
             steps = [app.state.completions.preprocessor.shutdown, engine.shutdown]
@@ -198,8 +204,11 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.admin_refusals = AdminRefusals(lambda reason: refusals.labels(reason=reason).inc())
     app.state.metrics_token = metrics_token or None
     app.state.jwt_verifier = jwt_verifier
-    app.state.salt_versions = SaltVersions()  # one object: app.auth and the admin rotation
-    app.state.admin = AdminService(repo, engine, app.state.salt_versions)
+    # One object: app.auth's per-request check and the admin actions' own evictions.
+    app.state.cache_generations = CacheGenerations()
+    app.state.admin = AdminService(repo, engine, app.state.cache_generations)
+    events = ClusterEvents(cluster or ClusterConfig(), app.state.admin.apply_event)
+    app.state.admin.events = app.state.cluster_events = events
     # Owns the per-tenant rpm / tpm / concurrency limiter (``.limiter``, app/limits.py).
     journal = (UsageJournal(usage_journal_dir, repo.usage.record_usage_batch)
                if usage_journal_dir is not None else None)

@@ -52,6 +52,11 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     port: int = 8000
     model: str | None = Field(None, description="HF folder; default: the bundled SmolLM2")
     database_url: str | None = Field(None, description="default: sqlite in data_dir")
+    redis_url: str | None = Field(None, description="replicas share cache evictions and rate "
+                                  "limits through this Redis (redis://host:6379/0); unset: one "
+                                  "replica, in-memory limits")
+    redis_namespace: str = Field("saltserve", description="prefix of this deployment's Redis "
+                                 "keys and channels")
     master_key: str | None = Field(None, repr=False, description="salt encryption key")
     create_demo_tenant: bool = True
     # Logging (app.logs): text or JSON lines on stderr; the level governs uvicorn too.

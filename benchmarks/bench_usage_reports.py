@@ -121,7 +121,7 @@ def run(label: str, url: str, rows: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--postgres-url", default="postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+    ap.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run("SQLite", f"sqlite:///{tmp}/bench.db", args.rows)

@@ -49,6 +49,7 @@ def _auth_context(tenant: Tenant, key_id: str | None, salt: SealedSalt) -> AuthC
         weight=tenant.weight,
         min_cache_blocks=tenant.min_cache_blocks,
         max_cache_blocks=tenant.max_cache_blocks,
+        cache_epoch=tenant.cache_epoch,
     )
 
 

@@ -1,8 +1,8 @@
 """Engine and session construction, and Alembic migrations run from code.
 
 Supported URLs: ``sqlite:///<path>`` (the embedded default; the parent directory is created),
-``sqlite://`` (in-memory, tests only), ``postgresql+psycopg2://...`` and ``postgresql://...``
-(mapped to psycopg2 when it is installed; SQLAlchemy 2.1 would otherwise pick psycopg 3).
+``sqlite://`` (in-memory, tests only), ``postgresql+psycopg://...`` and ``postgresql://...``
+(mapped to psycopg 3, the ``postgres`` extra; psycopg2 URLs work too).
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ def normalize_database_url(database_url: str | URL) -> URL:
         database_url: an SQLAlchemy URL string or object.
 
     Returns:
-        The URL; ``postgres://`` / ``postgresql://`` become ``postgresql+psycopg2://`` when
-        psycopg2 is installed.
+        The URL; ``postgres://`` / ``postgresql://`` become ``postgresql+psycopg://`` (psycopg
+        3, the ``postgres`` extra), or ``postgresql+psycopg2://`` when only psycopg2 is
+        installed.
 
     Raises:
         sqlalchemy.exc.ArgumentError: if the URL cannot be parsed.
     """
     url = make_url(database_url)
-    if url.drivername in ("postgres", "postgresql") and importlib.util.find_spec("psycopg2"):
-        url = url.set(drivername="postgresql+psycopg2")
+    if url.drivername in ("postgres", "postgresql"):
+        for module, driver in (("psycopg", "postgresql+psycopg"),
+                               ("psycopg2", "postgresql+psycopg2")):
+            if importlib.util.find_spec(module):
+                return url.set(drivername=driver)
     return url
 
 
@@ -66,7 +70,7 @@ def make_engine(database_url: str | URL, *, echo: bool = False) -> Engine:
 
     Args:
         database_url: e.g. ``sqlite:////var/lib/saltserve/saltserve.db`` or
-            ``postgresql+psycopg2://user:pw@host/db``.
+            ``postgresql+psycopg://user:pw@host/db``.
         echo: log SQL statements (never on in production: parameters include key hashes).
 
     Returns:

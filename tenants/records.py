@@ -30,6 +30,7 @@ class TenantInfo:
     weight: int = 1
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
+    cache_epoch: int = 0  # bumped by every reset of its prefix cache
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class AuthContext:
     weight: int = 1
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
+    cache_epoch: int = 0  # with salt_version: the generation of its cached blocks
 
     def __repr__(self) -> str:
         return (

@@ -94,6 +94,7 @@ def tenant_info(row: Tenant) -> TenantInfo:
         weight=row.weight,
         min_cache_blocks=row.min_cache_blocks,
         max_cache_blocks=row.max_cache_blocks,
+        cache_epoch=row.cache_epoch,
     )
 
 
@@ -346,6 +347,29 @@ class TenantStore:
             add_audit(session, actor, "tenant.rotate_salt", tenant_id, f"salt_version={version}")
         self._notify(tenant_id, version, salt)
         return version
+
+    def bump_cache_epoch(self, tenant_id: str | None) -> list[TenantInfo]:
+        """Records a reset of one tenant's prefix cache (every tenant's with None): bumps
+        ``cache_epoch``, so that replicas that miss the broadcast drop the blocks on the
+        tenant's next request. Not audited here (the caller audits the reset).
+
+        Returns:
+            The tenants after the bump.
+
+        Raises:
+            TenantNotFound: if there is no such tenant.
+        """
+        with self._session_factory.begin() as session:
+            query = select(Tenant).with_for_update().order_by(Tenant.id)
+            if tenant_id is not None:
+                query = query.where(Tenant.id == tenant_id)
+            rows = list(session.scalars(query))
+            if tenant_id is not None and not rows:
+                raise TenantNotFound(f"tenant {tenant_id!r} not found")
+            for row in rows:
+                row.cache_epoch += 1
+            session.flush()
+            return [tenant_info(row) for row in rows]
 
     def reencrypt_salts(self, new_cipher: SaltCipher, *, actor: str = "system") -> int:
         """Re-encrypts every stored salt under a new master key (master-key rotation).

@@ -10,6 +10,7 @@ plaintext is returned by ``create_key`` only.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from datetime import datetime
 from functools import partial
@@ -17,14 +18,17 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from app.cluster import ClusterEvents
 from app.errors import APIError
 from engine.protocol import EngineClient
+from tenants.cache_generations import CacheGenerations
 from tenants.errors import TenantNotFound
 from tenants.records import ApiKeyInfo, AuditEntry, TenantInfo
 from tenants.repository import TenantRepository
-from tenants.salt_versions import SaltVersions
 from tenants.usage import AuditQuery, UsageStore
 from tenants.usage_reports import UsageReportRow, default_query
+
+logger = logging.getLogger(__name__)
 
 # TenantPatch fields where None means "no limit / no bound" (so "sent as None" differs from
 # "not sent"): passed to the store only when present.
@@ -50,18 +54,53 @@ class AuditPage:
 
 
 class AdminService:
-    """Tenants, keys, salts, caches, audit and usage reports, for an admin ``actor``.
+    """Tenants, keys, salts, caches and audit, for an admin ``actor``.
+
+    Evictions (rotation, resets, caching off) are done here, recorded in ``generations`` and
+    broadcast through ``events`` so that every replica drops the same blocks (``app.cluster``).
 
     Args:
         repo: the tenant repository (stores for tenants, keys, usage and audit).
         engine: the engine client whose prefix cache the resets and rotations drop from.
-        salt_versions: the server's view of each tenant's salt version, shared with
-            ``app.auth`` (a rotation here is not evicted again on the tenant's next request).
+        generations: this process's view of each tenant's cache generation, shared with
+            ``app.auth`` (a change applied here is not evicted again on the next request).
+        events: the broadcast to the other replicas (None: a single replica).
     """
 
     def __init__(self, repo: TenantRepository, engine: EngineClient,
-                 salt_versions: SaltVersions) -> None:
-        self.repo, self.engine, self.salt_versions = repo, engine, salt_versions
+                 generations: CacheGenerations, events: ClusterEvents | None = None) -> None:
+        self.repo, self.engine, self.generations = repo, engine, generations
+        self.events = events
+
+    async def _evicted(self, tenant: TenantInfo, reason: str) -> int:
+        """Records ``tenant``'s new generation, drops its blocks here, tells the other
+        replicas; returns the blocks dropped here."""
+        self.generations.note_applied(tenant.id, tenant.current_salt_version, tenant.cache_epoch)
+        dropped = await self.engine.evict_tenant_cache(tenant.id, reason)
+        if self.events is not None:
+            await self.events.publish(tenant.id, tenant.current_salt_version,
+                                      tenant.cache_epoch, reason)
+        return dropped
+
+    async def _bump_epoch(self, tenant_id: str) -> TenantInfo:
+        return (await in_thread(self.repo.tenants.bump_cache_epoch, tenant_id))[0]
+
+    async def apply_event(self, event: dict) -> None:
+        """Applies another replica's eviction (``app.cluster.ClusterEvents``): every block of
+        every tenant for ``tenant_id`` None, else the tenant's blocks when the event's
+        generation is newer than the one this replica last saw."""
+        tenant_id = event.get("tenant_id")
+        if tenant_id is None:
+            dropped = await self.engine.reset_prefix_cache()
+            for t in await self.list_tenants():
+                self.generations.note_applied(t.id, t.current_salt_version, t.cache_epoch)
+        else:
+            reason = self.generations.note_seen(str(tenant_id), int(event["salt_version"]),
+                                                int(event["cache_epoch"]))
+            dropped = 0 if reason is None else await self.engine.evict_tenant_cache(
+                str(tenant_id), reason)
+        logger.info("applied a cache event from replica %s: tenant %s, %d blocks dropped",
+                    event.get("origin"), tenant_id or "all", dropped)
 
     # -- tenants ----------------------------------------------------------------------------
     async def resolve_tenant(self, name_or_id: str) -> TenantInfo:
@@ -91,7 +130,8 @@ class AdminService:
         before = await self.resolve_tenant(tenant)
         after = await in_thread(self.repo.tenants.update, before.id, actor=actor, **changes)
         if before.enable_prefix_caching and not after.enable_prefix_caching:
-            dropped = await self.engine.evict_tenant_cache(before.id, "reset")
+            after = await self._bump_epoch(before.id)
+            dropped = await self._evicted(after, "reset")
             await in_thread(self.repo.usage.audit, actor, "cache.reset", before.id,
                             f"blocks={dropped} salt_version={after.current_salt_version} "
                             "cause=prefix_caching_off")
@@ -101,25 +141,29 @@ class AdminService:
         """New salt version, current at once; the tenant's cached blocks are dropped (reason
         ``salt_rotation``). Running requests finish unharmed. Returns ``tenant_id``,
         ``salt_version`` and ``blocks_dropped``, never the salt."""
-        tenant_id = (await self.resolve_tenant(tenant)).id
-        version = await in_thread(self.repo.tenants.rotate_salt, tenant_id, actor=actor)
-        self.salt_versions.note_rotated(tenant_id, version)  # no second eviction on next auth
-        dropped = await self.engine.evict_tenant_cache(tenant_id, "salt_rotation")
-        return {"tenant_id": tenant_id, "salt_version": version, "blocks_dropped": dropped}
+        t = await self.resolve_tenant(tenant)
+        version = await in_thread(self.repo.tenants.rotate_salt, t.id, actor=actor)
+        dropped = await self._evicted(dataclasses.replace(t, current_salt_version=version),
+                                      "salt_rotation")
+        return {"tenant_id": t.id, "salt_version": version, "blocks_dropped": dropped}
 
     # -- caches -----------------------------------------------------------------------------
     async def reset_tenant_cache(self, tenant: str, actor: str) -> dict:
         """Drops every cached block of one tenant (reason ``reset``, audited); running requests
         unharmed. Returns ``tenant_id`` and ``blocks_dropped``."""
-        t = await self.resolve_tenant(tenant)
-        dropped = await self.engine.evict_tenant_cache(t.id, "reset")
+        t = await self._bump_epoch((await self.resolve_tenant(tenant)).id)
+        dropped = await self._evicted(t, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset", t.id,
                         f"blocks={dropped} salt_version={t.current_salt_version}")
         return {"tenant_id": t.id, "blocks_dropped": dropped}
 
     async def reset_cache(self, actor: str) -> dict:
         """Drops every cached block of every tenant (audited); running requests unharmed."""
+        for t in await in_thread(self.repo.tenants.bump_cache_epoch, None):
+            self.generations.note_applied(t.id, t.current_salt_version, t.cache_epoch)
         dropped = await self.engine.reset_prefix_cache()
+        if self.events is not None:
+            await self.events.publish(None, None, None, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset_all", None,
                         f"blocks={dropped}")
         return {"blocks_dropped": dropped}

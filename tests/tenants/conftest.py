@@ -1,7 +1,7 @@
 """Fixtures for tenants/ tests: a migrated database on SQLite and (when reachable) PostgreSQL.
 
 PostgreSQL runs use ``SALTSERVE_TEST_POSTGRES_URL`` (default
-``postgresql+psycopg2://postgres@127.0.0.1:5432/test``) and are skipped cleanly if it cannot be
+``postgresql+psycopg://postgres@127.0.0.1:5432/test``) and are skipped cleanly if it cannot be
 reached. Each PostgreSQL test gets its own throw-away schema (via ``search_path``), so concurrent
 test runs against the same database do not interfere; all tables and ``alembic_version`` are
 dropped before and after the test, and then the schema itself.

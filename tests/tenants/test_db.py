@@ -34,7 +34,7 @@ def test_migrations_create_all_tables(database_url: str) -> None:
         run_migrations(engine)
         assert EXPECTED_TABLES | {"alembic_version"} <= _tables(engine)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0009"
     finally:
         engine.dispose()
 
@@ -76,14 +76,14 @@ def test_alembic_config_points_at_repo_migrations() -> None:
     assert (MIGRATIONS_DIR / "env.py").is_file()
     assert (MIGRATIONS_DIR / "versions" / "0001_initial.py").is_file()
     # '%' in passwords survives configparser interpolation
-    assert cfg.get_main_option("sqlalchemy.url") == "postgresql+psycopg2://u:p%40ss@h/db"
+    assert cfg.get_main_option("sqlalchemy.url") == "postgresql+psycopg://u:p%40ss@h/db"
 
 
-def test_postgres_urls_use_psycopg2() -> None:
-    assert normalize_database_url("postgresql://h/db").drivername == "postgresql+psycopg2"
-    assert normalize_database_url("postgres://h/db").drivername == "postgresql+psycopg2"
+def test_postgres_urls_use_psycopg_3() -> None:
+    assert normalize_database_url("postgresql://h/db").drivername == "postgresql+psycopg"
+    assert normalize_database_url("postgres://h/db").drivername == "postgresql+psycopg"
     assert normalize_database_url("postgresql+psycopg2://h/db").drivername == (
-        "postgresql+psycopg2"
+        "postgresql+psycopg2"  # an explicit driver is kept
     )
     assert normalize_database_url("sqlite:///x.db").drivername == "sqlite"
 
