@@ -1,6 +1,7 @@
 # Two commands: `make serve` (server on embedded defaults) and `make test` (the whole suite).
 # Both create and reuse .venv; torch is pinned to the CPU wheel and installed before the project.
-# `make test` also installs Debian's chromium (apt-get) for the console's browser tests.
+# `make test` also installs Debian's chromium and haproxy (apt-get) for the console's browser
+# tests and the multi-replica tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
 
-.PHONY: serve test install lint bench
+.PHONY: serve test install lint bench cluster
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,16 +25,25 @@ $(STAMP): pyproject.toml
 $(CHROMIUM):
 	$(APT) install -y chromium || ($(APT) update && $(APT) install -y chromium)
 
-install: $(STAMP) $(CHROMIUM)
+# Debian's haproxy, for `make cluster` and the multi-replica tests.
+HAPROXY := /usr/sbin/haproxy
+$(HAPROXY):
+	$(APT) install -y haproxy || ($(APT) update && $(APT) install -y haproxy)
+
+install: $(STAMP) $(CHROMIUM) $(HAPROXY)
 
 serve: $(STAMP)
 	$(BIN)/saltserve serve $(ARGS)
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) $(HAPROXY)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check app engine tenants kernels tests benchmarks
+
+# Two replicas + HAProxy on loopback against this machine's PostgreSQL and Redis (Ctrl-C stops).
+cluster: $(STAMP) $(HAPROXY)
+	bash deploy/cluster.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_prefix_cache.py $(ARGS)

@@ -109,6 +109,10 @@ def _serve_options(fn):
                            "SALTSERVE_LOG_FORMAT]")(fn)
     fn = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None,
                       help="Also uvicorn's. [info; env SALTSERVE_LOG_LEVEL]")(fn)
+    fn = click.option("--drain-seconds", type=click.FloatRange(min=0), default=None,
+                      help="On SIGTERM: /health answers 503 for this long, then the server "
+                           "stops accepting and lets running requests finish (rolling "
+                           "restarts behind a load balancer). [0; env SALTSERVE_DRAIN_SECONDS]")(fn)
     fn = click.option("--redis-url", default=None,
                       help="Redis shared by the replicas (cache evictions, rate limits). "
                            "[unset: one replica; env SALTSERVE_REDIS_URL]")(fn)
@@ -123,6 +127,14 @@ def env_only_settings() -> list[str]:
     options), for ``serve --help``."""
     flags = {p.name for p in serve.params}
     return [f"SALTSERVE_{name.upper()}" for name in Settings.model_fields if name not in flags]
+
+
+def _journal_name(settings: Settings) -> str:
+    """The usage journal's folder in the data dir: one per replica when replicas share a data
+    dir (``--replica-id``), so that each journals its own rows."""
+    if settings.replica_id is None:
+        return "usage-journal"
+    return "usage-journal-" + re.sub(r"[^A-Za-z0-9_.-]", "_", settings.replica_id)[:64]
 
 
 class _ServeCommand(click.Command):
@@ -141,6 +153,7 @@ def serve(**opts: Any) -> None:
     from app.bootstrap import bootstrap, make_jwt_verifier
     from app.cluster import ClusterConfig
     from app.console.sessions import ConsoleSessions
+    from app.draining import DrainingServer
     from app.server import create_app
     from engine.async_engine import AsyncLLM
     from engine.llm_engine import LLMEngine
@@ -169,7 +182,7 @@ def serve(**opts: Any) -> None:
         app = create_app(client, boot.repo, settings.max_request_body_bytes,
                          settings.metrics_token, jwt_verifier=verifier,
                          on_engine_death=stop_serving,
-                         usage_journal_dir=settings.data_dir / "usage-journal",
+                         usage_journal_dir=settings.data_dir / _journal_name(settings),
                          console_sessions=console_sessions,
                          cluster=ClusterConfig(settings.redis_url, settings.redis_namespace,
                                                replica_id))
@@ -199,8 +212,9 @@ def serve(**opts: Any) -> None:
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
     # log_config=None: uvicorn's loggers keep app.logs' handler and format.
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, log_config=None))
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level, log_config=None),
+                            app, settings.drain_seconds)
     try:
         server.run()
     finally:

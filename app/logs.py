@@ -4,6 +4,7 @@ Every record carries the replica id and, while a request is served, its request 
 id (from ``tenants.usage``'s context variables), in both formats. Uvicorn's own loggers
 (``uvicorn.error``, ``uvicorn.access``) propagate to the same handler, so its access log has the
 same shape; in JSON an access line also has ``client``, ``method``, ``path``, ``status`` fields.
+Successful ``GET /health`` lines are left out (a load balancer checks every second).
 ``--log-level`` governs uvicorn too. Prompts, token ids, salts and keys are never logged (the
 code never passes them to a logger; nothing here adds them).
 """
@@ -29,7 +30,8 @@ _TEXT = ("%(asctime)s %(levelname)s %(name)s [replica=%(replica_id)s req=%(reque
 
 class ContextFilter(logging.Filter):
     """Stamps each record with ``replica_id``, ``request_id`` and ``tenant_id`` (None outside a
-    request); on uvicorn's access lines, also the request's parts as fields."""
+    request); on uvicorn's access lines, also the request's parts as fields. Drops the access
+    lines of successful health checks."""
 
     def __init__(self, replica_id: str) -> None:
         super().__init__()
@@ -42,6 +44,8 @@ class ContextFilter(logging.Filter):
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) \
                 and len(record.args) == 5:
             client, method, path, _, status = record.args
+            if path == "/health" and status == 200:
+                return False
             record.client, record.method, record.path, record.status = (client, method, path,
                                                                         status)
         return True

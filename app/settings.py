@@ -62,6 +62,9 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     # Logging (app.logs): text or JSON lines on stderr; the level governs uvicorn too.
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    drain_seconds: float = Field(0.0, ge=0, description="on SIGTERM, answer /health 503 this "
+                                 "long before closing the listener (a load balancer's health "
+                                 "checks move new requests away first)")
     replica_id: str | None = Field(None, description="this replica's name in every log line "
                                    "[<hostname>:<port>]")
     max_request_body_bytes: int = 4 << 20

@@ -27,22 +27,25 @@ def free_port() -> int:
 class ServerProcess:
     base: str  # http://127.0.0.1:<port>
     data_dir: Path
+    process: subprocess.Popen
+    port: int
     output: str = ""  # everything it printed, once it has stopped
 
 
 @contextmanager
-def serve(model_dir: Path, data_dir: Path, *args: str,
+def serve(model_dir: Path, data_dir: Path, *args: str, port: int | None = None,
           startup_timeout_s: float = 180.0) -> Iterator[ServerProcess]:
     """Starts the server on the bundled model (``--max-model-len 512``,
-    ``--num-gpu-blocks-override 96`` and ``args``), waits for ``/health``; on exit stops it
-    (SIGTERM, then SIGKILL after 30 s) and keeps its output in ``.output``."""
-    port = free_port()
+    ``--num-gpu-blocks-override 96`` and ``args``) on ``port`` (default: a free one), waits
+    for ``/health``; on exit stops it (SIGTERM, then SIGKILL after 30 s) and keeps its output
+    in ``.output``."""
+    port = port or free_port()
     env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model",
            str(model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "96", *args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    server = ServerProcess(f"http://127.0.0.1:{port}", data_dir)
+    server = ServerProcess(f"http://127.0.0.1:{port}", data_dir, proc, port)
     try:
         deadline = time.time() + startup_timeout_s
         while time.time() < deadline:

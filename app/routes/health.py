@@ -16,8 +16,12 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while the engine loop runs, 503 once it has died."""
+    """200 while the engine loop runs; 503 once it has died, or while the server drains before
+    it stops (SIGTERM with ``--drain-seconds``: a load balancer stops sending new requests
+    while the running ones finish)."""
     engine: EngineClient = request.app.state.engine
+    if getattr(request.app.state, "draining", False):
+        return JSONResponse({"status": "draining"}, status_code=503)
     try:
         await engine.check_health()
         ok = True

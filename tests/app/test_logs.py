@@ -59,6 +59,13 @@ def test_access_lines_get_fields_and_text_lines_the_ids():
     logger.handle(access)
     line = json.loads(out.getvalue())
     assert (line["method"], line["path"], line["status"]) == ("GET", "/v1/models", 200)
+    for status in (200, 503):  # a load balancer's checks: only the failing ones are kept
+        logger.handle(logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
+                                        '%s - "%s %s HTTP/%s" %d',
+                                        ("127.0.0.1:5001", "GET", "/health", "1.1", status),
+                                        None))
+    health = [json.loads(x) for x in out.getvalue().splitlines() if '"/health"' in x]
+    assert [h["status"] for h in health] == [503]
     text_logger, text_out = _capture("text")
     text_logger.error("boom")
     assert "[replica=replica-7 req=None tenant=None]: boom" in text_out.getvalue()
