@@ -22,6 +22,7 @@ from app.cluster import ClusterConfig, ClusterEvents
 from app.console.sessions import ConsoleSessions
 from app.errors import error_response, install_error_handlers
 from app.limits import RateLimiter
+from app.limits_redis import RedisRateLimiter
 from app.metrics import ServerMetrics
 from app.routes import admin, console, health, metrics, openai, reports
 from app.services.admin import AdminService
@@ -207,15 +208,19 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     # One object: app.auth's per-request check and the admin actions' own evictions.
     app.state.cache_generations = CacheGenerations()
     app.state.admin = AdminService(repo, engine, app.state.cache_generations)
-    events = ClusterEvents(cluster or ClusterConfig(), app.state.admin.apply_event)
+    cluster = cluster or ClusterConfig()
+    events = ClusterEvents(cluster, app.state.admin.apply_event)
     app.state.admin.events = app.state.cluster_events = events
-    # Owns the per-tenant rpm / tpm / concurrency limiter (``.limiter``, app/limits.py).
+    # Per-tenant rpm / tpm / concurrency limits: shared by the replicas through Redis when
+    # there is one (app/limits_redis.py), else this process's own (app/limits.py).
+    limiter = (RedisRateLimiter(cluster.redis_url, cluster.namespace) if cluster.redis_url
+               else RateLimiter())
     journal = (UsageJournal(usage_journal_dir, repo.usage.record_usage_batch)
                if usage_journal_dir is not None else None)
     app.state.usage_journal = journal
     app.state.completions = CompletionsService(
         engine, journal.append if journal is not None else repo.usage.record_usage,
-        app.state.metrics, RateLimiter(), usage_sink_blocks=journal is None)
+        app.state.metrics, limiter, usage_sink_blocks=journal is None)
     app.state.tokenizer_service = TokenizerService(info, app.state.completions.preprocessor)
     engine.add_output_observer(app.state.metrics.observe_output)
     install_error_handlers(app)

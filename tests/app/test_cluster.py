@@ -199,3 +199,20 @@ def test_junk_on_the_channel_does_not_stop_a_replica_listening(cluster):
     r1.client.post(f"/admin/tenants/{cluster.a}/cache/reset", headers=r1.admin)
     within(1.0, lambda: r2.resident(cluster.a) == 0)
     assert r2.client.get("/health").status_code == 200
+
+
+def test_a_tenant_at_its_rpm_limit_is_refused_whichever_replica_it_reaches(cluster):
+    r1, r2 = cluster.start("r1"), cluster.start("r2")
+    r = r1.client.patch(f"/admin/tenants/{cluster.b}", headers=r1.admin,
+                        json={"rpm_limit": 3, "max_concurrent": 2})
+    assert r.status_code == 200
+    headers = {"Authorization": f"Bearer {cluster.key_b}"}
+    for replica in (r1, r2, r1):
+        assert replica.client.get("/v1/usage", headers=headers).status_code == 200
+    for replica in (r2, r1):  # the fourth request, wherever it lands
+        refused = replica.client.get("/v1/usage", headers=headers)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    # The other tenant is not limited by B's window.
+    assert r2.cached(cluster.key_a, PROMPT_A) == 0

@@ -199,6 +199,25 @@ def test_a_reset_through_one_replica_empties_the_tenant_on_both(cluster):
            and cluster.resident("r2", tenant) == 0)
 
 
+def test_a_tenant_at_its_rpm_limit_is_refused_whichever_replica_it_reaches(cluster):
+    tenant = next(iter(cluster.keys))
+    r = httpx.patch(cluster.replicas["r2"].base + f"/admin/tenants/{cluster.ids[tenant]}",
+                    headers=cluster.admin, json={"rpm_limit": 2})
+    assert r.status_code == 200
+    try:
+        key = {"Authorization": f"Bearer {cluster.keys[tenant]}"}
+        for replica in ("r1", "r2"):  # one request on each replica, past HAProxy
+            ok = httpx.get(cluster.replicas[replica].base + "/v1/usage", headers=key)
+            assert ok.status_code == 200
+        for replica in ("r1", "r2"):
+            refused = httpx.get(cluster.replicas[replica].base + "/v1/usage", headers=key)
+            assert refused.status_code == 429, (replica, refused.text)
+        assert httpx.get(cluster.lb + "/v1/usage", headers=key).status_code == 429
+    finally:
+        httpx.patch(cluster.replicas["r1"].base + f"/admin/tenants/{cluster.ids[tenant]}",
+                    headers=cluster.admin, json={"rpm_limit": None})
+
+
 def test_sigterm_drains_a_replica_without_failing_a_request(cluster):
     """A rolling restart's step: SIGTERM makes r2 answer /health 503 for --drain-seconds while
     it keeps serving, HAProxy moves new requests to r1, r2's running request finishes, r2

@@ -1,0 +1,107 @@
+"""app/limits_redis.py: per-tenant limits shared by replicas through the machine's Redis. Two
+limiters on one namespace stand for two replicas."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from app.limits import RateLimitExceeded, TenantLimits
+from app.limits_redis import RedisRateLimiter
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def pair() -> tuple[RedisRateLimiter, RedisRateLimiter]:
+    namespace = f"test-{uuid.uuid4().hex}"
+    a, b = RedisRateLimiter(REDIS_URL, namespace), RedisRateLimiter(REDIS_URL, namespace)
+    a._redis.ping()  # Redis runs wherever this suite runs; fail loudly if not
+    return a, b
+
+
+def test_rpm_holds_across_replicas_and_a_refusal_counts_nothing(pair):
+    a, b = pair
+    limits = TenantLimits(rpm=3)
+    leases = [a.acquire("t", limits, 0), b.acquire("t", limits, 0), a.acquire("t", limits, 0)]
+    for replica in (a, b):
+        with pytest.raises(RateLimitExceeded) as e:
+            replica.acquire("t", limits, 0)
+        assert "3 requests per minute" in e.value.message
+        assert e.value.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 55 <= int(e.value.headers["Retry-After"]) <= 60
+    assert leases[2].headers["x-ratelimit-remaining-requests"] == "0"
+    other = b.acquire("u", limits, 0)  # another tenant has its own window
+    assert other.headers["x-ratelimit-remaining-requests"] == "2"
+    # A cancelled call (refused by the engine before any work) gives its request back.
+    leases[0].cancel()
+    b.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded):
+        a.acquire("t", limits, 0)
+
+
+def test_concurrency_slots_are_shared_released_once_and_expire(pair):
+    a, b = pair
+    limits = TenantLimits(max_concurrent=2)
+    first, _second = a.acquire("t", limits, 0), b.acquire("t", limits, 0)
+    assert a.in_flight("t") == 2 == b.in_flight("t")
+    with pytest.raises(RateLimitExceeded, match="2 at a time"):
+        b.acquire("t", limits, 0)
+    first.release(0)
+    first.release(0)  # idempotent: frees one slot, once
+    b.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded):
+        a.acquire("t", limits, 0)
+    # A replica killed mid-request never releases: its slots come back after the lease TTL.
+    short = RedisRateLimiter(REDIS_URL, f"test-{uuid.uuid4().hex}", lease_ttl_s=0.3)
+    short.acquire("t", TenantLimits(max_concurrent=1), 0)
+    with pytest.raises(RateLimitExceeded):
+        short.acquire("t", TenantLimits(max_concurrent=1), 0)
+    time.sleep(0.4)
+    short.acquire("t", TenantLimits(max_concurrent=1), 0)
+
+
+def test_tpm_reservations_are_refunded_to_what_was_used(pair):
+    a, b = pair
+    limits = TenantLimits(tpm=150)
+    lease = a.acquire("t", limits, 0)
+    lease.reserve(limits, 100)  # prompt + max_tokens, known after tokenisation
+    assert lease.headers["x-ratelimit-remaining-tokens"] == "50"
+    other = b.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded, match="150 tokens per minute") as e:
+        other.reserve(limits, 60)  # refused on the other replica; nothing counted
+    assert int(e.value.headers["Retry-After"]) >= 55
+    lease.release(20)  # it really used 20
+    other.reserve(limits, 120)  # 20 + 120 <= 150
+    assert other.headers["x-ratelimit-remaining-tokens"] == "10"
+    with pytest.raises(RateLimitExceeded, match="request too large"):
+        b.acquire("u", TenantLimits(tpm=100), 500)
+    lease.release(5)  # released already: changes nothing
+    with pytest.raises(RateLimitExceeded):
+        a.acquire("t", limits, 11)
+
+
+def test_redis_down_falls_back_to_this_replicas_own_limits(caplog):
+    down = RedisRateLimiter("redis://127.0.0.1:9/0", "test-down")  # nothing listens on 9
+    limits = TenantLimits(rpm=2)
+    down.acquire("t", limits, 0)
+    down.acquire("t", limits, 0)
+    with pytest.raises(RateLimitExceeded):  # still limited, by this replica alone
+        down.acquire("t", limits, 0)
+    lines = [r for r in caplog.records if "redis unavailable" in r.getMessage()]
+    assert len(lines) == 1  # logged once per interval, not per call
+
+
+def test_a_flooding_tenant_does_not_touch_anothers_window(pair):
+    a, b = pair
+    flood = TenantLimits(rpm=5)
+    for _ in range(5):
+        a.acquire("noisy", flood, 0)
+    for _ in range(20):
+        with pytest.raises(RateLimitExceeded):
+            b.acquire("noisy", flood, 0)
+    quiet = a.acquire("quiet", TenantLimits(rpm=5, tpm=1000), 0)
+    assert quiet.headers["x-ratelimit-remaining-requests"] == "4"
+    assert quiet.headers["x-ratelimit-remaining-tokens"] == "1000"
