@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, InterfaceError, OperationalError
 
 from app.settings import Settings
 from tenants.crypto import SaltCipher, load_or_create_master_key
@@ -70,13 +71,20 @@ def open_repository(settings: Settings) -> TenantRepository:
     and returns the repository.
 
     Raises:
-        ValueError: an unwritable SQLite file, or a secret file others may read.
+        ValueError: an unwritable SQLite file, a secret file others may read, or a database
+            that cannot be reached or used (one line, password hidden; no traceback).
     """
     prepare_data_dir(settings.data_dir)
     url = settings.resolved_database_url()
     check_sqlite_files(url)
-    db = make_engine(url)
-    run_migrations(db)
+    try:
+        db = make_engine(url)
+        run_migrations(db)
+    except (ArgumentError, OperationalError, InterfaceError) as e:
+        where = make_url(url).render_as_string(hide_password=True) if not isinstance(
+            e, ArgumentError) else "the configured URL"
+        cause = str(getattr(e, "orig", None) or e).strip().splitlines()[0][:300]
+        raise ValueError(f"cannot use the database at {where}: {cause}") from None
     check_sqlite_files(url)  # the files the first start just created
     key = load_or_create_master_key(settings.data_dir, settings.master_key)
     return TenantRepository(make_session_factory(db), SaltCipher(key))

@@ -330,14 +330,21 @@ def tenants_enable(tenant: str, **opts: Any) -> None:
 def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
     """Rotate TENANT's salt (name or id): the new version is current at once.
 
-    A running server sees the new version on the tenant's next request and drops the tenant's
-    old cached blocks then (reason salt_rotation); they are unreachable from that moment.
+    The old cached blocks are unreachable from that moment. With SALTSERVE_REDIS_URL set, every
+    running replica drops them at once (app.cluster); otherwise a server drops them on the
+    tenant's next request (reason salt_rotation).
     """
+    from app.cluster import ClusterConfig, publish_now
 
-    repo = _open_repository(_settings(**opts))
+    settings = _settings(**opts)
+    repo = _open_repository(settings)
     tenant_id = _tenant_id(repo, tenant)
     version = repo.tenants.rotate_salt(tenant_id, actor=_cli_actor())
-    click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}")
+    t = repo.tenants.get(tenant_id)
+    told = publish_now(ClusterConfig(settings.redis_url, settings.redis_namespace, "cli"),
+                       tenant_id, version, t.cache_epoch, "salt_rotation")
+    click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}"
+               + (f" (replicas told: {told})" if settings.redis_url else ""))
 
 
 @main.group()

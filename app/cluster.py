@@ -51,6 +51,27 @@ class ClusterConfig:
         return f"{self.namespace}:cache-events"
 
 
+def publish_now(config: ClusterConfig, tenant_id: str | None, salt_version: int | None,
+                cache_epoch: int | None, reason: str) -> int:
+    """Publishes one event from outside a server (the CLI), synchronously. Returns how many
+    replicas received it (0 without Redis, or when Redis is unreachable: they catch up on the
+    tenant's next request)."""
+    if config.redis_url is None:
+        return 0
+    import redis
+
+    event = {"origin": config.replica_id, "tenant_id": tenant_id, "salt_version": salt_version,
+             "cache_epoch": cache_epoch, "reason": reason}
+    try:
+        client = redis.Redis.from_url(config.redis_url, socket_timeout=2,
+                                      socket_connect_timeout=2)
+        return int(client.publish(config.channel, json.dumps(event)))
+    except redis.RedisError as e:
+        logger.warning("could not tell the replicas (%s); they catch up on the tenant's next "
+                       "request", type(e).__name__)
+        return 0
+
+
 class ClusterEvents:
     """This replica's end of the broadcast.
 

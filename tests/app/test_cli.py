@@ -51,3 +51,26 @@ def test_serve_help_lists_engine_flags():
                  "--prefix-caching-hash-algo", "--num-gpu-blocks-override",
                  "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--attention-backend"):
         assert flag in r.output, flag
+
+
+def test_an_unreachable_database_is_a_one_line_error_without_the_password(tmp_path):
+    for args in (["tenants", "list"], ["serve", "--port", "1"]):
+        r = CliRunner().invoke(main, [*args, "--data-dir", str(tmp_path), "--database-url",
+                                      "postgresql://ops:hunter2@127.0.0.1:9/saltserve"])
+        assert r.exit_code != 0, args
+        error = [line for line in r.output.splitlines() if line.startswith("Error:")]
+        assert len(error) == 1 and "cannot use the database at" in error[0], r.output
+        assert "Connection refused" in error[0] or "connection" in error[0].lower()
+        assert "hunter2" not in r.output and "Traceback" not in r.output
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_version_and_env_only_settings_in_help():
+    assert CliRunner().invoke(main, ["--version"]).output.strip() == "saltserve, version 0.1.0"
+    help_text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
+    for setting in ("SALTSERVE_METRICS_TOKEN", "SALTSERVE_MASTER_KEY", "SALTSERVE_JWT_JWKS_URL",
+                    "SALTSERVE_MAX_REQUEST_BODY_BYTES", "SALTSERVE_REDIS_NAMESPACE"):
+        assert setting in help_text, setting
+    for flag in ("--log-format", "--log-level", "--redis-url", "--drain-seconds",
+                 "--replica-id"):
+        assert flag in help_text, flag

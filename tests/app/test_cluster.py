@@ -66,6 +66,8 @@ class Cluster:
     key_a: str
     key_b: str
     namespace: str
+    database_url: str
+    master_key: str
 
 
 @pytest.fixture
@@ -106,7 +108,7 @@ def cluster(database_url, model_dir, tokenizer, tmp_path) -> Iterator[Cluster]:
                 time.sleep(0.02)
             return Replica(client, admin)
 
-        yield Cluster(start, a.id, b.id, key_a, key_b, namespace)
+        yield Cluster(start, a.id, b.id, key_a, key_b, namespace, database_url, master)
 
 
 def within(seconds: float, check: Callable[[], bool]) -> float:
@@ -216,3 +218,21 @@ def test_a_tenant_at_its_rpm_limit_is_refused_whichever_replica_it_reaches(clust
         assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     # The other tenant is not limited by B's window.
     assert r2.cached(cluster.key_a, PROMPT_A) == 0
+
+
+def test_a_rotation_from_the_cli_reaches_running_replicas_at_once(cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    r1 = cluster.start("r1")
+    warm(r1, cluster.key_a, PROMPT_A)
+    env = {"SALTSERVE_MASTER_KEY": cluster.master_key, "SALTSERVE_REDIS_URL": REDIS_URL,
+           "SALTSERVE_REDIS_NAMESPACE": cluster.namespace}
+    r = CliRunner(env=env).invoke(main, ["tenants", "rotate-salt", "tenant-a", "--data-dir",
+                                         str(tmp_path / "cli"), "--database-url",
+                                         cluster.database_url])
+    assert r.exit_code == 0, r.output
+    assert "salt_version=2 (replicas told: 1)" in r.output
+    within(1.0, lambda: r1.resident(cluster.a) == 0)
+    assert r1.cached(cluster.key_a, PROMPT_A) == 0
