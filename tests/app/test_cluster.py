@@ -68,6 +68,7 @@ class Cluster:
     namespace: str
     database_url: str
     master_key: str
+    platform_key: object
 
 
 @pytest.fixture
@@ -108,7 +109,8 @@ def cluster(database_url, model_dir, tokenizer, tmp_path) -> Iterator[Cluster]:
                 time.sleep(0.02)
             return Replica(client, admin)
 
-        yield Cluster(start, a.id, b.id, key_a, key_b, namespace, database_url, master)
+        yield Cluster(start, a.id, b.id, key_a, key_b, namespace, database_url, master,
+                      platform)
 
 
 def within(seconds: float, check: Callable[[], bool]) -> float:
@@ -186,6 +188,15 @@ def test_disable_limits_and_revocations_reach_every_replica_at_once(cluster):
     r1.client.post(f"/admin/keys/{key['id']}/revoke", headers=r1.admin)
     assert r2.client.get("/v1/models", headers={"Authorization": f"Bearer {key['key']}"}
                          ).status_code == 401
+    # A platform token revoked through r1 is refused by r2 from its next request on.
+    from tenants.tokens import token_jti
+
+    support = issue_token(cluster.platform_key, JWTConfig(), subject="support", role="admin",
+                          tenant_id=None, ttl_s=600)
+    bearer = {"Authorization": f"Bearer {support}"}
+    assert r2.client.get("/admin/tenants", headers=bearer).status_code == 200
+    r1.client.post("/admin/tokens/revoke", headers=r1.admin, json={"jti": token_jti(support)})
+    assert r2.client.get("/admin/tenants", headers=bearer).status_code == 401
 
 
 def test_junk_on_the_channel_does_not_stop_a_replica_listening(cluster):
