@@ -85,8 +85,13 @@ def _missing() -> APIError:
 
 
 def bearer_token(request: Request) -> str | None:
-    """The bearer token of ``request``, or None when the header is absent or not Bearer."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    """The bearer token of ``request``, or None when the header is absent, not Bearer, or sent
+    more than once (which credential counts would be ambiguous, and a load balancer hashing
+    one of them could be steered)."""
+    values = request.headers.getlist("authorization")
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
 

@@ -212,8 +212,12 @@ def serve(**opts: Any) -> None:
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
     # log_config=None: uvicorn's loggers keep app.logs' handler and format.
+    # timeout_keep_alive above a load balancer's idle-connection lifetime (HAProxy's is a
+    # few seconds): the balancer, not the server, closes idle connections, so it never sends a
+    # request on one the server is closing.
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, log_config=None),
+                                           log_level=settings.log_level, log_config=None,
+                                           timeout_keep_alive=75),
                             app, settings.drain_seconds)
     try:
         server.run()
@@ -340,9 +344,8 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
     repo = _open_repository(settings)
     tenant_id = _tenant_id(repo, tenant)
     version = repo.tenants.rotate_salt(tenant_id, actor=_cli_actor())
-    t = repo.tenants.get(tenant_id)
     told = publish_now(ClusterConfig(settings.redis_url, settings.redis_namespace, "cli"),
-                       tenant_id, version, t.cache_epoch, "salt_rotation")
+                       tenant_id, "salt_rotation")
     click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}"
                + (f" (replicas told: {told})" if settings.redis_url else ""))
 

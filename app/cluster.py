@@ -14,8 +14,12 @@ that missed the event meets a newer salt version or cache epoch and evicts then.
 message therefore costs memory until the tenant's next request, never isolation (blocks of an
 older salt can never be hit again).
 
-Events are JSON: ``{"origin": replica id, "tenant_id": id or null (every tenant), "salt_version",
-"cache_epoch", "reason"}``; no salts, no keys.
+Events are JSON: ``{"origin": instance id, "replica": replica id, "tenant_id": id or null (every
+tenant), "reason"}``; no salts, no keys. An event is only a hint: the receiver re-reads the
+tenant's salt version and cache epoch from the database and evicts only if they are newer than
+what it has seen, so a forged or replayed event (anyone who can publish on the channel) cannot
+flush a cache or pin a tenant's generation. Publishing never holds up an admin action: it runs
+in the background with a 2 s bound.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -42,7 +48,7 @@ class ClusterConfig:
         replica_id: this replica's name, in its events and log lines.
     """
 
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     namespace: str = "saltserve"
     replica_id: str = "local"
 
@@ -51,21 +57,32 @@ class ClusterConfig:
         return f"{self.namespace}:cache-events"
 
 
-def publish_now(config: ClusterConfig, tenant_id: str | None, salt_version: int | None,
-                cache_epoch: int | None, reason: str) -> int:
+TENANT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def event_json(origin: str, replica_id: str, tenant_id: str | None, reason: str) -> str:
+    """One event's JSON (the one place events are built)."""
+    return json.dumps({"origin": origin, "replica": replica_id, "tenant_id": tenant_id,
+                       "reason": reason})
+
+
+def publish_now(config: ClusterConfig, tenant_id: str | None, reason: str) -> int:
     """Publishes one event from outside a server (the CLI), synchronously. Returns how many
-    replicas received it (0 without Redis, or when Redis is unreachable: they catch up on the
-    tenant's next request)."""
+    replicas received it (0 without Redis, or when Redis is unreachable or the ``redis``
+    package is missing: they catch up on the tenant's next request)."""
     if config.redis_url is None:
         return 0
-    import redis
-
-    event = {"origin": config.replica_id, "tenant_id": tenant_id, "salt_version": salt_version,
-             "cache_epoch": cache_epoch, "reason": reason}
+    try:
+        import redis
+    except ImportError:
+        logger.warning("the redis package is missing (pip install 'saltserve[redis]'); "
+                       "replicas catch up on the tenant's next request")
+        return 0
     try:
         client = redis.Redis.from_url(config.redis_url, socket_timeout=2,
                                       socket_connect_timeout=2)
-        return int(client.publish(config.channel, json.dumps(event)))
+        return int(client.publish(config.channel, event_json(
+            uuid.uuid4().hex, config.replica_id, tenant_id, reason)))
     except redis.RedisError as e:
         logger.warning("could not tell the replicas (%s); they catch up on the tenant's next "
                        "request", type(e).__name__)
@@ -78,33 +95,41 @@ class ClusterEvents:
     Args:
         config: where Redis is, the namespace and this replica's id (its own events are not
             applied twice).
-        apply: called with each other replica's event, on the event loop.
+        apply: called with the tenant id of each other replica's event (None: every tenant),
+            on the event loop; it re-reads the generations from the database.
         reconnect_s: wait between attempts while Redis is unreachable.
     """
 
     def __init__(self, config: ClusterConfig,
-                 apply: Callable[[dict[str, Any]], Awaitable[None]],
+                 apply: Callable[[str | None], Awaitable[None]],
                  reconnect_s: float = 1.0) -> None:
         self.config = config
-        self.redis_url, self.replica_id = config.redis_url, config.replica_id
+        self.instance = uuid.uuid4().hex  # this process, even if two share a replica id
         self._apply, self._reconnect_s = apply, reconnect_s
-        self._redis: Any = None
+        self._redis: Any = None  # publishing: bounded by a socket timeout
+        self._sub: Any = None  # listening: no read timeout, pinged every 15 s
         self._listener: asyncio.Task | None = None
+        self._publishing: set[asyncio.Task] = set()
         self.subscribed = asyncio.Event()  # set while the listener is subscribed (tests wait)
 
     def __repr__(self) -> str:
-        return f"ClusterEvents(replica_id={self.replica_id!r}, redis={self.redis_url is not None})"
+        return (f"ClusterEvents(replica_id={self.config.replica_id!r}, "
+                f"redis={self.config.redis_url is not None})")
 
     async def start(self) -> None:
         """Connects and starts listening (in the background; retried while Redis is down)."""
-        if self.redis_url is None:
+        url = self.config.redis_url
+        if url is None:
             return
         try:
             import redis.asyncio as aioredis
         except ImportError:
             raise RuntimeError("SALTSERVE_REDIS_URL needs the redis package: "
                                "pip install 'saltserve[redis]'") from None
-        self._redis = aioredis.from_url(self.redis_url, socket_connect_timeout=2)
+        self._redis = aioredis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        # A half-open connection (a failover without a reset) is noticed by the pings.
+        self._sub = aioredis.from_url(url, socket_connect_timeout=2, socket_keepalive=True,
+                                      health_check_interval=15)
         self._listener = asyncio.create_task(self._listen(), name="cluster-events")
 
     async def close(self) -> None:
@@ -112,20 +137,25 @@ class ClusterEvents:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._listener
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
+        for client in (self._redis, self._sub):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
 
-    async def publish(self, tenant_id: str | None, salt_version: int | None,
-                      cache_epoch: int | None, reason: str) -> None:
-        """Tells the other replicas about an eviction this one has done. Never raises: a lost
-        message is caught by the generation check on the tenant's next request."""
+    def announce(self, tenant_id: str | None, reason: str) -> None:
+        """Tells the other replicas, in the background, that this one evicted ``tenant_id``'s
+        blocks (every tenant's for None). Never raises or waits: a lost message is caught by
+        the generation check on the tenant's next request."""
         if self._redis is None:
             return
-        event = {"origin": self.replica_id, "tenant_id": tenant_id,
-                 "salt_version": salt_version, "cache_epoch": cache_epoch, "reason": reason}
+        task = asyncio.get_running_loop().create_task(self._publish(tenant_id, reason))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish(self, tenant_id: str | None, reason: str) -> None:
         try:
-            await self._redis.publish(self.config.channel, json.dumps(event))
+            await asyncio.wait_for(self._redis.publish(self.config.channel, event_json(
+                self.instance, self.config.replica_id, tenant_id, reason)), 2.0)
         except Exception as e:  # noqa: BLE001 - the per-request check is the fallback
             logger.error("could not publish a cache event (%s); other replicas will catch up "
                          "on the tenant's next request", type(e).__name__)
@@ -133,13 +163,14 @@ class ClusterEvents:
     async def _listen(self) -> None:
         while True:
             try:
-                async with self._redis.pubsub() as pubsub:
+                async with self._sub.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.config.channel)
                     self.subscribed.set()
                     logger.info("listening for cache events on redis channel %s",
                                 self.config.channel)
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
+                    while True:  # wakes up every second, so the health checks run
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is not None and message.get("type") == "message":
                             await self._handle(message["data"])
             except asyncio.CancelledError:
                 raise
@@ -152,8 +183,12 @@ class ClusterEvents:
     async def _handle(self, data: bytes | str) -> None:
         try:
             event = json.loads(data)
-            if not isinstance(event, dict) or event.get("origin") == self.replica_id:
+            if not isinstance(event, dict) or event.get("origin") == self.instance:
                 return
-            await self._apply(event)
+            tenant_id = event.get("tenant_id")
+            if tenant_id is not None and not (isinstance(tenant_id, str)
+                                              and TENANT_ID.fullmatch(tenant_id)):
+                return  # not one of our events
+            await self._apply(tenant_id)
         except Exception as e:  # noqa: BLE001 - one bad event never stops the listener
             logger.error("could not apply a cache event: %s", type(e).__name__)

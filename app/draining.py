@@ -14,21 +14,23 @@ logger = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """The first SIGTERM / SIGINT sets ``app.state.draining`` (``GET /health`` answers 503, new
     requests are still served) for ``drain_s`` seconds, then starts uvicorn's own graceful
-    shutdown (the listener closes; running requests finish). A second signal, or ``drain_s``
-    0, stops at once as uvicorn does.
+    shutdown (the listener closes; running requests finish). A second signal during the drain,
+    or ``drain_s`` 0, starts that shutdown at once.
     """
 
     def __init__(self, config: uvicorn.Config, app: Any, drain_s: float) -> None:
         super().__init__(config)
-        self._app, self._drain_s, self._draining = app, drain_s, False
+        self._app, self._drain_s = app, drain_s
+        self._timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._drain_s <= 0 or self._draining:
+        if self._timer is not None:  # a second signal: stop now, the timer has nothing to do
+            self._timer.cancel()
+        if self._drain_s <= 0 or self._timer is not None:
             return super().handle_exit(sig, frame)
-        self._draining = True
         self._app.state.draining = True
         logger.info("draining: /health answers 503 for %.1f s, then the server stops",
                     self._drain_s)
-        timer = threading.Timer(self._drain_s, super().handle_exit, (sig, frame))
-        timer.daemon = True
-        timer.start()
+        self._timer = threading.Timer(self._drain_s, super().handle_exit, (sig, frame))
+        self._timer.daemon = True
+        self._timer.start()

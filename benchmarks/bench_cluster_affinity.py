@@ -89,7 +89,7 @@ def haproxy(balance: str, lb_port: int, ports: list[int], work: Path) -> subproc
     """HAProxy with the shipped config, or the same with ``balance roundrobin``."""
     cfg = (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
     if balance == "roundrobin":
-        cfg = cfg.replace("balance hash req.hdr(Authorization)", "balance roundrobin")
+        cfg = cfg.replace("balance hash req.fhdr(authorization)", "balance roundrobin")
         cfg = cfg.replace("    hash-type consistent\n", "").replace(
             "    hash-balance-factor 150\n", "")
     path = work / f"haproxy-{balance}.cfg"

@@ -56,7 +56,7 @@ wait_healthy() {
 # One after the other: the first start converts the model, migrates and creates the demo key.
 for i in 1 2; do
   port_var=R${i}_PORT
-  "$BIN/saltserve" serve --port "${!port_var}" --replica-id "r$i" --drain-seconds 3 \
+  "$BIN/saltserve" serve --port "${!port_var}" --replica-id "r$i" --drain-seconds 5 \
       ${SERVE_ARGS:-} &
   pids+=($!)
   wait_healthy "${!port_var}"

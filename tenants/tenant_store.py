@@ -258,6 +258,8 @@ class TenantStore:
         """Changes a tenant's flags; None leaves a flag as it is.
 
         A disabled tenant's keys are refused (``TenantDisabled``) until it is enabled again.
+        Turning prefix caching off bumps ``cache_epoch`` in the same transaction (the caller
+        evicts; replicas that miss its broadcast evict on the tenant's next request).
         Limits (requests / tokens per minute, concurrent requests; enforced by ``app.limits``)
         take ``UNCHANGED`` (the default) to keep, None for unlimited, or an int >= 1; they apply
         from the tenant's next authenticated request. Changes are audited (only real changes).
@@ -305,6 +307,8 @@ class TenantStore:
             ):
                 row.enable_prefix_caching = enable_prefix_caching
                 changes.append(f"enable_prefix_caching={enable_prefix_caching}")
+                if not enable_prefix_caching:  # its cached blocks must go, on every replica
+                    row.cache_epoch += 1
             if weight is not None and weight != row.weight:
                 row.weight = weight
                 changes.append(f"weight={weight}")

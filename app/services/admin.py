@@ -78,29 +78,28 @@ class AdminService:
         self.generations.note_applied(tenant.id, tenant.current_salt_version, tenant.cache_epoch)
         dropped = await self.engine.evict_tenant_cache(tenant.id, reason)
         if self.events is not None:
-            await self.events.publish(tenant.id, tenant.current_salt_version,
-                                      tenant.cache_epoch, reason)
+            self.events.announce(tenant.id, reason)
         return dropped
 
-    async def _bump_epoch(self, tenant_id: str) -> TenantInfo:
-        return (await in_thread(self.repo.tenants.bump_cache_epoch, tenant_id))[0]
-
-    async def apply_event(self, event: dict) -> None:
-        """Applies another replica's eviction (``app.cluster.ClusterEvents``): every block of
-        every tenant for ``tenant_id`` None, else the tenant's blocks when the event's
-        generation is newer than the one this replica last saw."""
-        tenant_id = event.get("tenant_id")
+    async def apply_event(self, tenant_id: str | None) -> None:
+        """Applies another replica's eviction (``app.cluster.ClusterEvents``) of one tenant, or
+        of every tenant for None. The event is a hint: the generations come from the database,
+        and only a tenant whose salt version or cache epoch is newer than this replica last saw
+        is evicted (a forged or replayed event changes nothing)."""
         if tenant_id is None:
-            dropped = await self.engine.reset_prefix_cache()
-            for t in await self.list_tenants():
-                self.generations.note_applied(t.id, t.current_salt_version, t.cache_epoch)
+            tenants = await self.list_tenants()
         else:
-            reason = self.generations.note_seen(str(tenant_id), int(event["salt_version"]),
-                                                int(event["cache_epoch"]))
-            dropped = 0 if reason is None else await self.engine.evict_tenant_cache(
-                str(tenant_id), reason)
-        logger.info("applied a cache event from replica %s: tenant %s, %d blocks dropped",
-                    event.get("origin"), tenant_id or "all", dropped)
+            try:
+                tenants = [await in_thread(self.repo.tenants.get, tenant_id)]
+            except TenantNotFound:
+                return
+        dropped = 0
+        for t in tenants:
+            reason = self.generations.note_seen(t.id, t.current_salt_version, t.cache_epoch)
+            if reason is not None:
+                dropped += await self.engine.evict_tenant_cache(t.id, reason)
+        logger.info("applied a cache event: %s, %d blocks dropped",
+                    "every tenant" if tenant_id is None else f"tenant {tenant_id}", dropped)
 
     # -- tenants ----------------------------------------------------------------------------
     async def resolve_tenant(self, name_or_id: str) -> TenantInfo:
@@ -130,8 +129,7 @@ class AdminService:
         before = await self.resolve_tenant(tenant)
         after = await in_thread(self.repo.tenants.update, before.id, actor=actor, **changes)
         if before.enable_prefix_caching and not after.enable_prefix_caching:
-            after = await self._bump_epoch(before.id)
-            dropped = await self._evicted(after, "reset")
+            dropped = await self._evicted(after, "reset")  # the update bumped the epoch
             await in_thread(self.repo.usage.audit, actor, "cache.reset", before.id,
                             f"blocks={dropped} salt_version={after.current_salt_version} "
                             "cause=prefix_caching_off")
@@ -151,7 +149,8 @@ class AdminService:
     async def reset_tenant_cache(self, tenant: str, actor: str) -> dict:
         """Drops every cached block of one tenant (reason ``reset``, audited); running requests
         unharmed. Returns ``tenant_id`` and ``blocks_dropped``."""
-        t = await self._bump_epoch((await self.resolve_tenant(tenant)).id)
+        [t] = await in_thread(self.repo.tenants.bump_cache_epoch,
+                              (await self.resolve_tenant(tenant)).id)
         dropped = await self._evicted(t, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset", t.id,
                         f"blocks={dropped} salt_version={t.current_salt_version}")
@@ -163,7 +162,7 @@ class AdminService:
             self.generations.note_applied(t.id, t.current_salt_version, t.cache_epoch)
         dropped = await self.engine.reset_prefix_cache()
         if self.events is not None:
-            await self.events.publish(None, None, None, "reset")
+            self.events.announce(None, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset_all", None,
                         f"blocks={dropped}")
         return {"blocks_dropped": dropped}

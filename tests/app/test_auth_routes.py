@@ -179,6 +179,15 @@ def test_admin_token_reaches_admin_routes_and_metrics(env):
     assert env.client.get("/admin/tenants", headers=env.headers(SCRAPE)).status_code == 401
 
 
+def test_two_authorization_headers_are_no_credential(env):
+    """Which one would count is ambiguous (and a load balancer may hash the other)."""
+    for second in (env.key_a, env.key_b, "garbage"):
+        r = env.client.get("/v1/models", headers=[("Authorization", f"Bearer {env.key_a}"),
+                                                  ("Authorization", f"Bearer {second}")])
+        assert r.status_code == 401, second
+    assert env.client.get("/v1/models", headers=env.headers(env.key_a)).status_code == 200
+
+
 def test_tenant_routes_accept_api_keys_and_tenant_jwts(env):
     for token in (env.key_a, env.issue("tenant", env.tenant_a)):
         r = env.client.get("/v1/models", headers=env.headers(token))

@@ -5,6 +5,7 @@ KV cache, as separate processes would."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,6 +52,11 @@ class Replica:
                                    "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def evicted(self, tenant_id: str, reason: str) -> int:
+        stats = self.client.get("/admin/cache", headers=self.admin).json()
+        return next((t["evictions"].get(reason, 0) for t in stats["tenants"]
+                     if t["tenant_id"] == tenant_id), 0)
 
     def resident(self, tenant_id: str) -> int:
         stats = self.client.get("/admin/cache", headers=self.admin).json()
@@ -170,7 +176,10 @@ def test_a_replica_that_missed_the_broadcast_catches_up_on_the_next_request(clus
     assert lonely.cached(cluster.key_a, PROMPT_A) == 0  # ... the next request catches up
     assert lonely.cached(cluster.key_a, PROMPT_A) == 64
     r1.client.post(f"/admin/tenants/{cluster.a}/rotate-salt", headers=r1.admin)
+    assert lonely.resident(cluster.a) >= 4 and lonely.evicted(cluster.a, "salt_rotation") == 0
     assert lonely.cached(cluster.key_a, PROMPT_A) == 0
+    # The miss alone would hold from the new salt; the old blocks were released too.
+    assert lonely.evicted(cluster.a, "salt_rotation") >= 4
     assert lonely.cached(cluster.key_a, PROMPT_A) == 64
     assert lonely.cached(cluster.key_b, PROMPT_B) == 64  # B untouched throughout
 
@@ -206,11 +215,17 @@ def test_junk_on_the_channel_does_not_stop_a_replica_listening(cluster):
     warm(r2, cluster.key_a, PROMPT_A)
     hostile = redis.Redis.from_url(REDIS_URL)
     channel = ClusterConfig(REDIS_URL, cluster.namespace).channel
-    for junk in (b"not json", b"[]", b'{"tenant_id": "x"}', (b'{"tenant_id": 5, "salt_version":'
-                 b' "a", "cache_epoch": null}'), b"\xff\xfe"):
+    for junk in (b"not json", b"[]", b'{"tenant_id": "x"}', b'{"tenant_id": 5}', b"\xff\xfe",
+                 # Forged events: well-formed, but nothing changed in the database. An event
+                 # is only a hint, so they neither flush a cache nor pin a generation.
+                 json.dumps({"origin": "evil", "tenant_id": cluster.a}).encode(),
+                 json.dumps({"origin": "evil", "tenant_id": None}).encode()):
         hostile.publish(channel, junk)
+    time.sleep(0.3)
+    assert r2.resident(cluster.a) >= 4  # still cached: the forgeries changed nothing
+    assert r2.cached(cluster.key_a, PROMPT_A) == 64
     r1.client.post(f"/admin/tenants/{cluster.a}/cache/reset", headers=r1.admin)
-    within(1.0, lambda: r2.resident(cluster.a) == 0)
+    within(1.0, lambda: r2.resident(cluster.a) == 0)  # the real one still works
     assert r2.client.get("/health").status_code == 200
 
 

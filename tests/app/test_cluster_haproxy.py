@@ -130,6 +130,7 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[Cluster]:
                                 subject="ops", role="admin", tenant_id=None, ttl_s=3600)
         c = Cluster(lb, replicas, {"Authorization": f"Bearer {admin_jwt}"},
                     start_replica=start_replica)
+        add_tenants(c, 4)  # each test can run on its own
         yield c
     finally:
         stack.close()
@@ -165,11 +166,20 @@ def add_tenants(c: Cluster, n: int) -> None:
 
 
 def test_each_tenant_sticks_to_one_replica_and_its_repeats_hit(cluster):
-    add_tenants(cluster, 4)
     for tenant in cluster.keys:
         home = cluster.home(tenant)
         assert cluster.chat(tenant) > 0 and cluster.chat(tenant) > 0  # repeats hit ...
         assert cluster.home(tenant) == home  # ... on the same replica
+
+
+def test_a_second_authorization_header_cannot_steer_the_hash(cluster):
+    tenant = next(iter(cluster.keys))
+    headers = [("Authorization", f"Bearer {cluster.keys[tenant]}"),
+               ("Authorization", "Bearer steer-me-elsewhere")]
+    r = httpx.get(cluster.lb + "/v1/models", headers=headers)
+    assert r.status_code == 400  # refused by HAProxy
+    r = httpx.get(cluster.replicas["r1"].base + "/v1/models", headers=headers)
+    assert r.status_code == 401  # and by the server itself
 
 
 def test_a_rotation_through_r1_makes_the_next_request_on_r2_miss(cluster):
@@ -234,8 +244,9 @@ def test_sigterm_drains_a_replica_without_failing_a_request(cluster):
 
     long = threading.Thread(target=one, args=(on_r2[0], 48))
     long.start()
-    time.sleep(1.0)  # the long request runs on r2
+    time.sleep(1.0)
     r2 = cluster.replicas["r2"]
+    assert cluster.in_flight("r2") >= 1  # the long request runs on r2
     r2.process.send_signal(signal.SIGTERM)
     health = httpx.get(r2.base + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "draining"
@@ -290,8 +301,10 @@ def test_kill_9_under_load_fails_only_that_replicas_in_flight_requests(cluster):
         t.join(180)
     outcomes = [o for (_, o, _) in results]
     assert len(outcomes) == len(threads)  # nothing hangs
-    assert in_flight >= 1 and outcomes.count("ok") == len(threads) - in_flight, (
-        in_flight, outcomes)  # exactly r2's in-flight requests failed
+    failed = len(threads) - outcomes.count("ok")
+    # Only what r2 held when it died failed (a request can finish between the count and the
+    # kill, hence <=); the rest, on r1, completed.
+    assert 1 <= failed <= in_flight, (in_flight, outcomes)
     assert set(outcomes) <= {"ok", "InternalServerError"}  # a 502 from HAProxy
     # r2's tenants are served by r1 from now on (HAProxy retries refused connections).
     for t in on_r2:

@@ -105,3 +105,59 @@ def test_a_flooding_tenant_does_not_touch_anothers_window(pair):
     quiet = a.acquire("quiet", TenantLimits(rpm=5, tpm=1000), 0)
     assert quiet.headers["x-ratelimit-remaining-requests"] == "4"
     assert quiet.headers["x-ratelimit-remaining-tokens"] == "1000"
+
+
+def test_a_hung_redis_costs_one_timeout_per_breaker_interval_not_one_per_call():
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # accepts connections, never answers: a paused or partitioned Redis
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in range(16)],
+                     daemon=True).start()
+    port = server.getsockname()[1]
+    hung = RedisRateLimiter(f"redis://127.0.0.1:{port}/0", "test-hung",
+                            socket_timeout_s=0.2, retry_after_s=30)
+    limits = TenantLimits(rpm=100)
+    start = time.perf_counter()
+    hung.acquire("t", limits, 0)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(50):
+        hung.acquire("t", limits, 0).release(0)
+    rest = time.perf_counter() - start
+    assert 0.15 <= first < 1.0 and rest < 0.2, (first, rest)
+    server.close()
+
+
+def test_releases_lost_while_redis_was_away_are_retried(pair):
+    a, _ = pair
+    limits = TenantLimits(max_concurrent=1)
+    lease = a.acquire("t", limits, 0)
+    a._down_until = time.monotonic() + 60  # Redis goes away (the breaker is open)
+    lease.release(0)  # cannot reach Redis: kept for later
+    local = a.acquire("t", limits, 0)  # meanwhile this replica limits on its own
+    assert a._redis.zcard(a._keys("t")[4]) == 1  # the slot is still taken in Redis
+    local.release(0)
+    a._down_until = -float("inf")  # Redis is back
+    a.acquire("u", limits, 0)  # the next successful call retries the kept release ...
+    assert a._redis.zcard(a._keys("t")[4]) == 0  # ... and the slot is free again
+    a.acquire("t", limits, 0)
+
+
+def test_only_the_limits_a_tenant_has_keep_state(pair):
+    """A flood of cheap requests from a tenant with a concurrency limit only leaves no
+    per-request entries behind (every script stays cheap for everyone else)."""
+    a, _ = pair
+    for _ in range(200):
+        a.acquire("flood", TenantLimits(max_concurrent=5), 0).release(0)
+    req, tok, tokn, used, run = a._keys("flood")
+    assert a._redis.exists(req, tok, tokn) == 0 and a._redis.zcard(run) == 0
+    lease = a.acquire("flood", TenantLimits(tpm=100), 30)
+    lease.release(10)
+    assert int(a._redis.get(used)) == 10  # the running total follows refunds
+    lease2 = a.acquire("flood", TenantLimits(tpm=100), 50)
+    lease2.cancel()
+    assert int(a._redis.get(used)) == 10
