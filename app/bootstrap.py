@@ -80,10 +80,12 @@ def open_repository(settings: Settings) -> TenantRepository:
     try:
         db = make_engine(url)
         run_migrations(db)
-    except (ArgumentError, OperationalError, InterfaceError) as e:
+    except (ArgumentError, OperationalError, InterfaceError, ModuleNotFoundError) as e:
         where = make_url(url).render_as_string(hide_password=True) if not isinstance(
             e, ArgumentError) else "the configured URL"
         cause = str(getattr(e, "orig", None) or e).strip().splitlines()[0][:300]
+        if isinstance(e, ModuleNotFoundError):  # e.g. PostgreSQL without the driver
+            cause = f"its driver {e.name} is not installed (pip install 'saltserve[postgres]')"
         raise ValueError(f"cannot use the database at {where}: {cause}") from None
     check_sqlite_files(url)  # the files the first start just created
     key = load_or_create_master_key(settings.data_dir, settings.master_key)
