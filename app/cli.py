@@ -676,3 +676,62 @@ def cache_reset(tenant: str | None, url: str, **opts: Any) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@main.group()
+def bench() -> None:
+    """Benchmark prefix caching against a running server (docs/benchmarks.md)."""
+
+
+@bench.command("validate")
+@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
+              "http://127.0.0.1:8000]")
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+              help="A tenant's API key. [$SALTSERVE_API_KEY]")
+@click.option("--model", default=None, help="[the server's first model]")
+@click.option("--prefix-tokens", type=click.IntRange(min=1000), default=1000,
+              show_default=True, help="Length of the shared prefix.")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Cold / warm / negative triples, each on a new prefix.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="With --run-nonce, makes the prompts reproducible.")
+@click.option("--run-nonce", default=None,
+              help="Opens every prefix (so the cold ones are new to the server). [random; "
+                   "the report records it]")
+@click.option("--min-warm-drop", type=float, default=0.30, show_default=True,
+              help="Gate: warm TTFT at least this much below cold.")
+@click.option("--min-hit-rate", type=float, default=0.60, show_default=True,
+              help="Gate: warm cached_tokens / prompt tokens.")
+@click.option("--neg-min-ratio", type=float, default=0.70, show_default=True,
+              help="Gate: negative-control TTFT at least this share of cold.")
+@click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
+              help="Reads block size, pool size and device from /metrics. "
+                   "[$SALTSERVE_METRICS_TOKEN]")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full JSON report here.")
+def bench_validate(url: str | None, api_key: str, model: str | None, prefix_tokens: int,
+                   rounds: int, max_tokens: int, seed: int, min_warm_drop: float,
+                   min_hit_rate: float, neg_min_ratio: float, metrics_token: str | None,
+                   out: Path | None, run_nonce: str | None) -> None:
+    """The seed's cold / warm / negative-control test of prefix caching, with gates; exits 1
+    when a gate fails."""
+    import httpx
+
+    from app.bench.validate import Endpoint, Gates, format_report, run_validate
+
+    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
+    try:
+        endpoint = Endpoint(url, api_key, model, metrics_token=metrics_token)
+        with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
+            report = run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
+                                  Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
+                                  progress=lambda done, total: bar.update(1),
+                                  run_nonce=run_nonce)
+    except (httpx.HTTPError, RuntimeError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    click.echo(format_report(report))
+    if not report["passed"]:
+        raise SystemExit(1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -150,6 +150,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine_collector = EngineCollector(model_name)
         self.registry.register(self.engine_collector)
+        # vLLM's cache_config_info: the KV cache's shape, as labels of a constant 1 (what a
+        # benchmark report needs to be reproducible: `saltserve bench validate`).
+        self.cache_config = Gauge(PREFIX + "cache_config_info", "KV cache configuration "
+                                  "(labels); the value is always 1.",
+                                  ["model_name", "block_size", "num_gpu_blocks", "device",
+                                   "enable_prefix_caching"], registry=self.registry)
         tl = ["model_name", "tenant"]
         r = self.registry
         self.requests = Counter(

@@ -201,6 +201,9 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     # JWT verification (which may fetch an IdP's JWKS) runs on its own threads.
     app.state.jwt_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jwt")
     app.state.metrics = ServerMetrics(info.served_model_name)
+    app.state.metrics.cache_config.labels(
+        info.served_model_name, str(info.block_size), str(info.num_blocks), info.device,
+        str(info.enable_prefix_caching).lower()).set(1)
     refusals = app.state.metrics.admin_auth_refusals
     app.state.admin_refusals = AdminRefusals(lambda reason: refusals.labels(reason=reason).inc())
     app.state.metrics_token = metrics_token or None

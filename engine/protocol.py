@@ -47,6 +47,9 @@ class ModelInfo:
         vocab_size: valid token ids are ``[0, vocab_size)``.
         block_size: tokens per KV block (``cached_tokens`` is a multiple of it).
         num_blocks: KV blocks in the pool.
+        device: where the model runs (``cpu``, ``cuda``, ...).
+        enable_prefix_caching: whether the engine caches prefixes at all (per-tenant switches
+            come on top).
         eos_token_ids: token ids that end generation unless ``ignore_eos``.
         tokenizer: the Hugging Face tokenizer (chat template, encode); read-only use only.
         default_sampling: temperature / top_p / top_k / repetition_penalty defaults from the
@@ -59,6 +62,8 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     eos_token_ids: tuple[int, ...] = ()
+    device: str = "cpu"
+    enable_prefix_caching: bool = True
     tokenizer: Any = field(default=None, repr=False, compare=False)
     # Sampling defaults for fields a request omits (``engine.config.sampling_defaults``).
     default_sampling: dict[str, float] = field(default_factory=dict, compare=False)

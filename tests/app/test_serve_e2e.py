@@ -14,7 +14,9 @@ from serve_process import serve
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve")
-    with serve(model_dir, data_dir, "--log-format", "json", "--replica-id", "r1") as proc:
+    # 2,048-token context and 256 blocks: room for `bench validate`'s 1,000-token prefixes.
+    with serve(model_dir, data_dir, "--log-format", "json", "--replica-id", "r1",
+               "--max-model-len", "2048", "--num-gpu-blocks-override", "256") as proc:
         yield proc.base, data_dir
     assert "Traceback" not in proc.output, proc.output
     # stdout is a pipe (a log), not a terminal: the demo key's file is named, the key never.
@@ -23,12 +25,14 @@ def server(model_dir: Path, tmp_path_factory):
     # JSON log lines (click's own messages stay plain text), uvicorn's access log included,
     # each with the replica id, and the request and tenant ids while serving a request.
     logs = [json.loads(line) for line in proc.output.splitlines() if line.startswith("{")]
-    assert logs and all(r["replica_id"] == "r1" and {"timestamp", "level", "logger",
+    assert logs, proc.output[-2000:]
+    assert all(r["replica_id"] == "r1" and {"timestamp", "level", "logger",
                                                       "message"} <= set(r) for r in logs)
     access = [r for r in logs if r["logger"] == "uvicorn.access"]
-    chats = [r for r in access if r["path"] == "/v1/chat/completions" and r["status"] == 200]
-    assert chats and all(len(r["request_id"]) == 32 and len(r["tenant_id"]) == 32
-                         for r in chats)
+    served = [r for r in access if r["path"] in ("/v1/chat/completions", "/v1/completions")
+              and r["status"] == 200]
+    assert served and all(len(r["request_id"]) == 32 and len(r["tenant_id"]) == 32
+                          for r in served)
     assert "capital of France" not in proc.output  # prompts are never logged
 
 
@@ -167,3 +171,46 @@ def test_cli_cache_commands_talk_to_the_running_server(server):
     down = runner.invoke(main, ["cache", "stats", "--data-dir", str(data_dir), "--url",
                                 "http://127.0.0.1:9"])
     assert down.exit_code != 0 and "no server at" in down.output
+
+
+def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
+    """``saltserve bench validate`` (the seed's cold / warm / negative-control test) against
+    the real server: the demo tenant passes; a tenant with prefix caching off fails the warm
+    gates while its negative control still behaves."""
+    import httpx
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
+
+    base, data_dir = server
+    out = tmp_path / "validate.json"
+    demo = (data_dir / "demo-api-key").read_text().strip()
+    admin = {"Authorization": "Bearer " + issue_token(
+        load_or_create_platform_key(data_dir), JWTConfig(), subject="bench-test",
+        role="admin", tenant_id=None, ttl_s=600)}
+    r = CliRunner().invoke(main, ["bench", "validate", "--url", base, "--api-key", demo,
+                                  "--rounds", "2", "--out", str(out), "--metrics-token",
+                                  admin["Authorization"][7:]])  # an admin JWT reads /metrics
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["gates"]["warm_drop"]["value"] >= 0.3
+    assert report["cached_tokens"]["cold"] == [0, 0]
+    assert report["cached_tokens"]["negative"] == [0, 0]
+    assert all(c >= 960 for c in report["cached_tokens"]["warm"])
+    assert report["prompt_tokens"]["cold"] >= 1000
+    assert (report["block_size"], report["num_gpu_blocks"], report["device"]) == (16, 256, "cpu")
+    assert report["negative_control_first_changed_token"] == 0
+    assert len(report["tokenizer_hash"]) == 16 and report["model"] == "SmolLM2-135M-Instruct"
+
+    t = httpx.post(base + "/admin/tenants", headers=admin,
+                   json={"name": "no-cache", "enable_prefix_caching": False}).json()
+    key = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
+    r = CliRunner().invoke(main, ["bench", "validate", "--url", base, "--api-key", key["key"],
+                                  "--rounds", "2", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    report = json.loads(out.read_text())
+    gates = {name: g["passed"] for name, g in report["gates"].items()}
+    assert gates["warm_drop"] is False and gates["hit_rate"] is False
+    assert gates["cold_is_cold"] and gates["negative_control"]
+    assert "FAILED" in r.output

@@ -1,0 +1,1 @@
+"""``saltserve bench``: benchmarks an operator runs against a server (docs/benchmarks.md)."""
