@@ -735,3 +735,51 @@ def bench_validate(url: str | None, api_key: str, model: str | None, prefix_toke
     click.echo(format_report(report))
     if not report["passed"]:
         raise SystemExit(1)
+
+
+@bench.command("profiles")
+@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
+              "http://127.0.0.1:8000]")
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+              help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
+@click.option("--api-key-no-cache", required=True,
+              help="Key of a tenant with prefix caching off (saltserve tenants create "
+                   "bench-off --no-prefix-caching), for the off runs.")
+@click.option("--model", default=None, help="[the server's first model]")
+@click.option("--profile", "profiles", multiple=True,
+              type=click.Choice(["shared_system", "rag_document", "few_shot", "unique"]),
+              help="Run only these. [all four]")
+@click.option("--requests", type=click.IntRange(min=2), default=16, show_default=True,
+              help="Requests per run.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
+              help="Adds the server's own cache figures from /metrics. "
+                   "[$SALTSERVE_METRICS_TOKEN]")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full JSON report here.")
+def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: str | None,
+                   profiles: tuple[str, ...], requests: int, concurrency: int,
+                   max_tokens: int, seed: int, metrics_token: str | None,
+                   out: Path | None) -> None:
+    """The seed's four workload profiles (shared system prompt, RAG document, few-shot,
+    mostly unique), each with prefix caching on and off."""
+    import httpx
+
+    from app.bench.profiles import PROFILES, format_profiles, run_profiles
+    from app.bench.validate import Endpoint
+
+    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
+    chosen = profiles or PROFILES
+    try:
+        on = Endpoint(url, api_key, model, metrics_token=metrics_token)
+        off = Endpoint(url, api_key_no_cache, on.model)
+        with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
+            report = run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
+                                  metrics_token, progress=lambda name: bar.update(1))
+    except (httpx.HTTPError, RuntimeError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    click.echo(format_profiles(report))

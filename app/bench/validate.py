@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 # Common English words: prompts tokenise to about 1.3 tokens per word with most tokenizers.
-_WORDS = ("harbor", "cargo", "vessel", "crane", "berth", "manifest", "customs", "pallet", "freight", "container", "route", "schedule", "tide", "pilot", "anchor", "dock", "warehouse", "invoice", "ledger", "shipment", "carrier", "port", "inspection", "permit", "weight", "volume", "draft", "hull", "deck", "bridge", "engine", "fuel", "ballast", "signal", "beacon", "channel", "lock", "canal", "barge", "tug", "ferry", "terminal", "gate", "yard", "truck", "rail", "depot")
+WORDS = ("harbor", "cargo", "vessel", "crane", "berth", "manifest", "customs", "pallet", "freight", "container", "route", "schedule", "tide", "pilot", "anchor", "dock", "warehouse", "invoice", "ledger", "shipment", "carrier", "port", "inspection", "permit", "weight", "volume", "draft", "hull", "deck", "bridge", "engine", "fuel", "ballast", "signal", "beacon", "channel", "lock", "canal", "barge", "tug", "ferry", "terminal", "gate", "yard", "truck", "rail", "depot")
 PROBE = "The quick brown fox jumps over the lazy dog near the harbor at 12:30."
 
 
@@ -133,10 +133,10 @@ class Endpoint:
 
 def _prefix(rng: random.Random, run_nonce: str, words: int) -> list[str]:
     nonce = f"{run_nonce}-{rng.getrandbits(32):08x}"
-    return [f"Reference {nonce}:"] + [rng.choice(_WORDS) for _ in range(words)]
+    return [f"Reference {nonce}:"] + [rng.choice(WORDS) for _ in range(words)]
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
@@ -184,7 +184,7 @@ def run_validate(endpoint: Endpoint, prefix_tokens: int = 1000, rounds: int = 5,
 
     def ttft(samples: list[Sample]) -> dict[str, float]:
         values = [s.ttft_s for s in samples]
-        return {"p50_s": statistics.median(values), "p99_s": _percentile(values, 0.99),
+        return {"p50_s": statistics.median(values), "p99_s": percentile(values, 0.99),
                 "min_s": min(values), "max_s": max(values)}
 
     cold_t, warm_t, neg_t = ttft(cold), ttft(warm), ttft(neg)

@@ -214,3 +214,41 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
     assert gates["warm_drop"] is False and gates["hit_rate"] is False
     assert gates["cold_is_cold"] and gates["negative_control"]
     assert "FAILED" in r.output
+
+
+def test_bench_profiles_compare_caching_on_and_off(server, tmp_path):
+    """``saltserve bench profiles`` on two profiles: the shared system prompt hits with caching
+    on and never with it off; mostly unique prompts hit neither way; the server's own counters
+    agree with the responses' ``cached_tokens``."""
+    import httpx
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
+
+    base, data_dir = server
+    admin_jwt = issue_token(load_or_create_platform_key(data_dir), JWTConfig(),
+                            subject="bench-test", role="admin", tenant_id=None, ttl_s=600)
+    admin = {"Authorization": f"Bearer {admin_jwt}"}
+    t = httpx.post(base + "/admin/tenants", headers=admin,
+                   json={"name": "profiles-off", "enable_prefix_caching": False}).json()
+    off = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
+    out = tmp_path / "profiles.json"
+    r = CliRunner().invoke(main, [
+        "bench", "profiles", "--url", base, "--api-key",
+        (data_dir / "demo-api-key").read_text().strip(), "--api-key-no-cache", off["key"],
+        "--profile", "shared_system", "--profile", "unique", "--requests", "4",
+        "--concurrency", "2", "--max-tokens", "4", "--metrics-token", admin_jwt,
+        "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    shared, unique = report["profiles"]["shared_system"], report["profiles"]["unique"]
+    assert shared["on"]["prompt_tokens"] // 4 >= 1500  # the seed's >= 1,500-token prompt
+    assert shared["on"]["hit_rate"] > 0.7 and shared["off"]["hit_rate"] == 0
+    assert shared["on"]["ttft_p50_s"] < shared["off"]["ttft_p50_s"]
+    assert unique["on"]["hit_rate"] < 0.05 and unique["off"]["hit_rate"] == 0
+    for run in (shared["on"], shared["off"], unique["on"], unique["off"]):
+        assert run["metrics"]["hit_rate_agrees"], run["metrics"]
+        assert 0 < run["metrics"]["kv_usage_peak"] <= 1
+    assert report["cache_config"]["block_size"] == "16"
+    assert "on vs off: throughput" in r.output
