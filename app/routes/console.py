@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -542,22 +543,31 @@ async def revoke_key(key_id: str, request: Request, session: Mutation) -> Respon
     return _redirect(f"/tenants/{info.tenant_id}")
 
 
-@router.get("/tenants/{tenant}/rotate-salt")
-async def confirm_rotate_salt(tenant: str, request: Request, session: Session) -> Response:
-    """The confirm step: what a rotation drops, before it is done."""
+async def _confirm(request: Request, session: ConsoleSession, tenant: str, what: str,
+                   lines: Callable[[TenantInfo, int], list[str]]) -> Response:
+    """The confirm step of a tenant action (``what``: ``rotate-salt`` or ``cache/reset``): what
+    it drops, from the tenant's resident blocks now, before it is done."""
     t = await _tenant_or_404(request, session, tenant)
     if isinstance(t, Response):
         return t
     blocks = _tenant_cache(await _admin(request).cache_stats(), t.id)["resident_blocks"]
+    rotate = what == "rotate-salt"
     return _render(request, "confirm.html", session=session, page="tenants",
-                   title=f"Rotate the salt of {t.name}?",
-                   lines=[(f"The salt moves from version {t.current_salt_version} to "
-                          f"{t.current_salt_version + 1}."),
-                          (f"{blocks} cached blocks of {t.name} are dropped now; its next "
-                          "requests miss the prefix cache until it warms up again."),
-                          "API keys keep working; running requests are not harmed."],
-                   action=f"/tenants/{t.id}/rotate-salt", button="Rotate salt",
+                   title=(f"Rotate the salt of {t.name}?" if rotate
+                          else f"Reset the prefix cache of {t.name}?"),
+                   lines=lines(t, blocks), action=f"/tenants/{t.id}/{what}",
+                   button="Rotate salt" if rotate else "Reset cache",
                    cancel=f"/tenants/{t.id}")
+
+
+@router.get("/tenants/{tenant}/rotate-salt")
+async def confirm_rotate_salt(tenant: str, request: Request, session: Session) -> Response:
+    return await _confirm(request, session, tenant, "rotate-salt", lambda t, blocks: [
+        (f"The salt moves from version {t.current_salt_version} to "
+        f"{t.current_salt_version + 1}."),
+        (f"{blocks} cached blocks of {t.name} are dropped now; its next requests miss the "
+        "prefix cache until it warms up again."),
+        "API keys keep working; running requests are not harmed."])
 
 
 @router.post("/tenants/{tenant}/rotate-salt")
@@ -572,17 +582,10 @@ async def rotate_salt(tenant: str, request: Request, session: Mutation) -> Respo
 
 @router.get("/tenants/{tenant}/cache/reset")
 async def confirm_reset_tenant(tenant: str, request: Request, session: Session) -> Response:
-    t = await _tenant_or_404(request, session, tenant)
-    if isinstance(t, Response):
-        return t
-    blocks = _tenant_cache(await _admin(request).cache_stats(), t.id)["resident_blocks"]
-    return _render(request, "confirm.html", session=session, page="tenants",
-                   title=f"Reset the prefix cache of {t.name}?",
-                   lines=[(f"{blocks} cached blocks of {t.name} are dropped now; its next "
-                          "requests miss until the cache warms up again. The salt stays."),
-                          "Running requests are not harmed."],
-                   action=f"/tenants/{t.id}/cache/reset", button="Reset cache",
-                   cancel=f"/tenants/{t.id}")
+    return await _confirm(request, session, tenant, "cache/reset", lambda t, blocks: [
+        (f"{blocks} cached blocks of {t.name} are dropped now; its next requests miss until "
+        "the cache warms up again. The salt stays."),
+        "Running requests are not harmed."])
 
 
 @router.post("/tenants/{tenant}/cache/reset")
