@@ -783,3 +783,40 @@ def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: 
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     click.echo(format_profiles(report))
+
+
+@bench.command("tenants")
+@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
+              "http://127.0.0.1:8000]")
+@click.option("--admin-token", envvar="SALTSERVE_ADMIN_TOKEN", required=True,
+              help="An admin JWT: creates the run's tenants (disabled afterwards) and reads "
+                   "/metrics. [$SALTSERVE_ADMIN_TOKEN]")
+@click.option("--tenants", "n_tenants", type=click.IntRange(min=1), default=4,
+              show_default=True, help="Tenants with their own system prompt.")
+@click.option("--requests", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests per tenant, one at a time.")
+@click.option("--flood-requests", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Unique prompts the flooding tenant sends meanwhile.")
+@click.option("--flood-concurrency", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full JSON report here.")
+def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: int,
+                  flood_requests: int, flood_concurrency: int, max_tokens: int, seed: int,
+                  out: Path | None) -> None:
+    """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
+    the blocks the flood evicted from each."""
+    import httpx
+
+    from app.bench.tenants import format_tenants, run_tenants
+
+    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
+    try:
+        report = run_tenants(url, admin_token, n_tenants, requests, flood_requests,
+                             flood_concurrency, max_tokens, seed)
+    except (httpx.HTTPError, RuntimeError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    click.echo(format_tenants(report))

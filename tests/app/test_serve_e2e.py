@@ -252,3 +252,32 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path):
         assert 0 < run["metrics"]["kv_usage_peak"] <= 1
     assert report["cache_config"]["block_size"] == "16"
     assert "on vs off: throughput" in r.output
+
+
+def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
+
+    base, data_dir = server
+    admin_jwt = issue_token(load_or_create_platform_key(data_dir), JWTConfig(),
+                            subject="bench-test", role="admin", tenant_id=None, ttl_s=600)
+    out = tmp_path / "tenants.json"
+    r = CliRunner().invoke(main, ["bench", "tenants", "--url", base, "--admin-token",
+                                  admin_jwt, "--tenants", "2", "--requests", "3",
+                                  "--flood-requests", "6", "--flood-concurrency", "2",
+                                  "--max-tokens", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert len(report["per_tenant"]) == 2
+    for name, t in report["per_tenant"].items():
+        assert t["hit_rate"] > 0.8, (name, t)  # warm before the flood, still hitting during it
+        assert t["evicted_by_flooder"] <= t["evicted_blocks"]
+    # The run's tenants are disabled afterwards.
+    import httpx
+
+    tenants = httpx.get(base + "/admin/tenants", headers={
+        "Authorization": f"Bearer {admin_jwt}"}).json()["data"]
+    run = [t for t in tenants if t["name"].startswith(f"bench-{report['nonce']}-")]
+    assert len(run) == 3 and all(t["disabled"] for t in run)
