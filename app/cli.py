@@ -820,3 +820,52 @@ def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: i
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     click.echo(format_tenants(report))
+
+
+@bench.command("sweep")
+@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
+              "http://127.0.0.1:8000]")
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+              help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
+@click.option("--api-key-no-cache", required=True,
+              help="Key of a tenant with prefix caching off.")
+@click.option("--axis", type=click.Choice(["prefix_length"]), default="prefix_length",
+              show_default=True, help="What varies (only prefix_length so far).")
+@click.option("--values", default="250,500,1000,2000", show_default=True,
+              help="Comma-separated prefix lengths, tokens.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
+              help="Adds block size, pool and device to the report.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full JSON report here.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw the curves into this PNG (matplotlib: pip install 'saltserve[bench]').")
+def bench_sweep(url: str | None, api_key: str, api_key_no_cache: str, axis: str, values: str,
+                rounds: int, max_tokens: int, seed: int, metrics_token: str | None,
+                out: Path | None, plot: Path | None) -> None:
+    """TTFT against the shared prefix's length, caching on (cold, warm) and off."""
+    import httpx
+
+    from app.bench.sweep import format_sweep, plot_sweep, run_sweep
+    from app.bench.validate import Endpoint
+
+    try:
+        lengths = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated whole numbers", param_hint="--values") from None
+    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
+    try:
+        on = Endpoint(url, api_key, None, metrics_token=metrics_token)
+        off = Endpoint(url, api_key_no_cache, on.model)
+        with click.progressbar(length=len(lengths), label=axis, file=sys.stderr) as bar:
+            report = run_sweep(on, off, lengths, rounds, max_tokens, seed,
+                               progress=lambda _: bar.update(1))
+    except (httpx.HTTPError, RuntimeError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    if plot is not None:
+        plot_sweep(report, plot)
+    click.echo(format_sweep(report))

@@ -131,9 +131,21 @@ class Endpoint:
         return {}
 
 
-def _prefix(rng: random.Random, run_nonce: str, words: int) -> list[str]:
+def make_prefix(rng: random.Random, run_nonce: str, words: int) -> list[str]:
+    """A prefix no server has seen: ``Reference <run nonce>-<seeded nonce>:`` + ``words``
+    seeded words."""
     nonce = f"{run_nonce}-{rng.getrandbits(32):08x}"
     return [f"Reference {nonce}:"] + [rng.choice(WORDS) for _ in range(words)]
+
+
+def words_for(endpoint: Endpoint, tokens: int, seed: int, run_nonce: str) -> int:
+    """How many words make a prefix of about ``tokens`` tokens: counted by the server's
+    ``/tokenize`` when it has one, else ~1.3 tokens per word."""
+    words = max(1, int(tokens / 1.3))
+    counted = endpoint.tokenize(" ".join(make_prefix(random.Random(seed), run_nonce, words)))
+    if counted:
+        words = max(1, int(words * tokens / len(counted)) + 1)
+    return words
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -158,17 +170,12 @@ def run_validate(endpoint: Endpoint, prefix_tokens: int = 1000, rounds: int = 5,
     rng = random.Random(seed)
     run_nonce = run_nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     probe = endpoint.tokenize(PROBE)
-    # Size the prefix in tokens when the server can count them, else in words (~1.3 / word).
-    words = max(1, int(prefix_tokens / 1.3))
-    sample_prefix = " ".join(_prefix(random.Random(seed), run_nonce, words))
-    counted = endpoint.tokenize(sample_prefix)
-    if counted:
-        words = max(1, int(words * prefix_tokens / len(counted)) + 1)
+    words = words_for(endpoint, prefix_tokens, seed, run_nonce)
     endpoint.complete("Warm-up: say hello.", 2)  # the server's own first-request costs
     cold, warm, neg = [], [], []
     first_diff = None
     for r in range(rounds):
-        prefix = _prefix(rng, run_nonce, words)
+        prefix = make_prefix(rng, run_nonce, words)
         changed = ["Citation" + prefix[0].removeprefix("Reference"), *prefix[1:]]  # token 0
         text, neg_text = " ".join(prefix), " ".join(changed)
         cold.append(endpoint.complete(f"{text}\nQuestion {r}A: which berth?", max_tokens))

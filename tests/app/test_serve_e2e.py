@@ -281,3 +281,33 @@ def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path
         "Authorization": f"Bearer {admin_jwt}"}).json()["data"]
     run = [t for t in tenants if t["name"].startswith(f"bench-{report['nonce']}-")]
     assert len(run) == 3 and all(t["disabled"] for t in run)
+
+
+def test_bench_sweep_prefix_length_draws_the_curves(server, tmp_path):
+    import httpx
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
+
+    base, data_dir = server
+    admin = {"Authorization": "Bearer " + issue_token(
+        load_or_create_platform_key(data_dir), JWTConfig(), subject="bench-test",
+        role="admin", tenant_id=None, ttl_s=600)}
+    t = httpx.post(base + "/admin/tenants", headers=admin,
+                   json={"name": "sweep-off", "enable_prefix_caching": False}).json()
+    off = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = CliRunner().invoke(main, [
+        "bench", "sweep", "--url", base, "--api-key",
+        (data_dir / "demo-api-key").read_text().strip(), "--api-key-no-cache", off["key"],
+        "--values", "300,900", "--rounds", "1", "--out", str(out), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    points = json.loads(out.read_text())["points"]
+    assert [round(p["prefix_tokens"], -2) for p in points] == [300, 900]
+    for p in points:
+        assert p["warm_s"] < p["cold_s"] and p["warm_cached_tokens"][0] > 0
+    # A longer prefix costs more to prefill cold, and the warm share falls with it.
+    assert points[1]["off_s"] > points[0]["off_s"]
+    assert points[1]["warm_over_cold"] < points[0]["warm_over_cold"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
