@@ -29,13 +29,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.validate import WORDS, Endpoint, Sample, percentile
+from app.bench.validate import Endpoint, Sample, percentile, random_text
 
 PROFILES = ("shared_system", "rag_document", "few_shot", "unique")
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def profile_prompts(profile: str, n: int, seed: int, nonce: str) -> list[str]:
@@ -44,20 +40,20 @@ def profile_prompts(profile: str, n: int, seed: int, nonce: str) -> list[str]:
     head = f"Run {nonce}."
 
     def question(i: int) -> str:
-        return f"\nQuestion {i}: {_text(rng, 8)}?"
+        return f"\nQuestion {i}: {random_text(rng, 8)}?"
 
     if profile == "shared_system":
-        system = f"{head} System: you answer for the port authority. {_text(rng, 1450)}"
+        system = f"{head} System: you answer for the port authority. {random_text(rng, 1450)}"
         return [system + question(i) for i in range(n)]
     if profile == "rag_document":
-        docs = [f"{head} Document {d}: {_text(rng, 780)}" for d in range(3)]
+        docs = [f"{head} Document {d}: {random_text(rng, 780)}" for d in range(3)]
         return [docs[i % 3] + question(i) for i in range(n)]
     if profile == "few_shot":
         shots = f"{head} Examples: " + " ".join(
-            f"Q: {_text(rng, 12)}? A: {_text(rng, 20)}." for _ in range(20))
+            f"Q: {random_text(rng, 12)}? A: {random_text(rng, 20)}." for _ in range(20))
         return [shots + question(i) for i in range(n)]
     if profile == "unique":
-        return [f"{head} Request {i}: {_text(rng, 470)}" + question(i) for i in range(n)]
+        return [f"{head} Request {i}: {random_text(rng, 470)}" + question(i) for i in range(n)]
     raise ValueError(f"profile must be one of {', '.join(PROFILES)}")
 
 

@@ -20,11 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.validate import WORDS, Endpoint, Sample, percentile
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+from app.bench.validate import Endpoint, Sample, percentile, random_text
 
 
 def _evictions(url: str, admin: dict[str, str]) -> dict[tuple[str, str], float]:
@@ -61,21 +57,21 @@ def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
             created.append({"name": name, "id": t.json()["id"], "key": k.json()["key"]})
         victims, flooder = created[:-1], created[-1]
         rng = random.Random(seed)
-        systems = [f"Run {nonce}. System of tenant {i}: {_text(rng, 900)}"
+        systems = [f"Run {nonce}. System of tenant {i}: {random_text(rng, 900)}"
                    for i in range(tenants)]
         endpoints = [Endpoint(url, v["key"], model) for v in victims]
         for ep, system in zip(endpoints, systems, strict=True):  # each tenant's cache, warm
             ep.complete(system + "\nQuestion: warm-up?", max_tokens)
         before = _evictions(url, admin)
         flood_ep = Endpoint(url, flooder["key"], endpoints[0].model)
-        flood_prompts = [f"Run {nonce}. Flood {j}: {_text(rng, 700)}"
+        flood_prompts = [f"Run {nonce}. Flood {j}: {random_text(rng, 700)}"
                          for j in range(flood_requests)]
         results: dict[str, list[Sample]] = {v["name"]: [] for v in victims}
 
         def victim(i: int) -> None:
             for r in range(requests):
                 results[victims[i]["name"]].append(endpoints[i].complete(
-                    f"{systems[i]}\nQuestion {r}: {_text(random.Random(r), 6)}?", max_tokens))
+                    f"{systems[i]}\nQuestion {r}: {random_text(random.Random(r), 6)}?", max_tokens))
 
         threads = [threading.Thread(target=victim, args=(i,)) for i in range(tenants)]
         for t in threads:

@@ -131,6 +131,11 @@ class Endpoint:
         return {}
 
 
+def random_text(rng: random.Random, words: int) -> str:
+    """``words`` seeded words of ``WORDS``, space-separated."""
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
 def make_prefix(rng: random.Random, run_nonce: str, words: int) -> list[str]:
     """A prefix no server has seen: ``Reference <run nonce>-<seeded nonce>:`` + ``words``
     seeded words."""
