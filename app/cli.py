@@ -683,9 +683,15 @@ def bench() -> None:
     """Benchmark prefix caching against a running server (docs/benchmarks.md)."""
 
 
+def _bench_target(fn):  # --url and --out for every bench command
+    fn = click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                      help="Write the full JSON report here.")(fn)
+    return click.option("--url", envvar="SALTSERVE_URL", default="http://127.0.0.1:8000",
+                        show_default=True, help="The server. [$SALTSERVE_URL]")(fn)
+
+
 @bench.command("validate")
-@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
-              "http://127.0.0.1:8000]")
+@_bench_target
 @click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
               help="A tenant's API key. [$SALTSERVE_API_KEY]")
 @click.option("--model", default=None, help="[the server's first model]")
@@ -708,9 +714,7 @@ def bench() -> None:
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Reads block size, pool size and device from /metrics. "
                    "[$SALTSERVE_METRICS_TOKEN]")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the full JSON report here.")
-def bench_validate(url: str | None, api_key: str, model: str | None, prefix_tokens: int,
+def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int,
                    rounds: int, max_tokens: int, seed: int, min_warm_drop: float,
                    min_hit_rate: float, neg_min_ratio: float, metrics_token: str | None,
                    out: Path | None, run_nonce: str | None) -> None:
@@ -720,7 +724,6 @@ def bench_validate(url: str | None, api_key: str, model: str | None, prefix_toke
 
     from app.bench.validate import Endpoint, Gates, format_report, run_validate
 
-    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
     try:
         endpoint = Endpoint(url, api_key, model, metrics_token=metrics_token)
         with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
@@ -738,8 +741,7 @@ def bench_validate(url: str | None, api_key: str, model: str | None, prefix_toke
 
 
 @bench.command("profiles")
-@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
-              "http://127.0.0.1:8000]")
+@_bench_target
 @click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
               help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
 @click.option("--api-key-no-cache", required=True,
@@ -757,9 +759,7 @@ def bench_validate(url: str | None, api_key: str, model: str | None, prefix_toke
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds the server's own cache figures from /metrics. "
                    "[$SALTSERVE_METRICS_TOKEN]")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the full JSON report here.")
-def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: str | None,
+def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | None,
                    profiles: tuple[str, ...], requests: int, concurrency: int,
                    max_tokens: int, seed: int, metrics_token: str | None,
                    out: Path | None) -> None:
@@ -770,7 +770,6 @@ def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: 
     from app.bench.profiles import PROFILES, format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
-    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
     chosen = profiles or PROFILES
     try:
         on = Endpoint(url, api_key, model, metrics_token=metrics_token)
@@ -786,8 +785,7 @@ def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: 
 
 
 @bench.command("tenants")
-@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
-              "http://127.0.0.1:8000]")
+@_bench_target
 @click.option("--admin-token", envvar="SALTSERVE_ADMIN_TOKEN", required=True,
               help="An admin JWT: creates the run's tenants (disabled afterwards) and reads "
                    "/metrics. [$SALTSERVE_ADMIN_TOKEN]")
@@ -800,9 +798,7 @@ def bench_profiles(url: str | None, api_key: str, api_key_no_cache: str, model: 
 @click.option("--flood-concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the full JSON report here.")
-def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: int,
+def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
                   flood_requests: int, flood_concurrency: int, max_tokens: int, seed: int,
                   out: Path | None) -> None:
     """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
@@ -811,7 +807,6 @@ def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: i
 
     from app.bench.tenants import format_tenants, run_tenants
 
-    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
     try:
         report = run_tenants(url, admin_token, n_tenants, requests, flood_requests,
                              flood_concurrency, max_tokens, seed)
@@ -823,8 +818,7 @@ def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: i
 
 
 @bench.command("sweep")
-@click.option("--url", default=None, help="The server. [$SALTSERVE_URL or "
-              "http://127.0.0.1:8000]")
+@_bench_target
 @click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
               help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
 @click.option("--api-key-no-cache", required=True,
@@ -838,11 +832,9 @@ def bench_tenants(url: str | None, admin_token: str, n_tenants: int, requests: i
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds block size, pool and device to the report.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the full JSON report here.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the curves into this PNG (matplotlib: pip install 'saltserve[bench]').")
-def bench_sweep(url: str | None, api_key: str, api_key_no_cache: str, axis: str, values: str,
+def bench_sweep(url: str, api_key: str, api_key_no_cache: str, axis: str, values: str,
                 rounds: int, max_tokens: int, seed: int, metrics_token: str | None,
                 out: Path | None, plot: Path | None) -> None:
     """TTFT against the shared prefix's length, caching on (cold, warm) and off."""
@@ -855,7 +847,6 @@ def bench_sweep(url: str | None, api_key: str, api_key_no_cache: str, axis: str,
         lengths = tuple(int(v) for v in values.split(","))
     except ValueError:
         raise click.BadParameter("comma-separated whole numbers", param_hint="--values") from None
-    url = url or os.environ.get("SALTSERVE_URL", "http://127.0.0.1:8000")
     try:
         on = Endpoint(url, api_key, None, metrics_token=metrics_token)
         off = Endpoint(url, api_key_no_cache, on.model)
