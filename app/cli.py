@@ -683,6 +683,21 @@ def bench() -> None:
     """Benchmark prefix caching against a running server (docs/benchmarks.md)."""
 
 
+def _bench_report(url: str, out: Path | None, run: Any, fmt: Any) -> dict:
+    """Runs a bench (``run()``: its report), writes the JSON report to ``out`` and prints
+    ``fmt(report)``; an unreachable or refusing server is a one-line error."""
+    import httpx
+
+    try:
+        report = run()
+    except (httpx.HTTPError, RuntimeError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    click.echo(fmt(report))
+    return report
+
+
 def _bench_target(fn):  # --url and --out for every bench command
     fn = click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                       help="Write the full JSON report here.")(fn)
@@ -720,22 +735,18 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
                    out: Path | None, run_nonce: str | None) -> None:
     """The seed's cold / warm / negative-control test of prefix caching, with gates; exits 1
     when a gate fails."""
-    import httpx
 
     from app.bench.validate import Endpoint, Gates, format_report, run_validate
 
-    try:
+    def run() -> dict:
         endpoint = Endpoint(url, api_key, model, metrics_token=metrics_token)
         with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
-            report = run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
-                                  Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
-                                  progress=lambda done, total: bar.update(1),
-                                  run_nonce=run_nonce)
-    except (httpx.HTTPError, RuntimeError) as e:
-        raise click.ClickException(f"{url}: {e}") from None
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2))
-    click.echo(format_report(report))
+            return run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
+                                Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
+                                progress=lambda done, total: bar.update(1),
+                                run_nonce=run_nonce)
+
+    report = _bench_report(url, out, run, format_report)
     if not report["passed"]:
         raise SystemExit(1)
 
@@ -765,23 +776,20 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                    out: Path | None) -> None:
     """The seed's four workload profiles (shared system prompt, RAG document, few-shot,
     mostly unique), each with prefix caching on and off."""
-    import httpx
 
     from app.bench.profiles import PROFILES, format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
     chosen = profiles or PROFILES
-    try:
+
+    def run() -> dict:
         on = Endpoint(url, api_key, model, metrics_token=metrics_token)
         off = Endpoint(url, api_key_no_cache, on.model)
         with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
-            report = run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
-                                  metrics_token, progress=lambda name: bar.update(1))
-    except (httpx.HTTPError, RuntimeError) as e:
-        raise click.ClickException(f"{url}: {e}") from None
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2))
-    click.echo(format_profiles(report))
+            return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
+                                metrics_token, progress=lambda name: bar.update(1))
+
+    _bench_report(url, out, run, format_profiles)
 
 
 @bench.command("tenants")
@@ -803,18 +811,12 @@ def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
                   out: Path | None) -> None:
     """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
     the blocks the flood evicted from each."""
-    import httpx
 
     from app.bench.tenants import format_tenants, run_tenants
 
-    try:
-        report = run_tenants(url, admin_token, n_tenants, requests, flood_requests,
-                             flood_concurrency, max_tokens, seed)
-    except (httpx.HTTPError, RuntimeError) as e:
-        raise click.ClickException(f"{url}: {e}") from None
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2))
-    click.echo(format_tenants(report))
+    _bench_report(url, out, lambda: run_tenants(url, admin_token, n_tenants, requests,
+                                                flood_requests, flood_concurrency, max_tokens,
+                                                seed), format_tenants)
 
 
 @bench.command("sweep")
@@ -838,7 +840,6 @@ def bench_sweep(url: str, api_key: str, api_key_no_cache: str, axis: str, values
                 rounds: int, max_tokens: int, seed: int, metrics_token: str | None,
                 out: Path | None, plot: Path | None) -> None:
     """TTFT against the shared prefix's length, caching on (cold, warm) and off."""
-    import httpx
 
     from app.bench.sweep import format_sweep, plot_sweep, run_sweep
     from app.bench.validate import Endpoint
@@ -847,16 +848,13 @@ def bench_sweep(url: str, api_key: str, api_key_no_cache: str, axis: str, values
         lengths = tuple(int(v) for v in values.split(","))
     except ValueError:
         raise click.BadParameter("comma-separated whole numbers", param_hint="--values") from None
-    try:
+    def run() -> dict:
         on = Endpoint(url, api_key, None, metrics_token=metrics_token)
         off = Endpoint(url, api_key_no_cache, on.model)
         with click.progressbar(length=len(lengths), label=axis, file=sys.stderr) as bar:
-            report = run_sweep(on, off, lengths, rounds, max_tokens, seed,
-                               progress=lambda _: bar.update(1))
-    except (httpx.HTTPError, RuntimeError) as e:
-        raise click.ClickException(f"{url}: {e}") from None
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2))
+            return run_sweep(on, off, lengths, rounds, max_tokens, seed,
+                             progress=lambda _: bar.update(1))
+
+    report = _bench_report(url, out, run, format_sweep)
     if plot is not None:
         plot_sweep(report, plot)
-    click.echo(format_sweep(report))
