@@ -20,6 +20,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import click
 import pydantic
 
+from app.bench import PROFILES, SWEEP_AXES
 from app.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from app.settings import Settings
 from engine.config import EngineConfig
@@ -698,6 +699,12 @@ def _bench_report(url: str, out: Path | None, run: Any, fmt: Any) -> dict:
     return report
 
 
+def _bench_plot(fn):  # --plot for the bench commands that draw one
+    return click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        help="Also draw the results into this PNG (matplotlib: pip install "
+                             "'saltserve[bench]').")(fn)
+
+
 def _bench_target(fn):  # --url and --out for every bench command
     fn = click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                       help="Write the full JSON report here.")(fn)
@@ -760,7 +767,7 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
                    "bench-off --no-prefix-caching), for the off runs.")
 @click.option("--model", default=None, help="[the server's first model]")
 @click.option("--profile", "profiles", multiple=True,
-              type=click.Choice(["shared_system", "rag_document", "few_shot", "unique"]),
+              type=click.Choice(list(PROFILES)),
               help="Run only these. [all four]")
 @click.option("--requests", type=click.IntRange(min=2), default=16, show_default=True,
               help="Requests per run.")
@@ -770,26 +777,65 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds the server's own cache figures from /metrics. "
                    "[$SALTSERVE_METRICS_TOKEN]")
+@click.option("--peer", "peer_specs", multiple=True, metavar="NAME=URL[,KEY,MODEL]",
+              help="Also run every profile against this OpenAI-compatible server (e.g. vLLM "
+                   "with --enable-prefix-caching --enable-prompt-tokens-details); repeatable.")
+@click.option("--hf-baseline", is_flag=True,
+              help="Also run every profile through Hugging Face transformers generate in this "
+                   "process, one prompt at a time (loads the model: --hf-model).")
+@click.option("--hf-model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Hugging Face folder for --hf-baseline. [the bundled "
+                                 "SmolLM2-135M-Instruct, converted in --data-dir]")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the bundled model is converted. [./.saltserve; env SALTSERVE_DATA_DIR]")
+@_bench_plot
 def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | None,
                    profiles: tuple[str, ...], requests: int, concurrency: int,
                    max_tokens: int, seed: int, metrics_token: str | None,
-                   out: Path | None) -> None:
+                   out: Path | None, peer_specs: tuple[str, ...], hf_baseline: bool,
+                   hf_model: Path | None, data_dir: Path | None, plot: Path | None) -> None:
     """The seed's four workload profiles (shared system prompt, RAG document, few-shot,
-    mostly unique), each with prefix caching on and off."""
+    mostly unique), each with prefix caching on and off, beside any peers and HF generate."""
 
-    from app.bench.profiles import PROFILES, format_profiles, run_profiles
+    import httpx
+
+    from app.bench.baselines import HFGenerate, parse_peer
+    from app.bench.profiles import format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
     chosen = profiles or PROFILES
+    try:
+        peers = [parse_peer(spec) for spec in peer_specs]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--peer") from None
+    if len({p.name for p in peers}) != len(peers):
+        raise click.BadParameter("peer names must differ", param_hint="--peer")
 
     def run() -> dict:
         on = Endpoint(url, api_key, model, metrics_token=metrics_token)
         off = Endpoint(url, api_key_no_cache, on.model)
+        peer_eps = {}
+        for p in peers:
+            try:
+                peer_eps[p.name] = Endpoint(p.url, p.api_key, p.model, metrics_token=p.api_key)
+            except httpx.HTTPError as e:
+                raise RuntimeError(f"peer {p.name} at {p.url}: {e}") from None
+        hf = None
+        if hf_baseline:
+            from engine.weights import ensure_default_model
+
+            hf = HFGenerate(hf_model or ensure_default_model(_settings(data_dir=data_dir)
+                                                             .data_dir))
         with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
             return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
-                                metrics_token, progress=lambda name: bar.update(1))
+                                metrics_token, progress=lambda name: bar.update(1),
+                                peers=peer_eps, hf=hf)
 
-    _bench_report(url, out, run, format_profiles)
+    report = _bench_report(url, out, run, format_profiles)
+    if plot is not None:
+        from app.bench.plots import plot_profiles
+
+        plot_profiles(report, plot)
 
 
 @bench.command("tenants")
@@ -806,54 +852,91 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
 @click.option("--flood-concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@_bench_plot
 def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
                   flood_requests: int, flood_concurrency: int, max_tokens: int, seed: int,
-                  out: Path | None) -> None:
+                  out: Path | None, plot: Path | None) -> None:
     """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
     the blocks the flood evicted from each."""
 
     from app.bench.tenants import format_tenants, run_tenants
 
-    _bench_report(url, out, lambda: run_tenants(url, admin_token, n_tenants, requests,
-                                                flood_requests, flood_concurrency, max_tokens,
-                                                seed), format_tenants)
+    report = _bench_report(url, out, lambda: run_tenants(
+        url, admin_token, n_tenants, requests, flood_requests, flood_concurrency, max_tokens,
+        seed), format_tenants)
+    if plot is not None:
+        from app.bench.plots import plot_tenants
+
+        plot_tenants(report, plot)
 
 
 @bench.command("sweep")
 @_bench_target
-@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
-              help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
-@click.option("--api-key-no-cache", required=True,
-              help="Key of a tenant with prefix caching off.")
-@click.option("--axis", type=click.Choice(["prefix_length"]), default="prefix_length",
-              show_default=True, help="What varies (only prefix_length so far).")
-@click.option("--values", default="250,500,1000,2000", show_default=True,
-              help="Comma-separated prefix lengths, tokens.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", default=None,
+              help="Key of a tenant with prefix caching on (every axis but pool_size). "
+                   "[$SALTSERVE_API_KEY]")
+@click.option("--api-key-no-cache", default=None,
+              help="Key of a tenant with prefix caching off (every axis but pool_size).")
+@click.option("--axis", type=click.Choice(list(SWEEP_AXES)), default="prefix_length",
+              show_default=True, help="What varies (docs/benchmarks.md).")
+@click.option("--values", default=None,
+              help="Comma-separated values of the axis. [prefix_length 250,500,1000,2000 "
+                   "tokens; match_rate 0,0.25,0.5,0.75,1; concurrency 1,2,4,8; output_length "
+                   "1,16,64,128 tokens; pool_size 80,160,240,320 blocks]")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="prefix_length: cold / warm / off triples per value.")
+@click.option("--requests", type=click.IntRange(min=1), default=12, show_default=True,
+              help="Requests per run (every other axis).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
+              help="output_length: requests in flight.")
+@click.option("--prefix-tokens", type=click.IntRange(min=16), default=1000, show_default=True,
+              help="match_rate, pool_size: length of each prefix / document.")
+@click.option("--documents", type=click.IntRange(min=1), default=3, show_default=True,
+              help="pool_size: documents asked about in turn.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds block size, pool and device to the report.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Draw the curves into this PNG (matplotlib: pip install 'saltserve[bench]').")
-def bench_sweep(url: str, api_key: str, api_key_no_cache: str, axis: str, values: str,
-                rounds: int, max_tokens: int, seed: int, metrics_token: str | None,
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False,
+                                                     path_type=Path), default=None,
+              help="pool_size: the model its servers load. [the bundled SmolLM2-135M-Instruct, "
+                   "converted in --data-dir]")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="pool_size: where the bundled model is converted. [./.saltserve]")
+@_bench_plot
+def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axis: str,
+                values: str | None, rounds: int, requests: int, concurrency: int,
+                prefix_tokens: int, documents: int, max_tokens: int, seed: int,
+                metrics_token: str | None, model_dir: Path | None, data_dir: Path | None,
                 out: Path | None, plot: Path | None) -> None:
-    """TTFT against the shared prefix's length, caching on (cold, warm) and off."""
+    """One axis at a time (prefix length, match rate, concurrency, output length, pool size),
+    caching on and off; pool_size starts its own servers and needs no --url."""
 
-    from app.bench.sweep import format_sweep, plot_sweep, run_sweep
+    from app.bench.plots import plot_sweep
+    from app.bench.sweep import DEFAULT_VALUES, format_sweep, parse_values, run_sweep
     from app.bench.validate import Endpoint
 
     try:
-        lengths = tuple(int(v) for v in values.split(","))
-    except ValueError:
-        raise click.BadParameter("comma-separated whole numbers", param_hint="--values") from None
+        chosen = parse_values(axis, values or DEFAULT_VALUES[axis])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--values") from None
+    if axis != "pool_size" and not (api_key and api_key_no_cache):
+        raise click.UsageError(f"--axis {axis} needs --api-key and --api-key-no-cache")
+
     def run() -> dict:
-        on = Endpoint(url, api_key, None, metrics_token=metrics_token)
-        off = Endpoint(url, api_key_no_cache, on.model)
-        with click.progressbar(length=len(lengths), label=axis, file=sys.stderr) as bar:
-            return run_sweep(on, off, lengths, rounds, max_tokens, seed,
-                             progress=lambda _: bar.update(1))
+        with click.progressbar(length=len(chosen), label=axis, file=sys.stderr) as bar:
+            kwargs = {"rounds": rounds, "max_tokens": max_tokens, "seed": seed,
+                      "requests": requests, "concurrency": concurrency,
+                      "prefix_tokens": prefix_tokens, "documents": documents,
+                      "progress": lambda _: bar.update(1)}
+            if axis == "pool_size":
+                from engine.weights import ensure_default_model
+
+                model = model_dir or ensure_default_model(_settings(data_dir=data_dir).data_dir)
+                return run_sweep(axis, chosen, model_dir=model, **kwargs)
+            on = Endpoint(url, api_key, None, metrics_token=metrics_token)
+            off = Endpoint(url, api_key_no_cache, on.model)
+            return run_sweep(axis, chosen, on, off, **kwargs)
 
     report = _bench_report(url, out, run, format_sweep)
     if plot is not None:

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,18 +39,25 @@ def serve(model_dir: Path, data_dir: Path, *args: str, port: int | None = None,
     """Starts the server on the bundled model (``--max-model-len 512``,
     ``--num-gpu-blocks-override 96`` and ``args``) on ``port`` (default: a free one), waits
     for ``/health``; on exit stops it (SIGTERM, then SIGKILL after 30 s) and keeps its output
-    in ``.output``."""
+    in ``.output``. The output goes to a file while it runs: a pipe nobody reads fills after
+    64 KiB of log lines and then blocks the server's event loop on its next log write."""
     port = port or free_port()
     env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model",
            str(model_dir), "--max-model-len", "512", "--num-gpu-blocks-override", "96", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile(mode="w+", prefix=f"serve-{port}-")  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", data_dir, proc, port)
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
+
     try:
         deadline = time.time() + startup_timeout_s
         while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, output()
             try:
                 if httpx.get(server.base + "/health", timeout=1).status_code == 200:
                     break
@@ -61,7 +69,9 @@ def serve(model_dir: Path, data_dir: Path, *args: str, port: int | None = None,
     finally:
         proc.terminate()
         try:
-            server.output, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            server.output, _ = proc.communicate()
+            proc.wait()
+        server.output = output()
+        log.close()

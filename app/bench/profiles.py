@@ -29,9 +29,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.validate import Endpoint, Sample, percentile, random_text
-
-PROFILES = ("shared_system", "rag_document", "few_shot", "unique")
+from app.bench import PROFILES
+from app.bench.baselines import HFGenerate, run_hf, summarise
+from app.bench.validate import Endpoint, Sample, random_text
 
 
 def profile_prompts(profile: str, n: int, seed: int, nonce: str) -> list[str]:
@@ -58,8 +58,9 @@ def profile_prompts(profile: str, n: int, seed: int, nonce: str) -> list[str]:
 
 
 class MetricsProbe:
-    """Reads the server's ``/metrics`` (saltserve's names): counters before and after a run,
-    and ``kv_cache_usage_perc`` sampled in the background while it runs."""
+    """Reads a server's ``/metrics`` (saltserve's names, or vLLM's, which match them): counters
+    before and after a run, and ``kv_cache_usage_perc`` sampled in the background while it
+    runs. vLLM counts no evictions: 0."""
 
     def __init__(self, url: str, token: str | None) -> None:
         self.url = url
@@ -76,12 +77,11 @@ class MetricsProbe:
         if r.status_code != 200:
             return None
         out = {"queries": 0.0, "hits": 0.0, "evictions": 0.0, "kv_usage": 0.0}
-        names = {"saltserve:prefix_cache_queries": "queries",
-                 "saltserve:prefix_cache_hits": "hits",
-                 "saltserve:prefix_cache_evictions": "evictions",
-                 "saltserve:kv_cache_usage_perc": "kv_usage"}
+        names = {"prefix_cache_queries": "queries", "prefix_cache_hits": "hits",
+                 "prefix_cache_evictions": "evictions", "kv_cache_usage_perc": "kv_usage"}
         for family in text_string_to_metric_families(r.text):
-            key = names.get(family.name)
+            prefix, _, name = family.name.partition(":")
+            key = names.get(name) if prefix in ("saltserve", "vllm") else None
             if key is None:
                 continue
             for sample in family.samples:
@@ -122,20 +122,7 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
     if probe:
         probe.stop()
     after = probe.read() if probe else None
-    ttfts = [s.ttft_s for s in samples]
-    prompt = sum(s.prompt_tokens for s in samples)
-    cached = sum(s.cached_tokens for s in samples)
-    itl = [(s.total_s - s.ttft_s) / (s.completion_tokens - 1) for s in samples
-           if s.completion_tokens > 1]
-    out: dict[str, Any] = {
-        "requests": len(samples), "wall_s": wall,
-        "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": percentile(ttfts, 0.95),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-        "itl_mean_s": statistics.fmean(itl) if itl else None,
-        "requests_per_s": len(samples) / wall, "prefill_tokens_per_s": (prompt - cached) / wall,
-        "prompt_tokens": prompt, "cached_tokens": cached,
-        "hit_rate": cached / prompt if prompt else 0.0,
-    }
+    out = summarise(samples, wall)
     if before is not None and after is not None:
         queried = after["queries"] - before["queries"]
         hits = after["hits"] - before["hits"]
@@ -148,7 +135,7 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
             # The server counts tokens of every tenant: agreement within 2 points when this run
             # is the only traffic (a tenant with caching off is not looked up at all).
             "hit_rate_agrees": abs(hits / queried - out["hit_rate"]) <= 0.02 if queried
-            else cached == 0,
+            else out["cached_tokens"] == 0,
         }
     return out
 
@@ -156,11 +143,19 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
 def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: int = 4,
                  max_tokens: int = 16, seed: int = 0, profiles: tuple[str, ...] = PROFILES,
                  metrics_token: str | None = None, progress: Any = None,
-                 nonce: str | None = None) -> dict[str, Any]:
-    """Every profile with caching on (``on``'s tenant) and off (``off``'s); the report."""
+                 nonce: str | None = None, peers: dict[str, Endpoint] | None = None,
+                 hf: HFGenerate | None = None) -> dict[str, Any]:
+    """Every profile with caching on (``on``'s tenant) and off (``off``'s), then on each of
+    ``peers`` (name -> endpoint) and through ``hf`` (``generate``, one prompt at a time); the
+    report, with ours (caching on) over each of the others."""
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
+    peers = peers or {}
     probe = MetricsProbe(on.url, metrics_token) if metrics_token else None
     on.complete("Warm-up: say hello.", 2)
+    for peer in peers.values():
+        peer.complete("Warm-up: say hello.", 2)
+    if hf is not None:
+        hf.complete("Warm-up: say hello.", 2)
     results: dict[str, Any] = {}
     for name in profiles:
         prompts = profile_prompts(name, requests, seed, nonce)
@@ -169,27 +164,55 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
         results[name] = {"off": run_profile(off, prompts, concurrency, max_tokens, probe),
                          "on": run_profile(on, prompts, concurrency, max_tokens, probe)}
         r = results[name]
-        r["throughput_on_vs_off"] = r["on"]["requests_per_s"] / r["off"]["requests_per_s"]
-        r["ttft_p50_off_vs_on"] = r["off"]["ttft_p50_s"] / r["on"]["ttft_p50_s"]
+        r["peers"] = {peer_name: run_profile(peer, prompts, concurrency, max_tokens,
+                                             MetricsProbe(peer.url, peer.metrics_token))
+                      for peer_name, peer in peers.items()}
+        if hf is not None:
+            r["hf_generate"] = run_hf(hf, prompts, max_tokens)
+        others = {"caching off": r["off"], **r["peers"]}
+        if hf is not None:
+            others["hf_generate"] = r["hf_generate"]
+        r["ours_vs"] = {other: {
+            "throughput": r["on"]["requests_per_s"] / x["requests_per_s"],
+            "ttft_p50_lower": x["ttft_p50_s"] / r["on"]["ttft_p50_s"]}
+            for other, x in others.items()}
+        r["throughput_on_vs_off"] = r["ours_vs"]["caching off"]["throughput"]
+        r["ttft_p50_off_vs_on"] = r["ours_vs"]["caching off"]["ttft_p50_lower"]
         if progress is not None:
             progress(name)
     return {"test": "profiles", "url": on.url, "model": on.model, "seed": seed,
             "nonce": nonce, "requests": requests, "concurrency": concurrency,
-            "max_tokens": max_tokens, "cache_config": on.cache_config(), "profiles": results}
+            "max_tokens": max_tokens, "cache_config": on.cache_config(),
+            "peers": {n: {"url": p.url, "model": p.model, "cache_config": p.cache_config()}
+                      for n, p in peers.items()},
+            "hf_generate": {"model_dir": str(hf.model_dir)} if hf is not None else None,
+            "profiles": results}
 
 
 def format_profiles(report: dict[str, Any]) -> str:
     lines = [(f"model {report['model']} at {report['url']}: {report['requests']} requests per "
-             f"run, concurrency {report['concurrency']}, max_tokens {report['max_tokens']}"),
-             (f"{'profile':14} {'cache':5} {'TTFT p50':>9} {'p95':>7} {'p99':>7} {'ITL ms':>7} "
-             f"{'req/s':>6} {'prefill tok/s':>13} {'hit rate':>8}")]
+              f"run, concurrency {report['concurrency']}, max_tokens {report['max_tokens']}")]
+    ours_block = report["cache_config"].get("block_size", "?")
+    for name, peer in report.get("peers", {}).items():
+        block = peer["cache_config"].get("block_size", "?")
+        note = "" if block == ours_block else " (differs: prefixes are reused in whole blocks)"
+        lines.append(f"block size: ours {ours_block}, {name} {block}{note}")
+    if report.get("hf_generate"):
+        lines.append("hf_generate: transformers generate, one prompt at a time, fp32, greedy")
+    lines.append(f"{'profile':14} {'run':16} {'TTFT p50':>9} {'p95':>7} {'p99':>7} "
+                 f"{'ITL ms':>7} {'req/s':>6} {'out tok/s':>9} {'prefill tok/s':>13} "
+                 f"{'hit rate':>8}")
     for name, r in report["profiles"].items():
-        for mode in ("off", "on"):
-            x = r[mode]
+        runs = {"ours, cache off": r["off"], "ours, cache on": r["on"], **r.get("peers", {})}
+        if r.get("hf_generate"):
+            runs["hf_generate"] = r["hf_generate"]
+        for run, x in runs.items():
             itl = f"{1000 * x['itl_mean_s']:7.1f}" if x["itl_mean_s"] is not None else "      -"
-            lines.append(f"{name:14} {mode:5} {x['ttft_p50_s']:8.3f}s {x['ttft_p95_s']:6.2f}s "
+            lines.append(f"{name:14} {run:16} {x['ttft_p50_s']:8.3f}s {x['ttft_p95_s']:6.2f}s "
                          f"{x['ttft_p99_s']:6.2f}s {itl} {x['requests_per_s']:6.2f} "
-                         f"{x['prefill_tokens_per_s']:13.0f} {100 * x['hit_rate']:7.1f}%")
-        lines.append(f"{'':14} on vs off: throughput {r['throughput_on_vs_off']:.2f}x, TTFT p50 "
-                     f"{r['ttft_p50_off_vs_on']:.2f}x lower")
+                         f"{x['output_tokens_per_s']:9.1f} {x['prefill_tokens_per_s']:13.0f} "
+                         f"{100 * x['hit_rate']:7.1f}%")
+        for other, v in r["ours_vs"].items():
+            lines.append(f"{'':14} ours (cache on) vs {other}: throughput "
+                         f"{v['throughput']:.2f}x, TTFT p50 {v['ttft_p50_lower']:.2f}x lower")
     return "\n".join(lines)

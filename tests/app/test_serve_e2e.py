@@ -216,10 +216,12 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
     assert "FAILED" in r.output
 
 
-def test_bench_profiles_compare_caching_on_and_off(server, tmp_path):
+def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
     """``saltserve bench profiles`` on two profiles: the shared system prompt hits with caching
     on and never with it off; mostly unique prompts hit neither way; the server's own counters
-    agree with the responses' ``cached_tokens``."""
+    agree with the responses' ``cached_tokens``. Beside them, the same prompts on a peer (this
+    server again, as another tenant: the plumbing of ``--peer``) and through Hugging Face
+    ``generate``, with a plot of them all."""
     import httpx
     from click.testing import CliRunner
 
@@ -233,13 +235,16 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path):
     t = httpx.post(base + "/admin/tenants", headers=admin,
                    json={"name": "profiles-off", "enable_prefix_caching": False}).json()
     off = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
-    out = tmp_path / "profiles.json"
+    t = httpx.post(base + "/admin/tenants", headers=admin, json={"name": "profiles-peer"}).json()
+    peer = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
+    out, png = tmp_path / "profiles.json", tmp_path / "profiles.png"
     r = CliRunner().invoke(main, [
         "bench", "profiles", "--url", base, "--api-key",
         (data_dir / "demo-api-key").read_text().strip(), "--api-key-no-cache", off["key"],
         "--profile", "shared_system", "--profile", "unique", "--requests", "4",
         "--concurrency", "2", "--max-tokens", "4", "--metrics-token", admin_jwt,
-        "--out", str(out)])
+        "--peer", f"self={base}/v1,{peer['key']}", "--hf-baseline", "--hf-model",
+        str(model_dir), "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     shared, unique = report["profiles"]["shared_system"], report["profiles"]["unique"]
@@ -251,7 +256,15 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path):
         assert run["metrics"]["hit_rate_agrees"], run["metrics"]
         assert 0 < run["metrics"]["kv_usage_peak"] <= 1
     assert report["cache_config"]["block_size"] == "16"
-    assert "on vs off: throughput" in r.output
+    assert "ours (cache on) vs caching off: throughput" in r.output
+    # The peer (a tenant of its own: its first prompt is cold) hits like ours; generate never.
+    peer_run, hf = shared["peers"]["self"], shared["hf_generate"]
+    assert peer_run["prompt_tokens"] == hf["prompt_tokens"] == shared["on"]["prompt_tokens"]
+    assert peer_run["hit_rate"] > 0.7 and hf["hit_rate"] == 0
+    assert hf["output_tokens_per_s"] > 0 and hf["ttft_p50_s"] < hf["wall_s"]
+    assert set(shared["ours_vs"]) == {"caching off", "self", "hf_generate"}
+    assert "ours (cache on) vs hf_generate: throughput" in r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path):
@@ -267,10 +280,12 @@ def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path
     r = CliRunner().invoke(main, ["bench", "tenants", "--url", base, "--admin-token",
                                   admin_jwt, "--tenants", "2", "--requests", "3",
                                   "--flood-requests", "6", "--flood-concurrency", "2",
-                                  "--max-tokens", "2", "--out", str(out)])
+                                  "--max-tokens", "2", "--out", str(out), "--plot",
+                                  str(tmp_path / "tenants.png")])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     assert len(report["per_tenant"]) == 2
+    assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
     for name, t in report["per_tenant"].items():
         assert t["hit_rate"] > 0.8, (name, t)  # warm before the flood, still hitting during it
         assert t["evicted_by_flooder"] <= t["evicted_blocks"]
@@ -311,3 +326,27 @@ def test_bench_sweep_prefix_length_draws_the_curves(server, tmp_path):
     assert points[1]["off_s"] > points[0]["off_s"]
     assert points[1]["warm_over_cold"] < points[0]["warm_over_cold"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
+    """``saltserve bench sweep --axis pool_size`` starts a real server per pool size: with two
+    300-token documents (19 blocks each) taken in turn, a 24-block pool cannot keep both: each
+    request evicts most of the other's blocks (tail first, as vLLM does, so a few head blocks
+    survive and a little still hits); a 100-block pool keeps both, so the second round hits
+    every whole block."""
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    out, png = tmp_path / "pool.json", tmp_path / "pool.png"
+    r = CliRunner().invoke(main, [
+        "bench", "sweep", "--axis", "pool_size", "--values", "24,100", "--requests", "4",
+        "--documents", "2", "--prefix-tokens", "300", "--max-tokens", "2", "--model",
+        str(model_dir), "--out", str(out), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    small, large = json.loads(out.read_text())["points"]
+    assert (small["value"], large["value"]) == (24, 100)
+    assert small["on"]["hit_rate"] < 0.2
+    # Requests 3 and 4 reuse their document's whole blocks: about half of all prompt tokens.
+    assert 0.4 < large["on"]["hit_rate"] < 0.5
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,104 @@
+"""The PNG plots of ``saltserve bench`` (matplotlib, the ``bench`` extra: ``pip install
+'saltserve[bench]'``): TTFT or throughput against a sweep's axis, hit rate against pool size,
+throughput per profile, and per-tenant hit rate beside a flood."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _figure(width: float = 7.0) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, 4.2), dpi=120)
+
+
+def _save(fig: Any, ax: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# axis -> x label, y label, [(run, figure, legend)]; prefix_length's points have their own keys.
+_PLOTS = {
+    "match_rate": ("share of prompts on a cached prefix", "TTFT, median (s)",
+                   [("off", "ttft_p50_s", "caching off"), ("on", "ttft_p50_s", "caching on")]),
+    "concurrency": ("requests in flight", "requests / s",
+                    [("off", "requests_per_s", "caching off"),
+                     ("on", "requests_per_s", "caching on")]),
+    "output_length": ("max_tokens", "output tokens / s",
+                      [("off", "output_tokens_per_s", "caching off"),
+                       ("on", "output_tokens_per_s", "caching on")]),
+    "pool_size": ("KV pool (blocks of 16 tokens)", "hit rate (cached / prompt tokens)",
+                  [("on", "hit_rate", "caching on")]),
+}
+
+
+def plot_sweep(report: dict[str, Any], path: Path) -> None:
+    """``bench sweep``'s curves as a PNG."""
+    points, axis = report["points"], report["axis"]
+    fig, ax = _figure()
+    if axis == "prefix_length":
+        x = [p["prefix_tokens"] for p in points]
+        for key, label, style in (("off_s", "caching off", "o-"),
+                                  ("cold_s", "caching on, cold", "s--"),
+                                  ("warm_s", "caching on, warm", "^-")):
+            ax.plot(x, [p[key] for p in points], style, label=label)
+        xlabel, ylabel = "prompt tokens (shared prefix + question)", "TTFT, median (s)"
+    else:
+        xlabel, ylabel, series = _PLOTS[axis]
+        x = [p["value"] for p in points]
+        for (run, key, label), style in zip(series, ("o-", "^-"), strict=False):
+            ax.plot(x, [p[run][key] for p in points], style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel} vs {axis.replace('_', ' ')}: {report['model']}")
+    _save(fig, ax, path)
+
+
+def plot_profiles(report: dict[str, Any], path: Path) -> None:
+    """``bench profiles``: requests/s of every run (ours on and off, peers, HF generate) per
+    profile, as grouped bars."""
+    profiles = list(report["profiles"])
+    runs = ["ours, cache off", "ours, cache on", *report.get("peers", {})]
+    if report.get("hf_generate"):
+        runs.append("hf_generate")
+
+    def value(profile: dict[str, Any], run: str) -> float:
+        x = {"ours, cache off": profile["off"], "ours, cache on": profile["on"],
+             "hf_generate": profile.get("hf_generate"), **profile.get("peers", {})}[run]
+        return x["requests_per_s"]
+
+    fig, ax = _figure(max(7.0, 1.6 * len(profiles) * len(runs) / 2))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(profiles))]
+        ax.bar(xs, [value(report["profiles"][p], run) for p in profiles], width, label=run)
+    ax.set_xticks(range(len(profiles)), [p.replace("_", " ") for p in profiles])
+    ax.set_ylabel("requests / s")
+    ax.set_title(f"Throughput per profile: {report['model']}, concurrency "
+                 f"{report['concurrency']}, max_tokens {report['max_tokens']}")
+    _save(fig, ax, path)
+
+
+def plot_tenants(report: dict[str, Any], path: Path) -> None:
+    """``bench tenants``: each tenant's hit rate and the blocks the flood evicted from it."""
+    names = list(report["per_tenant"])
+    fig, ax = _figure()
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [100 * report["per_tenant"][n]["hit_rate"] for n in names],
+           0.4, label="hit rate (%)")
+    ax.bar([x + 0.2 for x in xs], [report["per_tenant"][n]["evicted_by_flooder"] for n in names],
+           0.4, label="blocks evicted by the flood")
+    ax.set_xticks(list(xs), [n.rsplit("-", 1)[-1] for n in names])
+    ax.set_title(f"Per-tenant hit rate beside a flood of {report['flood_requests']} unique "
+                 "prompts")
+    _save(fig, ax, path)

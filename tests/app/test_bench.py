@@ -1,0 +1,160 @@
+"""``saltserve bench`` without a server: peers and baselines, the sweep axes, the plots and the
+refusals of bad options, against a server double (the end-to-end runs on the real model are in
+``test_serve_e2e.py``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from app.bench.baselines import Peer, parse_peer
+from app.bench.profiles import format_profiles, run_profiles
+from app.bench.sweep import match_rate_prompts, parse_values, run_sweep
+from app.bench.validate import Sample
+from app.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeServer:
+    """An OpenAI-compatible server double: one token per word; with caching, a prompt reuses
+    the longest run of whole 16-word blocks an earlier prompt opened with (never the last
+    token); prefill costs 10 µs per uncached token (slept, so throughput is real)."""
+
+    def __init__(self, url: str = "http://fake", caching: bool = True, block_size: int = 16):
+        self.url, self.model, self.metrics_token = url, "fake-model", None
+        self.caching, self.block_size = caching, block_size
+        self.blocks: set[tuple[str, ...]] = set()
+        self.lock = threading.Lock()
+        self.model_dir = url  # as HFGenerate reports its model
+
+    def tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+    def complete(self, prompt: str, max_tokens: int) -> Sample:
+        words = prompt.split()
+        cached = 0
+        with self.lock:
+            if self.caching:
+                b = self.block_size
+                while cached + b < len(words) and tuple(words[:cached + b]) in self.blocks:
+                    cached += b
+                self.blocks.update(tuple(words[:n]) for n in range(b, len(words) + 1, b))
+        ttft = 1e-5 * (len(words) - cached)
+        time.sleep(ttft)
+        return Sample(ttft, ttft + 1e-4 * max_tokens, len(words), cached, max_tokens)
+
+    def cache_config(self) -> dict[str, str]:
+        return {"block_size": str(self.block_size)}
+
+
+def test_peer_specs_parse_and_bad_ones_are_refused():
+    assert parse_peer("vllm=http://127.0.0.1:8001/v1,sk-x,SmolLM2") == Peer(
+        "vllm", "http://127.0.0.1:8001", "sk-x", "SmolLM2")
+    assert parse_peer("llamacpp = https://h:9/ ") == Peer("llamacpp", "https://h:9", "EMPTY",
+                                                          None)
+    for bad in ("http://127.0.0.1:8001", "vllm=", "=http://h", "vllm=ftp://h",
+                "vllm=http://h,k,m,extra"):
+        with pytest.raises(ValueError):
+            parse_peer(bad)
+    # On the command line: a clear usage error before anything is sent.
+    r = CliRunner().invoke(main, ["bench", "profiles", "--url", "http://127.0.0.1:9",
+                                  "--api-key", "k", "--api-key-no-cache", "k2",
+                                  "--peer", "no-url-here"])
+    assert r.exit_code == 2 and "NAME=URL" in r.output
+    r = CliRunner().invoke(main, ["bench", "profiles", "--url", "http://127.0.0.1:9",
+                                  "--api-key", "k", "--api-key-no-cache", "k2",
+                                  "--peer", "a=http://h", "--peer", "a=http://g"])
+    assert r.exit_code == 2 and "peer names must differ" in r.output
+
+
+def test_profiles_run_peers_and_the_generate_baseline_on_the_same_prompts():
+    on, off = FakeServer(), FakeServer(caching=False)
+    peer = FakeServer("http://peer", block_size=32)
+    hf = FakeServer("hf", caching=False)
+    report = run_profiles(on, off, requests=4, concurrency=2, max_tokens=3,
+                          profiles=("shared_system", "unique"), peers={"peer": peer}, hf=hf,
+                          nonce="n1")
+    shared, unique = report["profiles"]["shared_system"], report["profiles"]["unique"]
+    # Every run saw the same prompts: the same prompt tokens.
+    assert (shared["on"]["prompt_tokens"] == shared["off"]["prompt_tokens"]
+            == shared["peers"]["peer"]["prompt_tokens"] == shared["hf_generate"]["prompt_tokens"])
+    assert shared["on"]["hit_rate"] > 0.6 and shared["peers"]["peer"]["hit_rate"] > 0.6
+    assert shared["off"]["hit_rate"] == shared["hf_generate"]["hit_rate"] == 0
+    assert unique["on"]["hit_rate"] < 0.05
+    assert set(shared["ours_vs"]) == {"caching off", "peer", "hf_generate"}
+    assert shared["ours_vs"]["hf_generate"]["throughput"] > 1
+    assert shared["throughput_on_vs_off"] == shared["ours_vs"]["caching off"]["throughput"]
+    assert report["peers"]["peer"]["cache_config"]["block_size"] == "32"
+    text = format_profiles(report)
+    assert "block size: ours 16, peer 32 (differs" in text
+    assert "ours (cache on) vs hf_generate: throughput" in text
+
+
+def test_match_rate_prompts_share_the_prefix_in_the_asked_proportion():
+    shared, prompts = match_rate_prompts(0.25, 8, 40, seed=3, nonce="n")
+    assert sum(p.startswith(shared + "\n") for p in prompts) == 2
+    assert len({p.split("\n")[0] for p in prompts}) == 7  # the shared one and six of their own
+    assert match_rate_prompts(0.25, 8, 40, seed=3, nonce="n")[1] == prompts  # seeded
+
+
+def test_client_side_sweep_axes_measure_on_and_off():
+    on, off = FakeServer(), FakeServer(caching=False)
+    match = run_sweep("match_rate", (0.0, 1.0), on, off, requests=4, prefix_tokens=64,
+                      nonce="m")
+    none, every = match["points"]
+    assert none["on"]["hit_rate"] == 0 and every["on"]["hit_rate"] > 0.7
+    assert none["off"]["hit_rate"] == every["off"]["hit_rate"] == 0
+    conc = run_sweep("concurrency", (1, 2), on, off, requests=4, nonce="c")
+    assert [p["value"] for p in conc["points"]] == [1, 2]
+    assert all(p["on"]["hit_rate"] > 0.5 for p in conc["points"])
+    out = run_sweep("output_length", (1, 5), on, off, requests=2, nonce="o")
+    assert [p["on"]["output_tokens_per_s"] > 0 for p in out["points"]] == [True, True]
+    assert out["points"][1]["on"]["requests"] == 2 and out["concurrency"] == 4
+    with pytest.raises(ValueError, match="needs a server"):
+        run_sweep("concurrency", (1,), None, None)
+    with pytest.raises(ValueError, match="needs a model"):
+        run_sweep("pool_size", (64,))
+
+
+def test_sweep_values_are_checked_per_axis():
+    assert parse_values("match_rate", "0,0.5,1") == (0.0, 0.5, 1.0)
+    assert parse_values("pool_size", "80,160") == (80, 160)
+    for axis, bad in (("match_rate", "1.5"), ("concurrency", "0"), ("output_length", "2.5"),
+                      ("prefix_length", "a,b")):
+        with pytest.raises(ValueError):
+            parse_values(axis, bad)
+    r = CliRunner().invoke(main, ["bench", "sweep", "--axis", "match_rate", "--values", "2",
+                                  "--api-key", "k", "--api-key-no-cache", "k2"])
+    assert r.exit_code == 2 and "between 0 and 1" in r.output
+    r = CliRunner().invoke(main, ["bench", "sweep", "--axis", "concurrency"])
+    assert r.exit_code == 2 and "needs --api-key and --api-key-no-cache" in r.output
+
+
+def test_every_plot_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from app.bench.plots import plot_profiles, plot_sweep, plot_tenants
+
+    on, off = FakeServer(), FakeServer(caching=False)
+    profiles = run_profiles(on, off, requests=2, concurrency=1, max_tokens=2,
+                            profiles=("few_shot", "unique"), peers={"p": FakeServer()},
+                            hf=FakeServer(caching=False), nonce="p")
+    plot_profiles(json.loads(json.dumps(profiles)), tmp_path / "profiles.png")
+    for axis, values in (("match_rate", (0.0, 1.0)), ("concurrency", (1, 2)),
+                         ("output_length", (1, 2))):
+        plot_sweep(run_sweep(axis, values, on, off, requests=2, prefix_tokens=32, nonce=axis),
+                   tmp_path / f"{axis}.png")
+    plot_sweep({"axis": "pool_size", "model": "m", "points": [
+        {"value": 80, "on": {"hit_rate": 0.0}}, {"value": 240, "on": {"hit_rate": 0.5}}]},
+        tmp_path / "pool_size.png")
+    plot_tenants({"flood_requests": 8, "per_tenant": {
+        "bench-x-t0": {"hit_rate": 0.98, "evicted_by_flooder": 0},
+        "bench-x-t1": {"hit_rate": 0.97, "evicted_by_flooder": 3}}}, tmp_path / "tenants.png")
+    for name in ("profiles", "match_rate", "concurrency", "output_length", "pool_size",
+                 "tenants"):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000, name
