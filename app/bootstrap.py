@@ -113,9 +113,17 @@ def write_secret_file(path: Path, text: str) -> None:
 
 
 def bootstrap(settings: Settings) -> Bootstrapped:
-    """Prepares everything ``serve`` needs; cheap on every start after the first."""
+    """Prepares everything ``serve`` needs; cheap on every start after the first.
+
+    Raises:
+        ValueError: ``--model`` is not a Hugging Face folder (no ``config.json``); checked
+            before anything is created.
+    """
     from engine.weights import ensure_default_model
 
+    if settings.model and not (Path(settings.model) / "config.json").is_file():
+        raise ValueError(f"--model {settings.model}: not a Hugging Face model folder (no "
+                         "config.json there); leave --model out for the bundled SmolLM2")
     repo = open_repository(settings)
     model_dir = Path(settings.model) if settings.model else ensure_default_model(settings.data_dir)
     demo_key = None

@@ -74,3 +74,15 @@ def test_version_and_env_only_settings_in_help():
     for flag in ("--log-format", "--log-level", "--redis-url", "--drain-seconds",
                  "--replica-id"):
         assert flag in help_text, flag
+
+
+def test_serve_with_a_model_folder_without_config_is_a_one_line_error(tmp_path):
+    """A mistyped ``--model`` path: a usage error naming it, before the data dir is touched."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    data = tmp_path / "data"
+    r = CliRunner().invoke(main, ["serve", "--port", "1", "--data-dir", str(data), "--model",
+                                  str(empty)])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"--model {empty}: not a Hugging Face model folder (no config.json" in r.output
+    assert not (data / "saltserve.db").exists() and not list(data.glob("*.db"))
