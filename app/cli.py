@@ -675,9 +675,6 @@ def cache_reset(tenant: str | None, url: str, **opts: Any) -> None:
     click.echo(f"blocks dropped: {r['blocks_dropped']}")
 
 
-if __name__ == "__main__":
-    main()
-
 
 @main.group()
 def bench() -> None:
@@ -693,14 +690,25 @@ def _bench_report(url: str, out: Path | None, run: Any, fmt: Any) -> dict:
         report = run()
     except (httpx.HTTPError, RuntimeError) as e:
         raise click.ClickException(f"{url}: {e}") from None
+    except (OSError, ValueError) as e:  # a bad --hf-model folder, a peer's bad JSON
+        raise click.ClickException(str(e)) from None
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     click.echo(fmt(report))
     return report
 
 
-def _bench_plot(fn):  # --plot for the bench commands that draw one
+def _check_plot(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    import importlib.util
+
+    if value is not None and importlib.util.find_spec("matplotlib") is None:
+        raise click.BadParameter("needs matplotlib: pip install 'saltserve[bench]'")
+    return value
+
+
+def _bench_plot(fn):  # --plot for the bench commands that draw one (checked before the run)
     return click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        callback=_check_plot,
                         help="Also draw the results into this PNG (matplotlib: pip install "
                              "'saltserve[bench]').")(fn)
 
@@ -822,8 +830,11 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                 raise RuntimeError(f"peer {p.name} at {p.url}: {e}") from None
         hf = None
         if hf_baseline:
-            from engine.weights import ensure_default_model
+            from engine.weights import DEFAULT_MODEL_NAME, ensure_default_model
 
+            if hf_model is None and on.model != DEFAULT_MODEL_NAME:
+                raise RuntimeError(f"the server serves {on.model}; give --hf-model (its Hugging "
+                                   "Face folder) for the generate baseline")
             hf = HFGenerate(hf_model or ensure_default_model(_settings(data_dir=data_dir)
                                                              .data_dir))
         with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
@@ -941,3 +952,7 @@ def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axi
     report = _bench_report(url, out, run, format_sweep)
     if plot is not None:
         plot_sweep(report, plot)
+
+
+if __name__ == "__main__":  # python -m app.cli (after every command is defined)
+    main()

@@ -15,6 +15,7 @@ the call to the first new token handed to a streamer.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,8 +44,12 @@ def parse_peer(spec: str) -> Peer:
     """
     name, sep, rest = spec.partition("=")
     parts = [p.strip() for p in rest.split(",")] if sep else []
-    if not name.strip() or not parts or not parts[0]:
+    name = name.strip()
+    if not name or not parts or not parts[0]:
         raise ValueError("expected NAME=URL[,KEY[,MODEL]], e.g. vllm=http://127.0.0.1:8001")
+    if not re.fullmatch(r"[\w.-]+", name) or name == "hf_generate":
+        raise ValueError(f"peer name {name!r}: letters, digits, '_', '.' and '-' only, and not "
+                         "hf_generate")
     if len(parts) > 3:
         raise ValueError("expected at most URL,KEY,MODEL after NAME=")
     url = parts[0].rstrip("/").removesuffix("/v1")
@@ -52,7 +57,7 @@ def parse_peer(spec: str) -> Peer:
         raise ValueError(f"peer URL must start with http:// or https://, got {url!r}")
     key = parts[1] if len(parts) > 1 and parts[1] else "EMPTY"
     model = parts[2] if len(parts) > 2 and parts[2] else None
-    return Peer(name.strip(), url, key, model)
+    return Peer(name, url, key, model)
 
 
 def summarise(samples: list[Sample], wall_s: float) -> dict[str, Any]:

@@ -109,15 +109,17 @@ class MetricsProbe:
 
 
 def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
-                max_tokens: int, probe: MetricsProbe | None = None) -> dict[str, Any]:
-    """Sends ``prompts`` at ``concurrency``; the run's figures (see the module docstring)."""
+                max_tokens: int, probe: MetricsProbe | None = None,
+                ignore_eos: bool = False) -> dict[str, Any]:
+    """Sends ``prompts`` at ``concurrency``; the run's figures (see the module docstring).
+    ``ignore_eos``: every request generates all ``max_tokens``."""
     before = probe.read() if probe else None
     if probe:
         probe.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        samples: list[Sample] = list(pool.map(lambda p: endpoint.complete(p, max_tokens),
-                                              prompts))
+        samples: list[Sample] = list(pool.map(
+            lambda p: endpoint.complete(p, max_tokens, ignore_eos=ignore_eos), prompts))
     wall = time.perf_counter() - start
     if probe:
         probe.stop()
@@ -185,7 +187,8 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
             "max_tokens": max_tokens, "cache_config": on.cache_config(),
             "peers": {n: {"url": p.url, "model": p.model, "cache_config": p.cache_config()}
                       for n, p in peers.items()},
-            "hf_generate": {"model_dir": str(hf.model_dir)} if hf is not None else None,
+            "hf_generate": ({"model_dir": str(hf.model_dir), "device": "cpu", "dtype": "float32"}
+                            if hf is not None else None),
             "profiles": results}
 
 

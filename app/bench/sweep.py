@@ -12,7 +12,8 @@ Axes (values are comma-separated on the command line):
 - ``concurrency`` (requests in flight): the shared-system-prompt profile at each concurrency,
   on and off; requests/s and TTFT.
 - ``output_length`` (``max_tokens``): the shared-system-prompt profile at ``concurrency``, on
-  and off; output tokens/s and inter-token latency.
+  and off, each request generating exactly that many tokens (``ignore_eos``); output tokens/s
+  and inter-token latency.
 - ``pool_size`` (KV blocks): for each size, a server of our own (``saltserve serve
   --num-gpu-blocks-override``, on a free loopback port, in a temporary data dir) runs
   ``requests`` questions over ``documents`` documents taken in turn, one at a time; hit rate
@@ -111,9 +112,9 @@ def match_rate_prompts(rate: float, requests: int, words: int, seed: int,
 
 
 def _on_off(on: Endpoint, off: Endpoint, prompts: list[str], concurrency: int,
-            max_tokens: int) -> dict[str, Any]:
-    return {"off": run_profile(off, prompts, concurrency, max_tokens),
-            "on": run_profile(on, prompts, concurrency, max_tokens)}
+            max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
+    return {"off": run_profile(off, prompts, concurrency, max_tokens, ignore_eos=ignore_eos),
+            "on": run_profile(on, prompts, concurrency, max_tokens, ignore_eos=ignore_eos)}
 
 
 def _client_axis(axis: str, on: Endpoint, off: Endpoint, values: tuple, requests: int,
@@ -129,8 +130,10 @@ def _client_axis(axis: str, on: Endpoint, off: Endpoint, values: tuple, requests
             point = _on_off(on, off, prompts, 1, max_tokens)
         else:
             prompts = profile_prompts("shared_system", requests, seed, value_nonce)
-            c, m = (v, max_tokens) if axis == "concurrency" else (concurrency, v)
-            point = _on_off(on, off, prompts, c, m)
+            if axis == "concurrency":
+                point = _on_off(on, off, prompts, v, max_tokens)
+            else:  # output_length: every request generates exactly v tokens
+                point = _on_off(on, off, prompts, concurrency, v, ignore_eos=True)
         points.append({"value": v, **point})
         progress(v)
     return points
@@ -156,12 +159,15 @@ def local_server(model_dir: Path, num_blocks: int, max_model_len: int = 2048,
     with tempfile.TemporaryDirectory(prefix="saltserve-sweep-") as data_dir:
         port = _free_port()
         cmd = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port",
-               str(port), "--model", str(model_dir), "--max-model-len",
+               str(port), "--model", str(model_dir), "--block-size", "16", "--max-model-len",
                str(min(max_model_len, 16 * num_blocks)),
                "--num-gpu-blocks-override", str(num_blocks)]
+        # Embedded defaults only: none of the operator's SALTSERVE_* settings (a real database,
+        # Redis, no demo tenant) may reach this throwaway server.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SALTSERVE_")}
         log = Path(data_dir) / "server.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env={**os.environ, "SALTSERVE_DATA_DIR": data_dir},
+            proc = subprocess.Popen(cmd, env={**env, "SALTSERVE_DATA_DIR": data_dir},
                                     stdout=out, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
@@ -176,8 +182,10 @@ def local_server(model_dir: Path, num_blocks: int, max_model_len: int = 2048,
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.3)
-            key = (Path(data_dir) / "demo-api-key").read_text().strip()
-            yield Endpoint(base, key)
+            key_file = Path(data_dir) / "demo-api-key"
+            if not key_file.exists():
+                raise RuntimeError(f"the server with {num_blocks} blocks made no demo tenant")
+            yield Endpoint(base, key_file.read_text().strip())
         finally:
             proc.terminate()
             try:

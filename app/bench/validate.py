@@ -78,7 +78,10 @@ class Endpoint:
         if self.model is None:
             r = self.client.get(self.url + "/v1/models")
             r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
+            try:
+                self.model = r.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise RuntimeError(f"{self.url}/v1/models lists no model") from None
 
     def tokenize(self, text: str) -> list[int] | None:
         """Token ids from the server's ``/tokenize`` (vLLM's extension); None without one."""
@@ -89,10 +92,13 @@ class Endpoint:
             return None
         return r.json().get("tokens") if r.status_code == 200 else None
 
-    def complete(self, prompt: str, max_tokens: int) -> Sample:
-        """One streamed completion at temperature 0 (usage from the last chunk)."""
+    def complete(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Sample:
+        """One streamed completion at temperature 0 (usage from the last chunk);
+        ``ignore_eos`` (vLLM's extension) makes it generate all ``max_tokens``."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if ignore_eos:
+            body["ignore_eos"] = True
         start = time.perf_counter()
         first = None
         usage: dict[str, Any] = {}

@@ -23,7 +23,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 class FakeServer:
     """An OpenAI-compatible server double: one token per word; with caching, a prompt reuses
     the longest run of whole 16-word blocks an earlier prompt opened with (never the last
-    token); prefill costs 10 µs per uncached token (slept, so throughput is real)."""
+    token); prefill costs 10 µs per uncached token (slept, so throughput is real). It records
+    the most requests it had in flight and each request's ``max_tokens`` and ``ignore_eos``."""
 
     def __init__(self, url: str = "http://fake", caching: bool = True, block_size: int = 16):
         self.url, self.model, self.metrics_token = url, "fake-model", None
@@ -31,21 +32,28 @@ class FakeServer:
         self.blocks: set[tuple[str, ...]] = set()
         self.lock = threading.Lock()
         self.model_dir = url  # as HFGenerate reports its model
+        self.in_flight = self.peak_in_flight = 0
+        self.asked: list[tuple[int, bool]] = []  # (max_tokens, ignore_eos) per request
 
     def tokenize(self, text: str) -> list[str]:
         return text.split()
 
-    def complete(self, prompt: str, max_tokens: int) -> Sample:
+    def complete(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Sample:
         words = prompt.split()
         cached = 0
         with self.lock:
+            self.asked.append((max_tokens, ignore_eos))
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             if self.caching:
                 b = self.block_size
                 while cached + b < len(words) and tuple(words[:cached + b]) in self.blocks:
                     cached += b
                 self.blocks.update(tuple(words[:n]) for n in range(b, len(words) + 1, b))
         ttft = 1e-5 * (len(words) - cached)
-        time.sleep(ttft)
+        time.sleep(max(ttft, 0.002))  # long enough for concurrent requests to overlap
+        with self.lock:
+            self.in_flight -= 1
         return Sample(ttft, ttft + 1e-4 * max_tokens, len(words), cached, max_tokens)
 
     def cache_config(self) -> dict[str, str]:
@@ -58,7 +66,7 @@ def test_peer_specs_parse_and_bad_ones_are_refused():
     assert parse_peer("llamacpp = https://h:9/ ") == Peer("llamacpp", "https://h:9", "EMPTY",
                                                           None)
     for bad in ("http://127.0.0.1:8001", "vllm=", "=http://h", "vllm=ftp://h",
-                "vllm=http://h,k,m,extra"):
+                "vllm=http://h,k,m,extra", "hf_generate=http://h", "caching off=http://h"):
         with pytest.raises(ValueError):
             parse_peer(bad)
     # On the command line: a clear usage error before anything is sent.
@@ -109,10 +117,17 @@ def test_client_side_sweep_axes_measure_on_and_off():
     none, every = match["points"]
     assert none["on"]["hit_rate"] == 0 and every["on"]["hit_rate"] > 0.7
     assert none["off"]["hit_rate"] == every["off"]["hit_rate"] == 0
-    conc = run_sweep("concurrency", (1, 2), on, off, requests=4, nonce="c")
-    assert [p["value"] for p in conc["points"]] == [1, 2]
-    assert all(p["on"]["hit_rate"] > 0.5 for p in conc["points"])
-    out = run_sweep("output_length", (1, 5), on, off, requests=2, nonce="o")
+    for c in (1, 3):  # each point really runs at its concurrency
+        one_on, one_off = FakeServer(), FakeServer(caching=False)
+        conc = run_sweep("concurrency", (c,), one_on, one_off, requests=6, max_tokens=5,
+                         nonce=f"c{c}")
+        assert one_on.peak_in_flight == one_off.peak_in_flight == c
+        assert conc["points"][0]["on"]["hit_rate"] > 0.5
+        assert set(one_on.asked[1:]) == {(5, False)}  # after the warm-up
+    on2, off2 = FakeServer(), FakeServer(caching=False)
+    out = run_sweep("output_length", (1, 7), on2, off2, requests=2, nonce="o")
+    # Each point asks for exactly its length, past EOS, at the default concurrency of 4.
+    assert off2.asked == [(1, True), (1, True), (7, True), (7, True)]
     assert [p["on"]["output_tokens_per_s"] > 0 for p in out["points"]] == [True, True]
     assert out["points"][1]["on"]["requests"] == 2 and out["concurrency"] == 4
     with pytest.raises(ValueError, match="needs a server"):
