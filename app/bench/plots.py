@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.bench.profiles import profile_runs
+
 
 def _figure(width: float = 7.0) -> tuple[Any, Any]:
     import matplotlib
@@ -68,14 +70,10 @@ def plot_profiles(report: dict[str, Any], path: Path) -> None:
     """``bench profiles``: requests/s of every run (ours on and off, peers, HF generate) per
     profile, as grouped bars."""
     profiles = list(report["profiles"])
-    runs = ["ours, cache off", "ours, cache on", *report.get("peers", {})]
-    if report.get("hf_generate"):
-        runs.append("hf_generate")
+    runs = list(profile_runs(report["profiles"][profiles[0]]))
 
     def value(profile: dict[str, Any], run: str) -> float:
-        x = {"ours, cache off": profile["off"], "ours, cache on": profile["on"],
-             "hf_generate": profile.get("hf_generate"), **profile.get("peers", {})}[run]
-        return x["requests_per_s"]
+        return profile_runs(profile)[run]["requests_per_s"]
 
     fig, ax = _figure(max(7.0, 1.6 * len(profiles) * len(runs) / 2))
     width = 0.8 / len(runs)

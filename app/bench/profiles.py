@@ -192,6 +192,15 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
             "profiles": results}
 
 
+def profile_runs(profile: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One profile's runs by label, in report order: ours off and on, each peer, generate."""
+    runs = {"ours, cache off": profile["off"], "ours, cache on": profile["on"],
+            **profile.get("peers", {})}
+    if profile.get("hf_generate"):
+        runs["hf_generate"] = profile["hf_generate"]
+    return runs
+
+
 def format_profiles(report: dict[str, Any]) -> str:
     lines = [(f"model {report['model']} at {report['url']}: {report['requests']} requests per "
               f"run, concurrency {report['concurrency']}, max_tokens {report['max_tokens']}")]
@@ -206,10 +215,7 @@ def format_profiles(report: dict[str, Any]) -> str:
                  f"{'ITL ms':>7} {'req/s':>6} {'out tok/s':>9} {'prefill tok/s':>13} "
                  f"{'hit rate':>8}")
     for name, r in report["profiles"].items():
-        runs = {"ours, cache off": r["off"], "ours, cache on": r["on"], **r.get("peers", {})}
-        if r.get("hf_generate"):
-            runs["hf_generate"] = r["hf_generate"]
-        for run, x in runs.items():
+        for run, x in profile_runs(r).items():
             itl = f"{1000 * x['itl_mean_s']:7.1f}" if x["itl_mean_s"] is not None else "      -"
             lines.append(f"{name:14} {run:16} {x['ttft_p50_s']:8.3f}s {x['ttft_p95_s']:6.2f}s "
                          f"{x['ttft_p99_s']:6.2f}s {itl} {x['requests_per_s']:6.2f} "
