@@ -681,9 +681,11 @@ def bench() -> None:
     """Benchmark prefix caching against a running server (docs/benchmarks.md)."""
 
 
-def _bench_report(url: str, out: Path | None, run: Any, fmt: Any) -> dict:
-    """Runs a bench (``run()``: its report), writes the JSON report to ``out`` and prints
-    ``fmt(report)``; an unreachable or refusing server is a one-line error."""
+def _bench_report(url: str, out: Path | None, run: Any, fmt: Any, plot: Path | None = None,
+                  draw: Any = None) -> dict:
+    """Runs a bench (``run()``: its report), writes the JSON report to ``out``, prints
+    ``fmt(report)`` and, with ``plot``, draws it there (``draw(report, plot)``); an unreachable
+    or refusing server is a one-line error."""
     import httpx
 
     try:
@@ -695,6 +697,8 @@ def _bench_report(url: str, out: Path | None, run: Any, fmt: Any) -> dict:
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     click.echo(fmt(report))
+    if plot is not None:
+        draw(report, plot)
     return report
 
 
@@ -808,6 +812,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
     import httpx
 
     from app.bench.baselines import HFGenerate, parse_peer
+    from app.bench.plots import plot_profiles
     from app.bench.profiles import format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
@@ -842,11 +847,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                                 metrics_token, progress=lambda name: bar.update(1),
                                 peers=peer_eps, hf=hf)
 
-    report = _bench_report(url, out, run, format_profiles)
-    if plot is not None:
-        from app.bench.plots import plot_profiles
-
-        plot_profiles(report, plot)
+    _bench_report(url, out, run, format_profiles, plot, plot_profiles)
 
 
 @bench.command("tenants")
@@ -870,15 +871,12 @@ def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
     """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
     the blocks the flood evicted from each."""
 
+    from app.bench.plots import plot_tenants
     from app.bench.tenants import format_tenants, run_tenants
 
-    report = _bench_report(url, out, lambda: run_tenants(
+    _bench_report(url, out, lambda: run_tenants(
         url, admin_token, n_tenants, requests, flood_requests, flood_concurrency, max_tokens,
-        seed), format_tenants)
-    if plot is not None:
-        from app.bench.plots import plot_tenants
-
-        plot_tenants(report, plot)
+        seed), format_tenants, plot, plot_tenants)
 
 
 @bench.command("sweep")
@@ -949,9 +947,7 @@ def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axi
             off = Endpoint(url, api_key_no_cache, on.model)
             return run_sweep(axis, chosen, on, off, **kwargs)
 
-    report = _bench_report(url, out, run, format_sweep)
-    if plot is not None:
-        plot_sweep(report, plot)
+    _bench_report(url, out, run, format_sweep, plot, plot_sweep)
 
 
 if __name__ == "__main__":  # python -m app.cli (after every command is defined)
