@@ -5,6 +5,7 @@ Every ``serve`` flag also reads ``SALTSERVE_<NAME>`` from the environment; flags
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -678,7 +679,7 @@ def cache_reset(tenant: str | None, url: str, **opts: Any) -> None:
 
 @main.group()
 def bench() -> None:
-    """Benchmark prefix caching against a running server (docs/benchmarks.md)."""
+    """Benchmark prefix caching against a running server, or in-process (docs/benchmarks.md)."""
 
 
 def _bench_report(url: str, out: Path | None, run: Any, fmt: Any, plot: Path | None = None,
@@ -724,9 +725,57 @@ def _bench_target(fn):  # --url and --out for every bench command
                         show_default=True, help="The server. [$SALTSERVE_URL]")(fn)
 
 
+def _bench_in_process(fn):  # --in-process, --model-dir and --data-dir: ours without a server
+    fn = click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+                      help="Where the bundled model is converted. [./.saltserve; env "
+                           "SALTSERVE_DATA_DIR]")(fn)
+    fn = click.option("--model-dir", type=click.Path(exists=True, file_okay=False,
+                                                     path_type=Path), default=None,
+                      help="The model --in-process (and pool_size) loads. [the bundled "
+                           "SmolLM2-135M-Instruct, converted in --data-dir]")(fn)
+    return click.option("--in-process", is_flag=True,
+                        help="No server: run our engine in this process, through its engine "
+                             "interface (no HTTP, auth or database), on --model-dir; --url and "
+                             "the keys are then unused.")(fn)
+
+
+def _model_dir(model_dir: Path | None, data_dir: Path | None) -> Path:
+    from engine.weights import ensure_default_model
+
+    return model_dir or ensure_default_model(_settings(data_dir=data_dir).data_dir)
+
+
+def _ours(stack: Any, in_process: bool, model_dir: Path | None, data_dir: Path | None,
+          url: str, api_key: str | None, api_key_no_cache: str | None, model: str | None,
+          metrics_token: str | None) -> tuple[Any, Any, Any]:
+    """Our endpoints with caching on and off (``off`` None without ``api_key_no_cache``) and
+    the probe of our cache counters (None without a metrics token): a server's, or, with
+    ``in_process``, an engine's in this process, closed with ``stack``."""
+    from app.bench.profiles import MetricsProbe
+    from app.bench.validate import Endpoint
+
+    if in_process:
+        from app.bench.in_process import InProcessEngine
+
+        engine = stack.enter_context(InProcessEngine(
+            EngineConfig(model=str(_model_dir(model_dir, data_dir)))))
+        return engine.endpoint("bench-on"), engine.endpoint("bench-off", False), engine.probe()
+    on = Endpoint(url, api_key, model, metrics_token=metrics_token)
+    off = Endpoint(url, api_key_no_cache, on.model) if api_key_no_cache else None
+    return on, off, MetricsProbe(url, metrics_token) if metrics_token else None
+
+
+def _need_keys(in_process: bool, **keys: str | None) -> None:
+    missing = [name for name, value in keys.items() if not value]
+    if not in_process and missing:
+        raise click.UsageError("without --in-process, give "
+                               + " and ".join("--" + m.replace("_", "-") for m in missing))
+
+
 @bench.command("validate")
 @_bench_target
-@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+@_bench_in_process
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", default=None,
               help="A tenant's API key. [$SALTSERVE_API_KEY]")
 @click.option("--model", default=None, help="[the server's first model]")
 @click.option("--prefix-tokens", type=click.IntRange(min=1000), default=1000,
@@ -751,30 +800,36 @@ def _bench_target(fn):  # --url and --out for every bench command
 def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int,
                    rounds: int, max_tokens: int, seed: int, min_warm_drop: float,
                    min_hit_rate: float, neg_min_ratio: float, metrics_token: str | None,
-                   out: Path | None, run_nonce: str | None) -> None:
+                   out: Path | None, run_nonce: str | None, in_process: bool,
+                   model_dir: Path | None, data_dir: Path | None) -> None:
     """The seed's cold / warm / negative-control test of prefix caching, with gates; exits 1
     when a gate fails."""
 
-    from app.bench.validate import Endpoint, Gates, format_report, run_validate
+    from app.bench.validate import Gates, format_report, run_validate
+
+    _need_keys(in_process, api_key=api_key)
 
     def run() -> dict:
-        endpoint = Endpoint(url, api_key, model, metrics_token=metrics_token)
-        with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
-            return run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
-                                Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
-                                progress=lambda done, total: bar.update(1),
-                                run_nonce=run_nonce)
+        with contextlib.ExitStack() as stack:
+            endpoint, _, _ = _ours(stack, in_process, model_dir, data_dir, url, api_key, None,
+                                   model, metrics_token)
+            with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
+                return run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
+                                    Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
+                                    progress=lambda done, total: bar.update(1),
+                                    run_nonce=run_nonce)
 
-    report = _bench_report(url, out, run, format_report)
+    report = _bench_report("in-process" if in_process else url, out, run, format_report)
     if not report["passed"]:
         raise SystemExit(1)
 
 
 @bench.command("profiles")
 @_bench_target
-@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+@_bench_in_process
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", default=None,
               help="Key of a tenant with prefix caching on. [$SALTSERVE_API_KEY]")
-@click.option("--api-key-no-cache", required=True,
+@click.option("--api-key-no-cache", default=None,
               help="Key of a tenant with prefix caching off (saltserve tenants create "
                    "bench-off --no-prefix-caching), for the off runs.")
 @click.option("--model", default=None, help="[the server's first model]")
@@ -796,16 +851,14 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
               help="Also run every profile through Hugging Face transformers generate in this "
                    "process, one prompt at a time (loads the model: --hf-model).")
 @click.option("--hf-model", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Hugging Face folder for --hf-baseline. [the bundled "
-                                 "SmolLM2-135M-Instruct, converted in --data-dir]")
-@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
-              help="Where the bundled model is converted. [./.saltserve; env SALTSERVE_DATA_DIR]")
+              default=None, help="Hugging Face folder for --hf-baseline. [--model-dir]")
 @_bench_plot
 def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | None,
                    profiles: tuple[str, ...], requests: int, concurrency: int,
                    max_tokens: int, seed: int, metrics_token: str | None,
                    out: Path | None, peer_specs: tuple[str, ...], hf_baseline: bool,
-                   hf_model: Path | None, data_dir: Path | None, plot: Path | None) -> None:
+                   hf_model: Path | None, data_dir: Path | None, plot: Path | None,
+                   in_process: bool, model_dir: Path | None) -> None:
     """The seed's four workload profiles (shared system prompt, RAG document, few-shot,
     mostly unique), each with prefix caching on and off, beside any peers and HF generate."""
 
@@ -816,6 +869,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
     from app.bench.profiles import format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
+    _need_keys(in_process, api_key=api_key, api_key_no_cache=api_key_no_cache)
     chosen = profiles or PROFILES
     try:
         peers = [parse_peer(spec) for spec in peer_specs]
@@ -825,8 +879,12 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
         raise click.BadParameter("peer names must differ", param_hint="--peer")
 
     def run() -> dict:
-        on = Endpoint(url, api_key, model, metrics_token=metrics_token)
-        off = Endpoint(url, api_key_no_cache, on.model)
+        with contextlib.ExitStack() as stack:
+            on, off, probe = _ours(stack, in_process, model_dir, data_dir, url, api_key,
+                                   api_key_no_cache, model, metrics_token)
+            return run_with(on, off, probe)
+
+    def run_with(on: Any, off: Any, probe: Any) -> dict:
         peer_eps = {}
         for p in peers:
             try:
@@ -835,19 +893,19 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                 raise RuntimeError(f"peer {p.name} at {p.url}: {e}") from None
         hf = None
         if hf_baseline:
-            from engine.weights import DEFAULT_MODEL_NAME, ensure_default_model
+            from engine.weights import DEFAULT_MODEL_NAME
 
-            if hf_model is None and on.model != DEFAULT_MODEL_NAME:
+            if hf_model is None and model_dir is None and on.model != DEFAULT_MODEL_NAME:
                 raise RuntimeError(f"the server serves {on.model}; give --hf-model (its Hugging "
                                    "Face folder) for the generate baseline")
-            hf = HFGenerate(hf_model or ensure_default_model(_settings(data_dir=data_dir)
-                                                             .data_dir))
+            hf = HFGenerate(hf_model or _model_dir(model_dir, data_dir))
         with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
             return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
-                                metrics_token, progress=lambda name: bar.update(1),
-                                peers=peer_eps, hf=hf)
+                                progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
+                                probe=probe)
 
-    _bench_report(url, out, run, format_profiles, plot, plot_profiles)
+    _bench_report("in-process" if in_process else url, out, run, format_profiles, plot,
+                  plot_profiles)
 
 
 @bench.command("tenants")
@@ -881,6 +939,7 @@ def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
 
 @bench.command("sweep")
 @_bench_target
+@_bench_in_process
 @click.option("--api-key", envvar="SALTSERVE_API_KEY", default=None,
               help="Key of a tenant with prefix caching on (every axis but pool_size). "
                    "[$SALTSERVE_API_KEY]")
@@ -906,31 +965,24 @@ def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds block size, pool and device to the report.")
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False,
-                                                     path_type=Path), default=None,
-              help="pool_size: the model its servers load. [the bundled SmolLM2-135M-Instruct, "
-                   "converted in --data-dir]")
-@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
-              help="pool_size: where the bundled model is converted. [./.saltserve]")
 @_bench_plot
 def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axis: str,
                 values: str | None, rounds: int, requests: int, concurrency: int,
                 prefix_tokens: int, documents: int, max_tokens: int, seed: int,
                 metrics_token: str | None, model_dir: Path | None, data_dir: Path | None,
-                out: Path | None, plot: Path | None) -> None:
+                out: Path | None, plot: Path | None, in_process: bool) -> None:
     """One axis at a time (prefix length, match rate, concurrency, output length, pool size),
     caching on and off; pool_size starts its own servers and needs no --url."""
 
     from app.bench.plots import plot_sweep
     from app.bench.sweep import DEFAULT_VALUES, format_sweep, parse_values, run_sweep
-    from app.bench.validate import Endpoint
 
     try:
         chosen = parse_values(axis, values or DEFAULT_VALUES[axis])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--values") from None
-    if axis != "pool_size" and not (api_key and api_key_no_cache):
-        raise click.UsageError(f"--axis {axis} needs --api-key and --api-key-no-cache")
+    if axis != "pool_size":
+        _need_keys(in_process, api_key=api_key, api_key_no_cache=api_key_no_cache)
 
     def run() -> dict:
         with click.progressbar(length=len(chosen), label=axis, file=sys.stderr) as bar:
@@ -938,16 +990,16 @@ def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axi
                       "requests": requests, "concurrency": concurrency,
                       "prefix_tokens": prefix_tokens, "documents": documents,
                       "progress": lambda _: bar.update(1)}
-            if axis == "pool_size":
-                from engine.weights import ensure_default_model
+            if axis == "pool_size":  # its own servers, one per size
+                return run_sweep(axis, chosen, model_dir=_model_dir(model_dir, data_dir),
+                                 **kwargs)
+            with contextlib.ExitStack() as stack:
+                on, off, _ = _ours(stack, in_process, model_dir, data_dir, url, api_key,
+                                   api_key_no_cache, None, metrics_token)
+                return run_sweep(axis, chosen, on, off, **kwargs)
 
-                model = model_dir or ensure_default_model(_settings(data_dir=data_dir).data_dir)
-                return run_sweep(axis, chosen, model_dir=model, **kwargs)
-            on = Endpoint(url, api_key, None, metrics_token=metrics_token)
-            off = Endpoint(url, api_key_no_cache, on.model)
-            return run_sweep(axis, chosen, on, off, **kwargs)
-
-    _bench_report(url, out, run, format_sweep, plot, plot_sweep)
+    _bench_report("in-process" if in_process else url, out, run, format_sweep, plot,
+                  plot_sweep)
 
 
 if __name__ == "__main__":  # python -m app.cli (after every command is defined)

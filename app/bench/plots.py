@@ -92,10 +92,11 @@ def plot_tenants(report: dict[str, Any], path: Path) -> None:
     names = list(report["per_tenant"])
     fig, ax = _figure()
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [100 * report["per_tenant"][n]["hit_rate"] for n in names],
-           0.4, label="hit rate (%)")
-    ax.bar([x + 0.2 for x in xs], [report["per_tenant"][n]["evicted_by_flooder"] for n in names],
-           0.4, label="blocks evicted by the flood")
+    hits = [100 * report["per_tenant"][n]["hit_rate"] for n in names]
+    evicted = [report["per_tenant"][n]["evicted_by_flooder"] for n in names]
+    ax.bar([x - 0.2 for x in xs], hits, 0.4, label="hit rate (%)")
+    ax.bar([x + 0.2 for x in xs], evicted, 0.4, label="blocks evicted by the flood")
+    ax.set_ylim(0, 1.3 * max(*hits, *evicted, 1))  # room for the legend above the bars
     ax.set_xticks(list(xs), [n.rsplit("-", 1)[-1] for n in names])
     ax.set_title(f"Per-tenant hit rate beside a flood of {report['flood_requests']} unique "
                  "prompts")

@@ -144,15 +144,16 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
 
 def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: int = 4,
                  max_tokens: int = 16, seed: int = 0, profiles: tuple[str, ...] = PROFILES,
-                 metrics_token: str | None = None, progress: Any = None,
-                 nonce: str | None = None, peers: dict[str, Endpoint] | None = None,
-                 hf: HFGenerate | None = None) -> dict[str, Any]:
+                 progress: Any = None, nonce: str | None = None,
+                 peers: dict[str, Endpoint] | None = None, hf: HFGenerate | None = None,
+                 probe: MetricsProbe | None = None) -> dict[str, Any]:
     """Every profile with caching on (``on``'s tenant) and off (``off``'s), then on each of
     ``peers`` (name -> endpoint) and through ``hf`` (``generate``, one prompt at a time); the
-    report, with ours (caching on) over each of the others."""
+    report, with ours (caching on) over each of the others. ``probe`` reads our cache counters
+    (a server's ``/metrics``, or an in-process engine's): without one the report has no
+    ``metrics``."""
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     peers = peers or {}
-    probe = MetricsProbe(on.url, metrics_token) if metrics_token else None
     on.complete("Warm-up: say hello.", 2)
     for peer in peers.values():
         peer.complete("Warm-up: say hello.", 2)

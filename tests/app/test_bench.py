@@ -147,7 +147,7 @@ def test_sweep_values_are_checked_per_axis():
                                   "--api-key", "k", "--api-key-no-cache", "k2"])
     assert r.exit_code == 2 and "between 0 and 1" in r.output
     r = CliRunner().invoke(main, ["bench", "sweep", "--axis", "concurrency"])
-    assert r.exit_code == 2 and "needs --api-key and --api-key-no-cache" in r.output
+    assert r.exit_code == 2 and "give --api-key and --api-key-no-cache" in r.output
 
 
 def test_every_plot_is_drawn(tmp_path):

@@ -341,7 +341,7 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
     out, png = tmp_path / "pool.json", tmp_path / "pool.png"
     r = CliRunner().invoke(main, [
         "bench", "sweep", "--axis", "pool_size", "--values", "24,100", "--requests", "4",
-        "--documents", "2", "--prefix-tokens", "300", "--max-tokens", "2", "--model",
+        "--documents", "2", "--prefix-tokens", "300", "--max-tokens", "2", "--model-dir",
         str(model_dir), "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     small, large = json.loads(out.read_text())["points"]
