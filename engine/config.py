@@ -18,6 +18,8 @@ from engine.block_hash import HASH_ALGOS
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # names engine.model_runner.resolve_dtype maps
 DEVICES = ("auto", "cpu", "cuda")
+# Weight-only quantization (engine.quantization): int8 per channel; gguf = the GGUF's own 4-bit
+QUANTIZATIONS = ("int8", "gguf")
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
 
 
@@ -104,8 +106,15 @@ class EngineConfig:
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})
     dtype: str = field(default="auto", metadata={
-        "help": "Model and KV cache dtype; auto = float32 on CPU, bfloat16 on CUDA (vLLM --dtype).",
+        "help": "Model and KV cache dtype; auto = float32 on CPU (bfloat16 with "
+                "--quantization), bfloat16 on CUDA (vLLM --dtype).",
         "choices": DTYPES})
+    quantization: str | None = field(default=None, metadata={
+        "help": "Weight-only quantized linear layers on CPU, with bfloat16 activations "
+                "(vLLM --quantization): int8 = per-channel int8 of the safetensors weights; "
+                "gguf = the model's GGUF 4-bit blocks (Q4_1/Q4_0) as they are, other GGUF "
+                "types as int8. Not token-identical to float32 (docs/benchmarks.md: fidelity).",
+        "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     device: str = field(default="auto", metadata={
         "help": "Device; auto = cuda when available, else cpu (vLLM --device).",
         "choices": DEVICES})
@@ -148,6 +157,9 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -162,12 +162,15 @@ class LLMEngine:
         if self.model_info.default_sampling:
             logger.info("sampling defaults from the generation config: %s",
                         self.model_info.default_sampling)
+        weights = (f"{self.model.weight_bytes() / 1e6:.0f} MB of weights read per token"
+                   if self.model is not None and hasattr(self.model, "weight_bytes") else "")
         logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
-                    "prefix caching %s (%s), attention %s, %s %s", num_blocks, bs,
-                    num_blocks * per_block / 2**20, max_model_len,
+                    "prefix caching %s (%s), attention %s, %s %s, quantization %s%s",
+                    num_blocks, bs, num_blocks * per_block / 2**20, max_model_len,
                     "on" if config.enable_prefix_caching else "off",
                     config.prefix_caching_hash_algo, executor.attention_backend,
-                    executor.device, executor.dtype)
+                    executor.device, executor.dtype, config.quantization or "none",
+                    f" ({weights})" if weights else "")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

@@ -42,6 +42,28 @@ def locate_bundled_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file inside the {BUNDLED_PACKAGE} package")
 
 
+def find_gguf(model_dir: Path) -> Path:
+    """The GGUF that ``--quantization gguf`` reads for ``model_dir``: the ``*.gguf`` file in
+    it, else the bundled GGUF when the folder was converted from it.
+
+    Raises:
+        FileNotFoundError: neither (the message says what to do).
+    """
+    model_dir = Path(model_dir)
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        raise FileNotFoundError(f"{model_dir} holds {len(ggufs)} .gguf files; keep one")
+    marker = model_dir / _DONE_MARKER
+    if marker.exists():
+        bundled = locate_bundled_gguf()
+        if marker.read_text().strip() == bundled.name:
+            return bundled
+    raise FileNotFoundError(f"--quantization gguf needs the model's .gguf file in {model_dir} "
+                            "(beside config.json and the tokenizer)")
+
+
 def is_converted(model_dir: Path) -> bool:
     return (model_dir / _DONE_MARKER).exists()
 

@@ -8,12 +8,15 @@ transformers' ``LlamaForCausalLM`` (fp32 RMSNorm, fp32 rotary tables) so greedy 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.quantization import DenseLinear, GroupedInt4, LinearMethod, make_linear
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
 
@@ -68,6 +71,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One decoder layer. Its projections are ``LinearMethod``s (dense or weight-only quantized,
+    ``engine.quantization``), fused at load time: q/k/v into ``qkv`` and gate/up into
+    ``gate_up``; ``LlamaForCausalLM.load_weights`` sets them."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -77,40 +84,37 @@ class LlamaDecoderLayer(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.qkv: LinearMethod | None = None
+        self.o: LinearMethod | None = None
+        self.gate_up: LinearMethod | None = None
+        self.down: LinearMethod | None = None
         self.intermediate_size = cfg.intermediate_size
 
     def bind_weights(self) -> None:
         """Caches plain references to the weights (call after loading and after ``.to()``), so
         the hot path skips ``nn.Module.__call__``/``__getattr__`` overhead (~15% of a CPU decode
         step of the 135M model)."""
-        self._w = (self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
-                   self.o_proj.weight, self.post_attention_layernorm.weight,
-                   self.gate_up_proj.weight, self.down_proj.weight)
+        self._w = (self.input_layernorm.weight, self.qkv, self.o,
+                   self.post_attention_layernorm.weight, self.gate_up, self.down)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
-        ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = self._w
+        ln1, qkv, o_proj, ln2, gate_up, down = self._w
         eps = self.input_layernorm.eps
         T = hidden.shape[0]
         x = rms_norm(hidden, ln1, eps)
-        q, k, v = F.linear(x, qkv_w, qkv_b).split([self.q_size, self.kv_size, self.kv_size],
-                                                   dim=-1)
+        q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, cos, sin)
         attn.write_kv(k, v, key_cache, value_cache, meta)
         out = attn.forward(q, key_cache, value_cache, meta, self.scale)
-        hidden = hidden + F.linear(out.reshape(T, self.q_size), o_w)
+        hidden = hidden + o_proj(out.reshape(T, self.q_size))
         x = rms_norm(hidden, ln2, eps)
-        gate, up = F.linear(x, gate_up_w).split(self.intermediate_size, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, down_w)
+        gate, up = gate_up(x).split(self.intermediate_size, dim=-1)
+        return hidden + down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: LinearMethod | None = None
         self.max_position = max_position
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
         self.attn = attn
@@ -158,33 +162,51 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab_size] fp32."""
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads Hugging Face ``model.*`` weight names, fusing q/k/v and gate/up projections.
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the LM head (the
+        embedding reads one row per token; norms are negligible)."""
+        linears = [self.lm_head] + [m for layer in self.layers
+                                    for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(m.weight_bytes for m in linears)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor | GroupedInt4],
+                     quantization: str | None = None) -> None:
+        """Loads Hugging Face ``model.*`` weight names, fusing q/k/v and gate/up projections
+        into one ``LinearMethod`` each (``engine.quantization.make_linear``), in the dtype and
+        on the device of this module's parameters (call after ``.to()``).
+
+        Args:
+            state: name -> float tensor, or ``GroupedInt4`` 4-bit blocks (from a GGUF).
+            quantization: None (dense), or one of ``engine.quantization.QUANTIZATIONS``.
 
         Raises:
             KeyError: a required weight is missing.
         """
-        def take(name: str) -> torch.Tensor:
-            return state[name]
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+
+        def linear(names: list[str], bias: bool = False) -> LinearMethod:
+            parts = [state[n + ".weight"] for n in names]
+            w = (GroupedInt4.cat(parts) if isinstance(parts[0], GroupedInt4)
+                 else torch.cat(parts) if len(parts) > 1 else parts[0])
+            b = torch.cat([state[n + ".bias"] for n in names]) if bias else None
+            return make_linear(w, b, quantization, dtype, device)
 
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
+            self.embed_tokens.weight.copy_(state["model.embed_tokens.weight"])
+            self.norm.weight.copy_(state["model.norm.weight"])
             if self.config.tie_word_embeddings or "lm_head.weight" not in state:
-                self.lm_head.weight = self.embed_tokens.weight
+                self.lm_head = (DenseLinear(self.embed_tokens.weight) if quantization is None
+                                else make_linear(state["model.embed_tokens.weight"], None,
+                                                 quantization, dtype, device))
             else:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
+                self.lm_head = linear(["lm_head"])
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight")
-                                                       for n in "qkv"]))
-                if layer.qkv_proj.bias is not None:
-                    layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias")
-                                                         for n in "qkv"]))
-                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                           take(p + "mlp.up_proj.weight")]))
-                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.qkv = linear([p + f"self_attn.{n}_proj" for n in "qkv"],
+                                   bias=self.config.attention_bias)
+                layer.o = linear([p + "self_attn.o_proj"])
+                layer.gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"])
+                layer.down = linear([p + "mlp.down_proj"])
+                layer.input_layernorm.weight.copy_(state[p + "input_layernorm.weight"])
                 layer.post_attention_layernorm.weight.copy_(
-                    take(p + "post_attention_layernorm.weight"))
+                    state[p + "post_attention_layernorm.weight"])

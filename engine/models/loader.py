@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,32 +13,42 @@ from engine.models.registry import get_model_class
 
 
 def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: int,
-               dtype: torch.dtype, device: torch.device, attn: AttentionBackend) -> torch.nn.Module:
+               dtype: torch.dtype, device: torch.device, attn: AttentionBackend,
+               quantization: str | None = None) -> torch.nn.Module:
     """Instantiates ``model_config.architecture`` from the registry and loads its weights.
 
     Args:
         max_position: rotary table length in tokens (the engine's max_model_len).
         attn: the attention backend the layers call.
+        quantization: None, ``int8`` (the safetensors weights, quantized per channel) or
+            ``gguf`` (the model folder's GGUF, its 4-bit blocks kept: ``engine.models.gguf``).
 
     Raises:
-        FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
+        FileNotFoundError: no ``*.safetensors`` (or, for ``gguf``, no GGUF) for ``model_dir``.
         KeyError: a required weight is missing.
+        ValueError: a GGUF that does not match the model.
     """
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    if quantization == "gguf":
+        from engine.models.gguf import read_gguf_state
+        from engine.weights import find_gguf
+
+        state: dict[str, Any] = read_gguf_state(find_gguf(model_dir), model_config)
+    else:
+        from safetensors.torch import load_file
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
     cls = get_model_class(model_config.architecture)
     with torch.device("meta"):
         model = cls(model_config, max_position, attn)
     model = model.to_empty(device="cpu")
     model.init_non_persistent_buffers()
-    model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
+    model.load_weights(state, quantization)
     model.bind_weights()
     return model

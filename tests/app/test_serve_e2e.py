@@ -350,3 +350,28 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
     # Requests 3 and 4 reuse their document's whole blocks: about half of all prompt tokens.
     assert 0.4 < large["on"]["hit_rate"] < 0.5
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
+    """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights
+    (bf16 activations): the OpenAI SDK gets a correct answer, streamed and not, and a prefix
+    hit; a hostile request is refused alone and the server goes on."""
+    with serve(model_dir, tmp_path, "--quantization", "gguf") as proc:
+        key = (tmp_path / "demo-api-key").read_text().strip()
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        first = client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                               messages=messages, temperature=0, max_tokens=16)
+        assert "Paris" in first.choices[0].message.content
+        with pytest.raises(openai.BadRequestError):  # over --max-model-len 512
+            client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8,
+                                           messages=[{"role": "user", "content": "hi " * 600}])
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=16,
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == first.choices[0].message.content
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert "quantization gguf" in proc.output and "bfloat16" in proc.output, proc.output[-2000:]
+    assert "Traceback" not in proc.output

@@ -1,0 +1,163 @@
+"""Weight formats side by side on the bundled model: decode speed against the memory-bandwidth
+limit, the step split into model and engine time, and fidelity to fp32 (issue 15).
+
+For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), in one run:
+
+1. Decode: one stream and 16 concurrent streams, 64 tokens each (``ignore_eos``), tokens/s and
+   the mean step time split into model time (``ModelRunner.execute``: inputs, forward,
+   sampling) and engine time (scheduling, block bookkeeping, detokenisation, outputs).
+2. The single-stream limit: read bandwidth (measured here, summing a 1 GiB tensor) / bytes of
+   weights read per token (every projection and the LM head), and the share of it reached.
+3. Fidelity, against fp32 (the reference, token-identical to Hugging Face):
+   - greedy agreement: fp32 generates 32 tokens for each of 8 chat prompts; each format then
+     reads fp32's prompt + output (``prompt_logprobs``) and we count the output positions where
+     its most likely token is fp32's (rank 1): teacher-forced, so one early difference does not
+     hide the agreement of the rest; plus whole outputs identical when it generates freely;
+   - perplexity on ``benchmarks/data/perplexity.txt`` (public-domain prose and two plain
+     technical paragraphs, about 800 tokens).
+
+Usage: ``python benchmarks/bench_quantization.py [--formats fp32,bf16,int8,gguf]
+[--data-dir .saltserve]``. Numbers in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import run_to_completion
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.weights import ensure_default_model
+
+FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+           "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"}}
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain photosynthesis to a child.", "List three uses of a paperclip.",
+           "How do I boil an egg?", "What is 17 times 3?",
+           "Give me a name for a grey cat.", "Why is the sky blue?"]
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def read_bandwidth_gbs() -> float:
+    """GB/s of summing a 1 GiB fp32 tensor (best of 5): the read rate decode is bound by."""
+    x = torch.ones(1 << 28)
+    best = math.inf
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def _request(i: int, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
+    return EngineRequest(f"q{i}-{time.monotonic_ns()}", tuple(ids),
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+                         cache_salt=os.urandom(16))
+
+
+def decode(engine: LLMEngine, streams: int, tokens: int = 64) -> dict[str, float]:
+    """``streams`` requests decoding ``tokens`` each; tok/s and ms per decode step split."""
+    tok = engine.tokenizer
+    reqs = [_request(i, tok.encode(f"Tell me story number {i} about a lighthouse."), tokens,
+                     ignore_eos=True) for i in range(streams)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # the prefills
+    runner = engine.runner
+    model_s = 0.0
+    execute = runner.execute
+
+    def timed(out):
+        nonlocal model_s
+        t = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            model_s += time.perf_counter() - t
+
+    runner.execute = timed
+    try:
+        steps, t0 = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - t0
+    finally:
+        del runner.execute
+    return {"tok_s": streams * steps / wall, "step_ms": 1000 * wall / steps,
+            "model_ms": 1000 * model_s / steps, "engine_ms": 1000 * (wall - model_s) / steps}
+
+
+def chat_ids(engine: LLMEngine, prompt: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], tokens: int = 32) -> list[list[int]]:
+    return [r.token_ids for r in run_to_completion(
+        engine, [_request(i, p, tokens) for i, p in enumerate(prompts)])]
+
+
+def prompt_logprobs(engine: LLMEngine, ids: list[int]):
+    return run_to_completion(engine, [_request(0, ids, 1, prompt_logprobs=0)])[0].prompt_logprobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--data-dir", type=Path, default=Path(".saltserve"))
+    args = parser.parse_args()
+    model_dir = ensure_default_model(args.data_dir)
+    bw = read_bandwidth_gbs()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s")
+    reference: dict[str, list] = {}
+    rows = []
+    for name in args.formats.split(","):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
+        prompts = [chat_ids(engine, p) for p in PROMPTS]
+        text_ids = engine.tokenizer.encode(TEXT.read_text())
+        decode(engine, 1, 8)  # warm-up
+        one, many = decode(engine, 1), decode(engine, 16)
+        outputs = greedy(engine, prompts)
+        if not reference:  # the first format is the reference (fp32 by default)
+            reference = {"format": name, "outputs": outputs}
+        agree = total = 0
+        for p, ref_out in zip(prompts, reference["outputs"]):
+            lps = prompt_logprobs(engine, p + ref_out)
+            ranks = [lp.rank for lp in lps[len(p):]]
+            agree += sum(r == 1 for r in ranks)
+            total += len(ranks)
+        identical = sum(o == r for o, r in zip(outputs, reference["outputs"]))
+        lps = prompt_logprobs(engine, text_ids)[1:]
+        ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
+        weight_mb = engine.model.weight_bytes() / 1e6
+        limit = bw * 1e3 / weight_mb
+        rows.append((name, one, many, weight_mb, limit, agree / total, identical, ppl))
+        del engine
+    ref = rows[0]
+    print(f"\nfidelity against {reference['format']}: greedy agreement teacher-forced over "
+          f"{len(PROMPTS)} prompts x 32 tokens; perplexity over {len(lps) + 1} tokens\n")
+    print(f"{'format':6} {'1 stream':>9} {'step ms':>8} {'model':>6} {'engine':>6} "
+          f"{'16 streams':>10} {'vs ' + ref[0]:>8} {'weights':>8} {'limit':>7} {'of limit':>8} "
+          f"{'agree':>6} {'same':>5} {'ppl':>6}")
+    for name, one, many, mb, limit, agreement, identical, ppl in rows:
+        print(f"{name:6} {one['tok_s']:6.1f}/s {one['step_ms']:8.1f} {one['model_ms']:6.1f} "
+              f"{one['engine_ms']:6.2f} {many['tok_s']:8.1f}/s "
+              f"{one['tok_s'] / ref[1]['tok_s']:7.2f}x {mb:6.0f}MB {limit:5.0f}/s "
+              f"{100 * one['tok_s'] / limit:7.0f}% {100 * agreement:5.1f}% "
+              f"{identical}/{len(PROMPTS)} {ppl:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

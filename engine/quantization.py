@@ -1,0 +1,228 @@
+"""Linear layers with dense or weight-only quantized weights (``--quantization``, vLLM's flag).
+
+A ``LinearMethod`` maps activations ``x`` [num_tokens, in_features] to [num_tokens,
+out_features] in ``x``'s dtype; the model calls it and never looks inside. Three kinds:
+
+- ``DenseLinear``: ``F.linear`` on a float weight (fp32, bf16 or fp16; any device).
+- ``Int8Linear`` (``--quantization int8``): per-output-channel symmetric int8 weights, with
+  torch's CPU weight-only kernel ``aten::_weight_int8pack_mm`` (the kernel gpt-fast uses).
+- ``Int4Linear`` (``--quantization gguf``): 4-bit codes in groups of 32 along the input, each
+  group with a scale and a minimum (``w = code * scale + minimum``: GGUF's Q4_1 exactly, and Q4_0
+  with ``minimum = -8 * scale``), with torch's CPU kernel ``aten::_weight_int4pack_mm_for_cpu``,
+  which computes ``w = (code - 8) * scale + zero``; so ``zero = minimum + 8 * scale``.
+
+Both quantized kernels are fast only with bf16 activations (fp32 activations run 5-10x slower
+than fp32 dense: measured in issue 15), so quantized serving runs bf16 activations and KV cache.
+They exist on CPU only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod``
+with the same call. Nothing here is our own kernel: every matmul is one of torch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import QUANTIZATIONS
+
+INT4_GROUP_SIZE = 32  # GGUF's block of 32 weights
+
+
+class LinearMethod:
+    """``x`` [num_tokens, in_features] -> [num_tokens, out_features], ``x``'s dtype."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a forward reads for the weights (codes, scales, bias)."""
+        raise NotImplementedError
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class DenseLinear(LinearMethod):
+    """``F.linear(x, weight, bias)``; ``weight`` [out, in] float, ``bias`` [out] or None."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+class Int8Linear(LinearMethod):
+    """Per-channel symmetric int8: ``w[n, k] = qweight[n, k] * scales[n]``.
+
+    Args:
+        qweight: [out, in] int8, contiguous.
+        scales: [out] in the activation dtype (bf16).
+        bias: [out] in the activation dtype, or None.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        self.qweight, self.scales, self.bias = qweight, scales, bias
+        self.out_features = qweight.shape[0]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+                 ) -> Int8Linear:
+        """Round-to-nearest from a float ``weight`` [out, in]: scale = max |w| of the row / 127
+        (a zero row gets scale 1)."""
+        w = weight.float()
+        scales = w.abs().amax(dim=1) / 127.0
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scales.to(dtype), None if bias is None else bias.to(dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.qweight, self.scales, self.bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows ``ids`` [n] -> [n, in] (a tied embedding's lookup)."""
+        return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
+
+
+@dataclass
+class GroupedInt4:
+    """4-bit weights as stored in a GGUF Q4_1 (or Q4_0) tensor, unpacked to one code per byte.
+
+    ``w[n, k] = codes[n, k] * scale[n, k // g] + minimum[n, k // g]`` with ``g`` =
+    ``group_size`` consecutive inputs.
+
+    Attributes:
+        codes: [out, in] uint8 in [0, 15].
+        scale, minimum: [out, in // group_size] fp32.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    group_size: int = INT4_GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] fp32."""
+        n, k = self.codes.shape
+        w = (self.codes.view(n, k // self.group_size, self.group_size).float()
+             * self.scale[..., None] + self.minimum[..., None])
+        return w.view(n, k)
+
+    def rows(self, index: torch.Tensor) -> GroupedInt4:
+        """The output rows ``index`` (a permutation or a slice of them), in that order."""
+        return GroupedInt4(self.codes[index], self.scale[index], self.minimum[index],
+                           self.group_size)
+
+    @staticmethod
+    def cat(parts: list[GroupedInt4]) -> GroupedInt4:
+        """Stacks the output rows of ``parts`` (a fused q/k/v or gate/up projection)."""
+        if len({p.group_size for p in parts}) != 1:
+            raise ValueError("cannot fuse 4-bit weights with different group sizes")
+        return GroupedInt4(torch.cat([p.codes for p in parts]),
+                           torch.cat([p.scale for p in parts]),
+                           torch.cat([p.minimum for p in parts]), parts[0].group_size)
+
+
+class Int4Linear(LinearMethod):
+    """Grouped 4-bit weights through ``aten::_weight_int4pack_mm_for_cpu``.
+
+    Args:
+        packed: from ``aten::_convert_weight_to_int4pack_for_cpu`` ([out, in / 2] uint8).
+        scales_and_zeros: [in / group_size, out, 2] in the activation dtype (bf16):
+            ``w = (code - 8) * scale + zero``.
+        bias: [out] or None.
+    """
+
+    def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                 out_features: int, bias: torch.Tensor | None = None) -> None:
+        self.packed, self.group_size = packed, group_size
+        self.scales_and_zeros, self.bias = scales_and_zeros, bias
+        self.out_features = out_features
+
+    @classmethod
+    def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype
+                     ) -> Int4Linear:
+        """Packs ``w`` for the CPU kernel; its in_features must be a multiple of 2 * group.
+
+        Raises:
+            ValueError: a shape the kernel cannot take.
+        """
+        n, k = w.shape
+        if w.group_size not in (32, 64, 128, 256) or k % w.group_size:
+            raise ValueError(f"int4 weights need in_features ({k}) to be a multiple of the "
+                             f"group size ({w.group_size}) and a group of 32, 64, 128 or 256")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            w.codes.to(torch.int32).contiguous(), 1)
+        zero = w.minimum + 8 * w.scale
+        sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+                                                       self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed, self.scales_and_zeros, self.bias)
+
+
+def check_quantization(quantization: str | None, device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """Raises ValueError unless the kernels of ``quantization`` run here: CPU, bf16 activations.
+    """
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only (torch's weight-only "
+                         f"CPU kernels); on {device.type} serve bfloat16 without it")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"--quantization {quantization} needs bfloat16 activations "
+                         "(--dtype auto or bfloat16): its kernels run 5-10x slower on float32")
+
+
+def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
+                quantization: str | None, dtype: torch.dtype,
+                device: torch.device) -> LinearMethod:
+    """The ``LinearMethod`` for one (fused) projection.
+
+    ``weight`` is a float tensor [out, in] or, from a GGUF, ``GroupedInt4``. Without
+    quantization it becomes dense in ``dtype`` on ``device``; ``int8`` quantizes a float weight
+    per channel; ``gguf`` keeps 4-bit groups as they are and quantizes float weights (a GGUF's
+    F16/F32/Q8_0 tensors, dequantized) per channel to int8.
+    """
+    if isinstance(weight, GroupedInt4):
+        if quantization != "gguf":
+            weight = weight.dequantize()
+        else:
+            return Int4Linear.from_grouped(weight, bias, dtype)
+    if quantization is None:
+        return DenseLinear(weight.to(device=device, dtype=dtype),
+                           None if bias is None else bias.to(device=device, dtype=dtype))
+    return Int8Linear.quantize(weight, bias, dtype)
+
+
+__all__ = ["INT4_GROUP_SIZE", "QUANTIZATIONS", "DenseLinear", "GroupedInt4", "Int4Linear",
+           "Int8Linear", "LinearMethod", "check_quantization", "make_linear"]
