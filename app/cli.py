@@ -158,7 +158,6 @@ def serve(**opts: Any) -> None:
     from app.draining import DrainingServer
     from app.server import create_app
     from engine.async_engine import AsyncLLM
-    from engine.llm_engine import LLMEngine
 
     settings = _settings(**opts)
     replica_id = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
@@ -170,10 +169,10 @@ def serve(**opts: Any) -> None:
         console_sessions = ConsoleSessions(settings.console_session_idle_s,
                                            settings.console_session_max_s,
                                            secure_cookie=settings.console_secure_cookie)
-        engine = LLMEngine(settings.engine_config(boot.model_dir))
+        # Built and stepped on one thread: see AsyncLLM.from_config.
+        client = AsyncLLM.from_config(settings.engine_config(boot.model_dir))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    client = AsyncLLM(engine)
     server: uvicorn.Server | None = None
 
     def stop_serving() -> None:  # the engine died: stop, then exit non-zero (below)
@@ -198,7 +197,7 @@ def serve(**opts: Any) -> None:
         click.echo(f"\nCreated tenant 'demo' with an API key, saved with mode 0600 in "
                    f"{boot.demo_key_file} (not printed: stdout is not a terminal).\n")
     key_file = boot.demo_key_file or "<file with your API key>"
-    name = engine.served_model_name
+    name = client.model_info().served_model_name
     click.echo(f"""Try it:
 
   curl {base}/v1/chat/completions \\

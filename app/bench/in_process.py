@@ -41,15 +41,13 @@ class InProcessEngine:
 
     def __init__(self, config: Any) -> None:
         from engine.async_engine import AsyncLLM  # torch: only when the bench asks for it
-        from engine.llm_engine import LLMEngine
 
-        self.client = AsyncLLM(LLMEngine(config))
+        self.client = AsyncLLM.from_config(config)  # built and stepped on the engine thread
         self.info = self.client.model_info()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="bench-streams",
                                         daemon=True)
         self._thread.start()
-        self.client.start()
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Runs ``coro`` on the streams' loop; its result (blocks the calling thread)."""

@@ -135,3 +135,34 @@ def test_requests_after_shutdown_are_refused_instead_of_hanging():
         assert llm.is_running
     finally:
         llm.shutdown()
+
+
+def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
+    """The engine is constructed on the engine thread (one torch OpenMP pool, not two), which
+    then steps it; a construction error is raised to the caller and leaves no thread."""
+    import engine.async_engine as async_engine
+
+    built_on: list[threading.Thread] = []
+
+    def fake_engine(config, **kwargs):
+        if config == "bad":
+            raise ValueError("--dtype must be one of ...")
+        built_on.append(threading.current_thread())
+        return FakeEngine()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", fake_engine)
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="--dtype"):
+        AsyncLLM.from_config("bad")
+    assert threading.active_count() == before and not built_on
+    llm = AsyncLLM.from_config("good")
+    try:
+        assert llm.is_running and built_on == [llm._thread]
+        assert built_on[0] is not threading.current_thread()
+        stepped_on = asyncio.run(llm._call(lambda e: threading.current_thread()))
+        assert stepped_on is built_on[0]
+        llm.start()  # idempotent: no second thread
+        assert llm._thread is built_on[0]
+    finally:
+        llm.shutdown()
+    assert not built_on[0].is_alive()

@@ -1,0 +1,129 @@
+"""Decode speed and TTFT of OpenAI-compatible servers side by side (issue 15's table): ours with
+fp32 and with ``--quantization gguf``, llama.cpp's server on the bundled GGUF, vLLM, ...
+
+One client, the same prompts, one server at a time (``--server NAME=URL[,KEY[,MODEL]]``,
+repeatable; the first is the baseline of the ratios unless ``--baseline`` names another):
+
+1. single-stream decode: one chat request at a time, ``max_tokens`` 128, decode tokens/s =
+   (streamed tokens - 1) / (time from the first to the last token); median of 3;
+2. 16 concurrent chat requests sharing a ~1,750-token system prompt, 64 tokens each: output
+   tokens / wall time (warmed once with the system prompt);
+3. cold TTFT: a ~1,750-token prompt no server has seen (median of 3);
+4. warm TTFT: the same long prefix again with a new question (median of 3).
+
+Tokens are counted as streamed chunks with text (one token each on our server, vLLM and
+llama.cpp). Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
+16 concurrent >= 10x, cold TTFT <= 0.5x, warm TTFT <= 1.0x.
+
+Usage: ``python benchmarks/bench_servers.py --server ours-gguf=http://127.0.0.1:8000,KEY
+--server llamacpp=http://127.0.0.1:8002 [--baseline llamacpp]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from app.bench.baselines import parse_peer
+
+WORDS = ("harbor cargo vessel crane berth manifest customs pallet freight container route "
+         "schedule tide pilot anchor dock warehouse invoice ledger shipment carrier port").split()
+
+
+def system_prompt(rng: random.Random, words: int = 1300) -> str:
+    """About 1,750 tokens of instructions (1.3 tokens per word), unique per ``rng``."""
+    body = " ".join(rng.choice(WORDS) for _ in range(words))
+    return f"You are the assistant of port authority {rng.getrandbits(32):08x}. Rules: {body}"
+
+
+class Server:
+    def __init__(self, name: str, url: str, key: str, model: str | None) -> None:
+        self.name, self.url = name, url
+        self.client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {key}"})
+        self.model = model or self.client.get(url + "/v1/models").json()["data"][0]["id"]
+
+    def chat(self, messages: list[dict], max_tokens: int) -> tuple[float, float, int]:
+        """(TTFT s, seconds from first to last token, tokens streamed)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True}
+        start = time.perf_counter()
+        first = last = None
+        tokens = 0
+        with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"{self.name}: {r.status_code} {r.text[:200]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if any((c.get("delta") or {}).get("content") for c in choices):
+                    last = time.perf_counter()
+                    first = first or last
+                    tokens += 1
+        if first is None:
+            raise RuntimeError(f"{self.name} streamed no tokens")
+        return first - start, last - first, tokens
+
+
+def measure(s: Server, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    story = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    s.chat(story, 8)  # warm-up
+    decode = []
+    for _ in range(3):
+        _, span, n = s.chat(story, 128)
+        decode.append((n - 1) / span)
+    cold, warm = [], []
+    for i in range(3):
+        system = system_prompt(rng)
+        cold.append(s.chat([{"role": "system", "content": system},
+                            {"role": "user", "content": f"Question {i}: which berth?"}], 4)[0])
+        warm.append(s.chat([{"role": "system", "content": system},
+                            {"role": "user", "content": f"Question {i}: which crane?"}], 4)[0])
+    shared = system_prompt(rng)
+    s.chat([{"role": "system", "content": shared}, {"role": "user", "content": "Hello"}], 1)
+    asks = [[{"role": "system", "content": shared},
+             {"role": "user", "content": f"Question {i}: tell me about pier {i}."}]
+            for i in range(16)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda m: s.chat(m, 64), asks))
+    wall = time.perf_counter() - start
+    return {"decode_tok_s": statistics.median(decode),
+            "concurrent16_tok_s": sum(n for _, _, n in results) / wall,
+            "cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", action="append", required=True,
+                        metavar="NAME=URL[,KEY[,MODEL]]")
+    parser.add_argument("--baseline", default=None, help="[the first server]")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    peers = [parse_peer(spec) for spec in args.server]
+    rows = {}
+    for p in peers:
+        print(f"measuring {p.name} at {p.url} ...", flush=True)
+        rows[p.name] = measure(Server(p.name, p.url, p.api_key, p.model), args.seed)
+    base = rows[args.baseline or peers[0].name]
+    print(f"\n{'server':14} {'1 stream':>10} {'16 concurrent':>14} {'cold TTFT':>10} "
+          f"{'warm TTFT':>10}   ratios to {args.baseline or peers[0].name}")
+    for name, r in rows.items():
+        print(f"{name:14} {r['decode_tok_s']:7.1f}/s {r['concurrent16_tok_s']:11.1f}/s "
+              f"{r['cold_ttft_s']:9.3f}s {r['warm_ttft_s']:9.3f}s   "
+              f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+              f"{r['concurrent16_tok_s'] / base['concurrent16_tok_s']:.2f}x "
+              f"{r['cold_ttft_s'] / base['cold_ttft_s']:.2f}x "
+              f"{r['warm_ttft_s'] / base['warm_ttft_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
