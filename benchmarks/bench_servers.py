@@ -31,9 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from app.bench.baselines import parse_peer
-
-WORDS = ("harbor cargo vessel crane berth manifest customs pallet freight container route "
-         "schedule tide pilot anchor dock warehouse invoice ledger shipment carrier port").split()
+from app.bench.validate import WORDS
 
 
 def system_prompt(rng: random.Random, words: int = 1300) -> str:

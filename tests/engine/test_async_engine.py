@@ -140,7 +140,7 @@ def test_requests_after_shutdown_are_refused_instead_of_hanging():
 def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
     """The engine is constructed on the engine thread (one torch OpenMP pool, not two), which
     then steps it; a construction error is raised to the caller and leaves no thread."""
-    import engine.async_engine as async_engine
+    from engine import async_engine
 
     built_on: list[threading.Thread] = []
 
