@@ -106,14 +106,15 @@ class EngineConfig:
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})
     dtype: str = field(default="auto", metadata={
-        "help": "Model and KV cache dtype; auto = float32 on CPU (bfloat16 with "
-                "--quantization), bfloat16 on CUDA (vLLM --dtype).",
+        "help": "Model and KV cache dtype; auto = float32 on CPU, bfloat16 on CUDA "
+                "(vLLM --dtype).",
         "choices": DTYPES})
     quantization: str | None = field(default=None, metadata={
-        "help": "Weight-only quantized linear layers on CPU, with bfloat16 activations "
-                "(vLLM --quantization): int8 = per-channel int8 of the safetensors weights; "
-                "gguf = the model's GGUF 4-bit blocks (Q4_1/Q4_0) as they are, other GGUF "
-                "types as int8. Not token-identical to float32 (docs/benchmarks.md: fidelity).",
+        "help": "Weight-only quantized linear layers on CPU, for decode (vLLM "
+                "--quantization): int8 = per-channel int8 of the safetensors weights; gguf = "
+                "the model's GGUF 4-bit blocks (Q4_1/Q4_0) as they are, other GGUF types as "
+                "int8. Their kernels run in bfloat16; with --dtype float32 prefill chunks use "
+                "an fp32 copy. Not token-identical to float32 (docs/benchmarks.md).",
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     device: str = field(default="auto", metadata={
         "help": "Device; auto = cuda when available, else cpu (vLLM --device).",

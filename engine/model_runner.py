@@ -30,13 +30,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str | None = None
-                  ) -> torch.dtype:
-    """``auto`` -> bf16 on CUDA or with ``quantization`` (its kernels need bf16 activations),
-    fp32 elsewhere. Raises ValueError for an unknown name."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bf16 on CUDA, fp32 elsewhere. Raises ValueError for an unknown name."""
     if name == "auto":
-        return (torch.bfloat16 if device.type == "cuda" or quantization is not None
-                else torch.float32)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
@@ -73,13 +70,13 @@ class ModelRunner:
         """Resolves device, dtype and attention backend, seeds torch, loads the weights.
 
         Raises:
-            ValueError: unknown dtype, a quantization this device or dtype cannot run, or
+            ValueError: unknown dtype, a quantization this device cannot run, or
                 triton off CUDA without the interpreter.
             FileNotFoundError: no safetensors (or, for ``gguf``, no GGUF) in ``config.model``.
         """
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, config.quantization)
-        check_quantization(config.quantization, device, dtype)
+        dtype = resolve_dtype(config.dtype, device)
+        check_quantization(config.quantization, device)
         attn = get_attention_backend(config.attention_backend, device)
         model = load_model(config.model, model_config, max_model_len, dtype, device, attn,
                            config.quantization)

@@ -11,14 +11,20 @@ out_features] in ``x``'s dtype; the model calls it and never looks inside. Three
   with ``minimum = -8 * scale``), with torch's CPU kernel ``aten::_weight_int4pack_mm_for_cpu``,
   which computes ``w = (code - 8) * scale + zero``; so ``zero = minimum + 8 * scale``.
 
-Both quantized kernels are fast only with bf16 activations (fp32 activations run 5-10x slower
-than fp32 dense: measured in issue 15), so quantized serving runs bf16 activations and KV cache.
-They exist on CPU only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod``
-with the same call. Nothing here is our own kernel: every matmul is one of torch's.
+Both quantized kernels are fast only with bf16 inputs (fp32 inputs run 5-10x slower than fp32
+dense: measured in issue 15), so they run in bf16 whatever the model's dtype: with fp32
+activations (the CPU default) each call converts its input to bf16 and its output back, which
+costs little and keeps the residual stream, attention and KV cache in fp32. Prefill chunks
+(``DENSE_FROM_TOKENS`` rows or more) are compute-bound, and there fp32 GEMM beats the int4
+kernel, so with fp32 activations a quantized layer also holds its weight's exact fp32
+dequantization for them; decode steps read only the quantized weights. The kernels exist on CPU
+only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
+Nothing here is our own kernel: every matmul is one of torch's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,10 @@ import torch.nn.functional as F
 from engine.config import QUANTIZATIONS
 
 INT4_GROUP_SIZE = 32  # GGUF's block of 32 weights
+KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with bf16 inputs only
+# From this many rows (tokens) on, a quantized layer with an fp32 copy runs fp32 GEMM instead:
+# on AVX2 torch's int4 kernel costs about what fp32 does at 32 rows and 2.4x at 512.
+DENSE_FROM_TOKENS = 32
 
 
 class LinearMethod:
@@ -45,6 +55,14 @@ class LinearMethod:
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _in_kernel_dtype(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+    """``kernel(x)`` with ``x`` in ``KERNEL_DTYPE``; the result in ``x``'s dtype."""
+    if x.dtype == KERNEL_DTYPE:
+        return kernel(x)
+    return kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
 
 
 class DenseLinear(LinearMethod):
@@ -72,23 +90,28 @@ class Int8Linear(LinearMethod):
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
-        self.qweight, self.scales, self.bias = qweight, scales, bias
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
+        self.qweight, self.scales, self.bias, self.dense = qweight, scales, bias, dense
         self.out_features = qweight.shape[0]
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-                 ) -> Int8Linear:
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 keep_dense: bool = False) -> Int8Linear:
         """Round-to-nearest from a float ``weight`` [out, in]: scale = max |w| of the row / 127
-        (a zero row gets scale 1)."""
+        (a zero row gets scale 1), in ``KERNEL_DTYPE``; ``bias`` in the activation ``dtype``.
+        ``keep_dense``: also keep ``weight`` in fp32 for prefill chunks (fp32 activations)."""
         w = weight.float()
         scales = w.abs().amax(dim=1) / 127.0
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(q, scales.to(dtype), None if bias is None else bias.to(dtype))
+        return cls(q, scales.to(KERNEL_DTYPE), None if bias is None else bias.to(dtype),
+                   w.contiguous() if keep_dense else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = _in_kernel_dtype(x, lambda k: torch._weight_int8pack_mm(k, self.qweight,
+                                                                     self.scales))
         return y if self.bias is None else y + self.bias
 
     @property
@@ -154,15 +177,18 @@ class Int4Linear(LinearMethod):
     """
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
-                 out_features: int, bias: torch.Tensor | None = None) -> None:
+                 out_features: int, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None) -> None:
         self.packed, self.group_size = packed, group_size
-        self.scales_and_zeros, self.bias = scales_and_zeros, bias
+        self.scales_and_zeros, self.bias, self.dense = scales_and_zeros, bias, dense
         self.out_features = out_features
 
     @classmethod
-    def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype
-                     ) -> Int4Linear:
-        """Packs ``w`` for the CPU kernel; its in_features must be a multiple of 2 * group.
+    def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
+                     keep_dense: bool = False) -> Int4Linear:
+        """Packs ``w`` for the CPU kernel (scales and zeros in ``KERNEL_DTYPE``, ``bias`` in the
+        activation ``dtype``). ``keep_dense``: also keep its exact fp32 dequantization for
+        prefill chunks (fp32 activations).
 
         Raises:
             ValueError: a shape the kernel cannot take.
@@ -174,12 +200,15 @@ class Int4Linear(LinearMethod):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             w.codes.to(torch.int32).contiguous(), 1)
         zero = w.minimum + 8 * w.scale
-        sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype))
+        sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+        return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype),
+                   w.dequantize() if keep_dense else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
-                                                       self.scales_and_zeros)
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = _in_kernel_dtype(x, lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            k, self.packed, self.group_size, self.scales_and_zeros))
         return y if self.bias is None else y + self.bias
 
     @property
@@ -187,10 +216,8 @@ class Int4Linear(LinearMethod):
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
-def check_quantization(quantization: str | None, device: torch.device,
-                       dtype: torch.dtype) -> None:
-    """Raises ValueError unless the kernels of ``quantization`` run here: CPU, bf16 activations.
-    """
+def check_quantization(quantization: str | None, device: torch.device) -> None:
+    """Raises ValueError unless the kernels of ``quantization`` run here (CPU)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
@@ -198,30 +225,29 @@ def check_quantization(quantization: str | None, device: torch.device,
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on CPU only (torch's weight-only "
                          f"CPU kernels); on {device.type} serve bfloat16 without it")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"--quantization {quantization} needs bfloat16 activations "
-                         "(--dtype auto or bfloat16): its kernels run 5-10x slower on float32")
 
 
 def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
                 quantization: str | None, dtype: torch.dtype,
                 device: torch.device) -> LinearMethod:
-    """The ``LinearMethod`` for one (fused) projection.
+    """The ``LinearMethod`` for one (fused) projection, for activations in ``dtype``.
 
     ``weight`` is a float tensor [out, in] or, from a GGUF, ``GroupedInt4``. Without
     quantization it becomes dense in ``dtype`` on ``device``; ``int8`` quantizes a float weight
     per channel; ``gguf`` keeps 4-bit groups as they are and quantizes float weights (a GGUF's
-    F16/F32/Q8_0 tensors, dequantized) per channel to int8.
+    F16/F32/Q8_0 tensors, dequantized) per channel to int8. Quantized kernels run in bf16
+    (``KERNEL_DTYPE``); with fp32 activations they also keep an fp32 copy of the weight for
+    prefill chunks, where fp32 GEMM is faster (``DENSE_FROM_TOKENS``).
     """
-    if isinstance(weight, GroupedInt4):
-        if quantization != "gguf":
-            weight = weight.dequantize()
-        else:
-            return Int4Linear.from_grouped(weight, bias, dtype)
+    if isinstance(weight, GroupedInt4) and quantization != "gguf":
+        weight = weight.dequantize()
     if quantization is None:
         return DenseLinear(weight.to(device=device, dtype=dtype),
                            None if bias is None else bias.to(device=device, dtype=dtype))
-    return Int8Linear.quantize(weight, bias, dtype)
+    keep_dense = dtype == torch.float32
+    if isinstance(weight, GroupedInt4):
+        return Int4Linear.from_grouped(weight, bias, dtype, keep_dense)
+    return Int8Linear.quantize(weight, bias, dtype, keep_dense)
 
 
 __all__ = ["INT4_GROUP_SIZE", "QUANTIZATIONS", "DenseLinear", "GroupedInt4", "Int4Linear",

@@ -354,7 +354,7 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
 
 def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
     """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights
-    (bf16 activations): the OpenAI SDK gets a correct answer, streamed and not, and a prefix
+    (fp32 activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not, and a prefix
     hit; a hostile request is refused alone and the server goes on."""
     with serve(model_dir, tmp_path, "--quantization", "gguf") as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
@@ -373,5 +373,6 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == first.choices[0].message.content
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-    assert "quantization gguf" in proc.output and "bfloat16" in proc.output, proc.output[-2000:]
+    assert "cpu float32, quantization gguf (95 MB of weights read per token)" in proc.output, \
+        proc.output[-2000:]
     assert "Traceback" not in proc.output

@@ -14,6 +14,7 @@ from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
 from engine.models.gguf import hf_name, read_gguf_state
 from engine.quantization import (
+    DENSE_FROM_TOKENS,
     DenseLinear,
     GroupedInt4,
     Int4Linear,
@@ -99,15 +100,34 @@ def test_make_linear_picks_the_kernel_for_each_weight():
     assert isinstance(lin, DenseLinear) and torch.equal(lin.weight, grouped.dequantize())
 
 
-def test_quantization_needs_cpu_and_bf16_activations():
-    check_quantization(None, torch.device("cuda"), torch.float32)  # nothing to check
-    check_quantization("gguf", CPU, torch.bfloat16)
+def test_quantization_runs_on_cpu_only():
+    check_quantization(None, torch.device("cuda"))  # nothing to check
+    check_quantization("gguf", CPU)
     with pytest.raises(ValueError, match="CPU only"):
-        check_quantization("int8", torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16 activations"):
-        check_quantization("gguf", CPU, torch.float32)
+        check_quantization("int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="--quantization must be one of"):
         EngineConfig(model="m", quantization="int4")
+
+
+def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefill():
+    """With fp32 activations a quantized layer converts decode rows to bf16 for torch's kernel,
+    and runs prefill chunks (DENSE_FROM_TOKENS rows or more) through the exact fp32
+    dequantization of the same weights."""
+    w = _grouped(64, 128)
+    bias = torch.randn(64)
+    lin = make_linear(w, bias, "gguf", torch.float32, CPU)
+    assert isinstance(lin, Int4Linear) and lin.scales_and_zeros.dtype == torch.bfloat16
+    assert torch.equal(lin.dense, w.dequantize())
+    decode, prefill = torch.randn(3, 128), torch.randn(DENSE_FROM_TOKENS, 128)
+    y = lin(decode)
+    assert y.dtype == torch.float32
+    expected = decode @ w.dequantize().t() + bias
+    assert 0 < (y - expected).abs().max() < 0.02 * expected.abs().max()  # bf16 kernel
+    assert torch.equal(lin(prefill), torch.nn.functional.linear(prefill, w.dequantize(), bias))
+    # bf16 activations: no fp32 copy, the kernel at every size.
+    assert make_linear(w, None, "gguf", torch.bfloat16, CPU).dense is None
+    int8 = make_linear(torch.randn(64, 128), None, "int8", torch.float32, CPU)
+    assert int8.dense is not None and int8(decode).dtype == torch.float32
 
 
 def test_gguf_tensor_names_map_to_hugging_face():
@@ -153,19 +173,21 @@ def _req(rid: str, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
                                                          **kw))
 
 
-@pytest.mark.parametrize("quantization,max_mb", [("gguf", 100), ("int8", 140)])
-def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, max_mb):
+@pytest.mark.parametrize("quantization,dtype,max_mb", [("gguf", "auto", 100),
+                                                      ("int8", "bfloat16", 140)])
+def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, dtype,
+                                          max_mb):
     """Teacher-forced on fp32's greedy output, the quantized model's most likely token is fp32's
-    at (nearly) every position; it reads a fraction of fp32's 538 MB of weights per token; and
-    a request it refuses changes nothing for the others."""
+    at (nearly) every position, with fp32 or bf16 activations; it reads a fraction of fp32's
+    538 MB of weights per token; and a request it refuses changes nothing for the others."""
     prompts = [_chat(tokenizer, t) for t in ("What is the capital of France?",
                                              "Why is the sky blue?")]
     fp32 = make_llm_engine()
     reference = [r.token_ids for r in run_to_completion(
         fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
     del fp32
-    engine = make_llm_engine(quantization=quantization, dtype="auto")
-    assert engine.cache_info.dtype == "bfloat16"
+    engine = make_llm_engine(quantization=quantization, dtype=dtype)
+    assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6
     agree = total = 0
     for i, (p, out) in enumerate(zip(prompts, reference)):
