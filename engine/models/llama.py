@@ -24,8 +24,9 @@ __all__ = ["LlamaForCausalLM", "ModelConfig"]
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 like transformers' ``LlamaRMSNorm`` (bit-identical in fp32)."""
     dtype = x.dtype
-    if dtype != torch.float32:
-        x = x.float()
+    if dtype == torch.float32:  # one op; the same arithmetic as the lines below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
@@ -59,15 +60,10 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, heads, D] (q and k heads together) by cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,11 +100,12 @@ class LlamaDecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         T = hidden.shape[0]
         x = rms_norm(hidden, ln1, eps)
-        q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qk, v = qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotated in one pass (half the ops of two), then split as views.
+        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos,
+                          sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
         attn.write_kv(k, v, key_cache, value_cache, meta)
         out = attn.forward(q, key_cache, value_cache, meta, self.scale)
         hidden = hidden + o_proj(out.reshape(T, self.q_size))
