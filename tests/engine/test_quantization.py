@@ -177,16 +177,19 @@ def _req(rid: str, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
                                                       ("int8", "bfloat16", 140)])
 def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, dtype,
                                           max_mb):
-    """Teacher-forced on fp32's greedy output, the quantized model's most likely token is fp32's
-    at (nearly) every position, with fp32 or bf16 activations; it reads a fraction of fp32's
-    538 MB of weights per token; and a request it refuses changes nothing for the others."""
+    """Teacher-forced on fp32's greedy output, the quantized kernels' most likely token is
+    fp32's at (nearly) every position, with fp32 or bf16 activations; the model reads a fraction
+    of fp32's 538 MB of weights per token; and a request it refuses changes nothing for the
+    others."""
     prompts = [_chat(tokenizer, t) for t in ("What is the capital of France?",
                                              "Why is the sky blue?")]
     fp32 = make_llm_engine()
     reference = [r.token_ids for r in run_to_completion(
         fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
     del fp32
-    engine = make_llm_engine(quantization=quantization, dtype=dtype)
+    # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
+    # prefill chunks would run on the fp32 copy under fp32 activations: DENSE_FROM_TOKENS).
+    engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6
     agree = total = 0
