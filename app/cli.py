@@ -21,7 +21,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import click
 import pydantic
 
-from app.bench import PROFILES, SWEEP_AXES
+from app.bench import IN_PROCESS_URL, PROFILES, SWEEP_AXES
 from app.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from app.settings import Settings
 from engine.config import EngineConfig
@@ -171,7 +171,7 @@ def serve(**opts: Any) -> None:
                                            secure_cookie=settings.console_secure_cookie)
         # Built and stepped on one thread: see AsyncLLM.from_config.
         client = AsyncLLM.from_config(settings.engine_config(boot.model_dir))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # a bad flag, missing weights or GGUF
         raise click.UsageError(str(e)) from None
     server: uvicorn.Server | None = None
 
@@ -730,12 +730,14 @@ def _bench_in_process(fn):  # --in-process, --model-dir and --data-dir: ours wit
                            "SALTSERVE_DATA_DIR]")(fn)
     fn = click.option("--model-dir", type=click.Path(exists=True, file_okay=False,
                                                      path_type=Path), default=None,
-                      help="The model --in-process (and pool_size) loads. [the bundled "
+                      help="The model folder that --in-process loads (and sweep's pool_size "
+                           "servers, and profiles' --hf-baseline). [the bundled "
                            "SmolLM2-135M-Instruct, converted in --data-dir]")(fn)
     return click.option("--in-process", is_flag=True,
                         help="No server: run our engine in this process, through its engine "
-                             "interface (no HTTP, auth or database), on --model-dir; --url and "
-                             "the keys are then unused.")(fn)
+                             "interface (no HTTP, auth or database), on --model-dir with "
+                             "serve's engine settings (SALTSERVE_* env, e.g. "
+                             "SALTSERVE_QUANTIZATION=gguf); --url and the keys are unused.")(fn)
 
 
 def _model_dir(model_dir: Path | None, data_dir: Path | None) -> Path:
@@ -756,8 +758,9 @@ def _ours(stack: Any, in_process: bool, model_dir: Path | None, data_dir: Path |
     if in_process:
         from app.bench.in_process import InProcessEngine
 
+        settings = _settings(data_dir=data_dir)
         engine = stack.enter_context(InProcessEngine(
-            EngineConfig(model=str(_model_dir(model_dir, data_dir)))))
+            settings.engine_config(_model_dir(model_dir, data_dir))))
         return engine.endpoint("bench-on"), engine.endpoint("bench-off", False), engine.probe()
     on = Endpoint(url, api_key, model, metrics_token=metrics_token)
     off = Endpoint(url, api_key_no_cache, on.model) if api_key_no_cache else None
@@ -818,7 +821,7 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
                                     progress=lambda done, total: bar.update(1),
                                     run_nonce=run_nonce)
 
-    report = _bench_report("in-process" if in_process else url, out, run, format_report)
+    report = _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_report)
     if not report["passed"]:
         raise SystemExit(1)
 
@@ -903,7 +906,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                                 progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
                                 probe=probe)
 
-    _bench_report("in-process" if in_process else url, out, run, format_profiles, plot,
+    _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_profiles, plot,
                   plot_profiles)
 
 
@@ -997,7 +1000,7 @@ def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axi
                                    api_key_no_cache, None, metrics_token)
                 return run_sweep(axis, chosen, on, off, **kwargs)
 
-    _bench_report("in-process" if in_process else url, out, run, format_sweep, plot,
+    _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_sweep, plot,
                   plot_sweep)
 
 

@@ -138,7 +138,9 @@ class AsyncLLM(EngineClient):
         Why: torch's OpenMP pool belongs to the thread that runs a parallel op. A model loaded
         on one thread and stepped on another leaves two pools on the machine's cores, and
         libgomp then spins less before sleeping (more threads than cores), so each op waits for
-        its workers to wake: decode measured 40% slower on 2 cores (issue 15).
+        its workers to wake: decode measured 40% slower on 2 cores (issue 15). For the same
+        reason a ``start()`` after ``shutdown()`` (a new thread) runs slower; the server never
+        restarts an engine.
 
         Raises:
             whatever ``LLMEngine(config, **engine_kwargs)`` raises (ValueError for a bad
@@ -150,14 +152,13 @@ class AsyncLLM(EngineClient):
 
         def build_then_loop() -> None:
             try:
-                engine = LLMEngine(config, **engine_kwargs)
+                cls.__init__(self, LLMEngine(config, **engine_kwargs))
+                self._thread = threading.current_thread()
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)
-                ready.set()
                 return
-            cls.__init__(self, engine)
-            self._thread = threading.current_thread()
-            ready.set()
+            finally:
+                ready.set()
             self._loop()
 
         thread = threading.Thread(target=build_then_loop, name="saltserve-engine", daemon=True)

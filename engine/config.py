@@ -113,8 +113,9 @@ class EngineConfig:
         "help": "Weight-only quantized linear layers on CPU, for decode (vLLM "
                 "--quantization): int8 = per-channel int8 of the safetensors weights; gguf = "
                 "the model's GGUF 4-bit blocks (Q4_1/Q4_0) as they are, other GGUF types as "
-                "int8. Their kernels run in bfloat16; with --dtype float32 prefill chunks use "
-                "an fp32 copy. Not token-identical to float32 (docs/benchmarks.md).",
+                "int8. Their kernels run in bfloat16; with float32 activations (--dtype auto "
+                "on CPU) forwards of 32+ tokens use an fp32 copy. Not token-identical to "
+                "float32 (docs/benchmarks.md).",
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     device: str = field(default="auto", metadata={
         "help": "Device; auto = cuda when available, else cpu (vLLM --device).",

@@ -14,17 +14,18 @@ out_features] in ``x``'s dtype; the model calls it and never looks inside. Three
 Both quantized kernels are fast only with bf16 inputs (fp32 inputs run 5-10x slower than fp32
 dense: measured in issue 15), so they run in bf16 whatever the model's dtype: with fp32
 activations (the CPU default) each call converts its input to bf16 and its output back, which
-costs little and keeps the residual stream, attention and KV cache in fp32. Prefill chunks
-(``DENSE_FROM_TOKENS`` rows or more) are compute-bound, and there fp32 GEMM beats the int4
-kernel, so with fp32 activations a quantized layer also holds its weight's exact fp32
-dequantization for them; decode steps read only the quantized weights. The kernels exist on CPU
+costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of
+``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step) are
+compute-bound, and there fp32 GEMM beats the kernels, so with fp32 activations a quantized layer
+also holds the weight as loaded, in fp32, for them: for ``gguf`` the exact dequantization of its
+4-bit blocks, for ``int8`` the unquantized weight. Decode steps of fewer sequences read only the
+quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
 Nothing here is our own kernel: every matmul is one of torch's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,14 +58,6 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _in_kernel_dtype(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> torch.Tensor:
-    """``kernel(x)`` with ``x`` in ``KERNEL_DTYPE``; the result in ``x``'s dtype."""
-    if x.dtype == KERNEL_DTYPE:
-        return kernel(x)
-    return kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
-
-
 class DenseLinear(LinearMethod):
     """``F.linear(x, weight, bias)``; ``weight`` [out, in] float, ``bias`` [out] or None."""
 
@@ -80,13 +73,34 @@ class DenseLinear(LinearMethod):
         return _nbytes(self.weight, self.bias)
 
 
-class Int8Linear(LinearMethod):
+class QuantizedLinear(LinearMethod):
+    """A torch weight-only kernel (``_kernel``, bf16 in and out) behind one call for any
+    activation dtype, and an optional fp32 ``dense`` copy of the weight for forwards of
+    ``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step), where fp32
+    GEMM is faster on CPU. ``bias`` [out] is in the activation dtype."""
+
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = self._kernel(x) if x.dtype == KERNEL_DTYPE else \
+            self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(QuantizedLinear):
     """Per-channel symmetric int8: ``w[n, k] = qweight[n, k] * scales[n]``.
 
     Args:
         qweight: [out, in] int8, contiguous.
-        scales: [out] in the activation dtype (bf16).
+        scales: [out] in ``KERNEL_DTYPE`` (bf16).
         bias: [out] in the activation dtype, or None.
+        dense: [out, in] fp32 or None (see ``QuantizedLinear``).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -98,29 +112,22 @@ class Int8Linear(LinearMethod):
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  keep_dense: bool = False) -> Int8Linear:
         """Round-to-nearest from a float ``weight`` [out, in]: scale = max |w| of the row / 127
-        (a zero row gets scale 1), in ``KERNEL_DTYPE``; ``bias`` in the activation ``dtype``.
-        ``keep_dense``: also keep ``weight`` in fp32 for prefill chunks (fp32 activations)."""
+        (a zero row gets scale 1), rounded to ``KERNEL_DTYPE`` before the codes are taken;
+        ``bias`` in the activation ``dtype``. ``keep_dense``: ``weight`` itself (fp32, not
+        copied when it already is) serves the forwards of ``DENSE_FROM_TOKENS`` rows or more."""
         w = weight.float()
         scales = w.abs().amax(dim=1) / 127.0
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(q, scales.to(KERNEL_DTYPE), None if bias is None else bias.to(dtype),
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales).to(KERNEL_DTYPE)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scales, None if bias is None else bias.to(dtype),
                    w.contiguous() if keep_dense else None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
-            return F.linear(x, self.dense, self.bias)
-        y = _in_kernel_dtype(x, lambda k: torch._weight_int8pack_mm(k, self.qweight,
-                                                                     self.scales))
-        return y if self.bias is None else y + self.bias
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     @property
     def weight_bytes(self) -> int:
         return _nbytes(self.qweight, self.scales, self.bias)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized rows ``ids`` [n] -> [n, in] (a tied embedding's lookup)."""
-        return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
 
 
 @dataclass
@@ -166,14 +173,15 @@ class GroupedInt4:
                            torch.cat([p.minimum for p in parts]), parts[0].group_size)
 
 
-class Int4Linear(LinearMethod):
+class Int4Linear(QuantizedLinear):
     """Grouped 4-bit weights through ``aten::_weight_int4pack_mm_for_cpu``.
 
     Args:
         packed: from ``aten::_convert_weight_to_int4pack_for_cpu`` ([out, in / 2] uint8).
-        scales_and_zeros: [in / group_size, out, 2] in the activation dtype (bf16):
+        scales_and_zeros: [in / group_size, out, 2] in ``KERNEL_DTYPE`` (bf16):
             ``w = (code - 8) * scale + zero``.
-        bias: [out] or None.
+        bias: [out] in the activation dtype, or None.
+        dense: [out, in] fp32 or None (see ``QuantizedLinear``).
     """
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
@@ -187,8 +195,8 @@ class Int4Linear(LinearMethod):
     def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
                      keep_dense: bool = False) -> Int4Linear:
         """Packs ``w`` for the CPU kernel (scales and zeros in ``KERNEL_DTYPE``, ``bias`` in the
-        activation ``dtype``). ``keep_dense``: also keep its exact fp32 dequantization for
-        prefill chunks (fp32 activations).
+        activation ``dtype``). ``keep_dense``: also keep its exact fp32 dequantization for the
+        forwards of ``DENSE_FROM_TOKENS`` rows or more.
 
         Raises:
             ValueError: a shape the kernel cannot take.
@@ -204,12 +212,9 @@ class Int4Linear(LinearMethod):
         return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype),
                    w.dequantize() if keep_dense else None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
-            return F.linear(x, self.dense, self.bias)
-        y = _in_kernel_dtype(x, lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            k, self.packed, self.group_size, self.scales_and_zeros))
-        return y if self.bias is None else y + self.bias
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+                                                          self.scales_and_zeros)
 
     @property
     def weight_bytes(self) -> int:
@@ -217,11 +222,10 @@ class Int4Linear(LinearMethod):
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:
-    """Raises ValueError unless the kernels of ``quantization`` run here (CPU)."""
-    if quantization is None:
+    """Raises ValueError unless the kernels of ``quantization`` (one of ``QUANTIZATIONS``) run
+    on ``device``: CPU only."""
+    if quantization is None:  # (EngineConfig has checked the name)
         return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on CPU only (torch's weight-only "
                          f"CPU kernels); on {device.type} serve bfloat16 without it")
@@ -236,8 +240,9 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
     quantization it becomes dense in ``dtype`` on ``device``; ``int8`` quantizes a float weight
     per channel; ``gguf`` keeps 4-bit groups as they are and quantizes float weights (a GGUF's
     F16/F32/Q8_0 tensors, dequantized) per channel to int8. Quantized kernels run in bf16
-    (``KERNEL_DTYPE``); with fp32 activations they also keep an fp32 copy of the weight for
-    prefill chunks, where fp32 GEMM is faster (``DENSE_FROM_TOKENS``).
+    (``KERNEL_DTYPE``); with fp32 activations they also keep the fp32 weight for forwards of
+    ``DENSE_FROM_TOKENS`` rows or more, where fp32 GEMM is faster (an fp32 ``weight`` is kept
+    as it is, not copied: pass a tied embedding's own parameter).
     """
     if isinstance(weight, GroupedInt4) and quantization != "gguf":
         weight = weight.dequantize()
@@ -250,5 +255,6 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
     return Int8Linear.quantize(weight, bias, dtype, keep_dense)
 
 
-__all__ = ["INT4_GROUP_SIZE", "QUANTIZATIONS", "DenseLinear", "GroupedInt4", "Int4Linear",
-           "Int8Linear", "LinearMethod", "check_quantization", "make_linear"]
+__all__ = ["DENSE_FROM_TOKENS", "INT4_GROUP_SIZE", "KERNEL_DTYPE", "QUANTIZATIONS",
+           "DenseLinear", "GroupedInt4", "Int4Linear", "Int8Linear", "LinearMethod",
+           "QuantizedLinear", "check_quantization", "make_linear"]

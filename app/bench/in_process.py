@@ -23,10 +23,10 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, Self
 
+from app.bench import IN_PROCESS_URL
 from app.bench.profiles import MetricsProbe
 from app.bench.validate import Sample
-
-IN_PROCESS_URL = "in-process"
+from engine.errors import EngineDeadError
 
 
 class InProcessEngine:
@@ -71,10 +71,13 @@ class InProcessEngine:
                 "enable_prefix_caching": str(i.enable_prefix_caching)}
 
     def close(self) -> None:
+        """Stops the engine and the streams' loop (idempotent)."""
         self.client.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
 
     def __enter__(self) -> Self:
         return self
@@ -103,7 +106,8 @@ class InProcessEndpoint:
         seconds, measured from submission, and its token counts.
 
         Raises:
-            RuntimeError: the request finished with an error, or the engine is not running.
+            RuntimeError: the engine refused the request (invalid, or not running) or it
+                finished with an error.
         """
         from engine.request import EngineRequest
         from engine.sampling_params import SamplingParams
@@ -126,10 +130,10 @@ class InProcessEndpoint:
                     first = time.perf_counter() - start
                 last = out
         except Exception as e:  # EngineDeadError, InvalidRequestError: the runners' error type
-            raise RuntimeError(f"the in-process engine refused a request: {e}") from e
+            raise RuntimeError(f"the engine refused a request: {e}") from e
         total = time.perf_counter() - start
         if last is None or last.finish_reason == "error":
-            raise RuntimeError("a request failed in the in-process engine: "
+            raise RuntimeError("a request failed in the engine: "
                                f"{last.error if last else 'no output'}")
         return Sample(first if first is not None else total, total, last.num_prompt_tokens,
                       last.num_cached_tokens, last.num_output_tokens)
@@ -146,6 +150,10 @@ class EngineProbe(MetricsProbe):
         self.engine = engine
 
     def read(self) -> dict[str, float] | None:
-        s = self.engine.run(self.engine.client.stats())
+        """The counters, or None once the engine has stopped (as an unreachable server)."""
+        try:
+            s = self.engine.run(self.engine.client.stats())
+        except EngineDeadError:
+            return None
         return {"queries": float(s.prefix_cache_queries), "hits": float(s.prefix_cache_hits),
                 "evictions": float(sum(s.evictions.values())), "kv_usage": s.kv_cache_usage}

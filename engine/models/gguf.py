@@ -49,17 +49,23 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _unpack_q4(raw: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """raw [rows, blocks * block_bytes] uint8 -> codes [rows, in] uint8, d and m (or None for
-    Q4_0) [rows, blocks] fp32."""
+# Block bytes of the 4-bit types kept as they are: fp16 d (and fp16 m for Q4_1) + 16 bytes.
+_Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def grouped_from_blocks(raw: np.ndarray, type_name: str) -> GroupedInt4:
+    """A Q4_0 or Q4_1 tensor's raw blocks [rows, blocks * block bytes] uint8 as
+    ``GroupedInt4`` (codes [rows, in] uint8; scale and minimum [rows, blocks] fp32; Q4_0's
+    minimum is ``-8 * d``)."""
+    block_bytes = _Q4_BLOCK_BYTES[type_name]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-         if block_bytes == 20 else None)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+         if type_name == "Q4_1" else -8 * d)
     qs = blocks[..., block_bytes - 16:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
-    return codes, d, m
+    return GroupedInt4(torch.from_numpy(codes), d, m, INT4_GROUP_SIZE)
 
 
 def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
@@ -76,7 +82,8 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor | Gr
         matrices, [n] for norms).
 
     Raises:
-        ValueError: the file is not a GGUF, or its shapes do not match ``cfg``.
+        ValueError: the file is not a GGUF, has an architecture other than llama / qwen2, or
+            its shapes do not match ``cfg``.
     """
     import gguf
 
@@ -84,27 +91,27 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor | Gr
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF {path.name}: {e}") from None
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else "llama"
-    q4 = {gguf.GGMLQuantizationType.Q4_1: 20, gguf.GGMLQuantizationType.Q4_0: 18}
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF {path.name}: architecture {arch!r} is not supported by "
+                         "--quantization gguf (llama, qwen2)")
     state: dict[str, torch.Tensor | GroupedInt4] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         raw = np.asarray(t.data)
-        if t.tensor_type in q4:
-            codes, d, m = _unpack_q4(raw, q4[t.tensor_type])
-            scale = torch.from_numpy(d)
-            minimum = torch.from_numpy(m) if m is not None else -8 * scale
-            value: torch.Tensor | GroupedInt4 = GroupedInt4(torch.from_numpy(codes), scale,
-                                                            minimum, INT4_GROUP_SIZE)
+        if t.tensor_type.name in _Q4_BLOCK_BYTES:
+            value: torch.Tensor | GroupedInt4 = grouped_from_blocks(raw, t.tensor_type.name)
         elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             value = torch.from_numpy(raw.astype(np.float32))
         else:
             value = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type)
                                      .astype(np.float32))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        # llama.cpp permutes q/k rows (weights and biases) of Llama models only.
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                              "k_proj.bias")):
             heads = (cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
             order = _unpermute_rows(value.shape[0], heads)
             value = value.rows(order) if isinstance(value, GroupedInt4) else value[order]
@@ -116,4 +123,4 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor | Gr
     return state
 
 
-__all__ = ["hf_name", "read_gguf_state"]
+__all__ = ["grouped_from_blocks", "hf_name", "read_gguf_state"]

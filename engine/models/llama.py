@@ -177,24 +177,41 @@ class LlamaForCausalLM(nn.Module):
             quantization: None (dense), or one of ``engine.quantization.QUANTIZATIONS``.
 
         Raises:
-            KeyError: a required weight is missing.
+            ValueError: a required weight is missing (named).
         """
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
 
+        def tensor(name: str) -> torch.Tensor:
+            """A weight as a float tensor (4-bit blocks dequantized: embeddings, norms)."""
+            if name not in state:
+                raise ValueError(f"the checkpoint has no {name}")
+            value = state[name]
+            return value.dequantize() if isinstance(value, GroupedInt4) else value
+
         def linear(names: list[str], bias: bool = False) -> LinearMethod:
-            parts = [state[n + ".weight"] for n in names]
-            w = (GroupedInt4.cat(parts) if isinstance(parts[0], GroupedInt4)
-                 else torch.cat(parts) if len(parts) > 1 else parts[0])
-            b = torch.cat([state[n + ".bias"] for n in names]) if bias else None
+            parts = [state.get(n + ".weight") for n in names]
+            if any(p is None for p in parts):
+                raise ValueError(f"the checkpoint has no {names[parts.index(None)]}.weight")
+            if all(isinstance(p, GroupedInt4) for p in parts):  # fused without dequantizing
+                w = GroupedInt4.cat(parts) if len(parts) > 1 else parts[0]
+            elif len(names) == 1:
+                w = tensor(names[0] + ".weight")
+            else:  # float, or 4-bit mixed with other types: dequantized
+                w = torch.cat([tensor(n + ".weight") for n in names])
+            b = torch.cat([tensor(n + ".bias") for n in names]) if bias else None
             return make_linear(w, b, quantization, dtype, device)
 
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(state["model.embed_tokens.weight"])
-            self.norm.weight.copy_(state["model.norm.weight"])
+            self.embed_tokens.weight.copy_(tensor("model.embed_tokens.weight"))
+            self.norm.weight.copy_(tensor("model.norm.weight"))
             if self.config.tie_word_embeddings or "lm_head.weight" not in state:
+                # The head is the embedding: quantized from the parameter itself, which an fp32
+                # model's head then uses for 32+ rows with no second copy (bf16 activations:
+                # from the checkpoint's values, not their bf16 rounding).
+                embedding = (self.embed_tokens.weight if dtype == torch.float32
+                             else tensor("model.embed_tokens.weight"))
                 self.lm_head = (DenseLinear(self.embed_tokens.weight) if quantization is None
-                                else make_linear(state["model.embed_tokens.weight"], None,
-                                                 quantization, dtype, device))
+                                else make_linear(embedding, None, quantization, dtype, device))
             else:
                 self.lm_head = linear(["lm_head"])
             for i, layer in enumerate(self.layers):
@@ -204,6 +221,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.o = linear([p + "self_attn.o_proj"])
                 layer.gate_up = linear([p + "mlp.gate_proj", p + "mlp.up_proj"])
                 layer.down = linear([p + "mlp.down_proj"])
-                layer.input_layernorm.weight.copy_(state[p + "input_layernorm.weight"])
+                layer.input_layernorm.weight.copy_(tensor(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(
-                    state[p + "post_attention_layernorm.weight"])
+                    tensor(p + "post_attention_layernorm.weight"))

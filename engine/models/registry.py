@@ -2,8 +2,8 @@
 ``ModelRegistry`` idea). Torch-free: classes are imported only when a model is built.
 
 Adding an architecture is one line in ``_MODELS`` (module, class name), pointing at a class with
-the constructor ``(ModelConfig, max_position, attention_backend)``, ``load_weights(state, quantization)``
-and the forward of ``engine.models.llama.LlamaForCausalLM``.
+the constructor ``(ModelConfig, max_position, attention_backend)``,
+``load_weights(state, quantization)`` and the forward of ``engine.models.llama.LlamaForCausalLM``.
 """
 
 from __future__ import annotations

@@ -353,9 +353,9 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
 
 
 def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
-    """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights
-    (fp32 activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not, and a prefix
-    hit; a hostile request is refused alone and the server goes on."""
+    """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights (fp32
+    activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not,
+    and a prefix hit; a hostile request is refused alone and the server goes on."""
     with serve(model_dir, tmp_path, "--quantization", "gguf") as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)

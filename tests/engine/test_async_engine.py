@@ -151,10 +151,11 @@ def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
         return FakeEngine()
 
     monkeypatch.setattr(async_engine, "LLMEngine", fake_engine)
-    before = threading.active_count()
+    before = set(threading.enumerate())
     with pytest.raises(ValueError, match="--dtype"):
         AsyncLLM.from_config("bad")
-    assert threading.active_count() == before and not built_on
+    assert not built_on
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "saltserve-engine"]
     llm = AsyncLLM.from_config("good")
     try:
         assert llm.is_running and built_on == [llm._thread]

