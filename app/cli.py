@@ -881,30 +881,28 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
         raise click.BadParameter("peer names must differ", param_hint="--peer")
 
     def run() -> dict:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # an in-process engine is closed at the end
             on, off, probe = _ours(stack, in_process, model_dir, data_dir, url, api_key,
                                    api_key_no_cache, model, metrics_token)
-            return run_with(on, off, probe)
+            peer_eps = {}
+            for p in peers:
+                try:
+                    peer_eps[p.name] = Endpoint(p.url, p.api_key, p.model,
+                                                metrics_token=p.api_key)
+                except httpx.HTTPError as e:
+                    raise RuntimeError(f"peer {p.name} at {p.url}: {e}") from None
+            hf = None
+            if hf_baseline:
+                from engine.weights import DEFAULT_MODEL_NAME
 
-    def run_with(on: Any, off: Any, probe: Any) -> dict:
-        peer_eps = {}
-        for p in peers:
-            try:
-                peer_eps[p.name] = Endpoint(p.url, p.api_key, p.model, metrics_token=p.api_key)
-            except httpx.HTTPError as e:
-                raise RuntimeError(f"peer {p.name} at {p.url}: {e}") from None
-        hf = None
-        if hf_baseline:
-            from engine.weights import DEFAULT_MODEL_NAME
-
-            if hf_model is None and model_dir is None and on.model != DEFAULT_MODEL_NAME:
-                raise RuntimeError(f"the server serves {on.model}; give --hf-model (its Hugging "
-                                   "Face folder) for the generate baseline")
-            hf = HFGenerate(hf_model or _model_dir(model_dir, data_dir))
-        with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
-            return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
-                                progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
-                                probe=probe)
+                if hf_model is None and model_dir is None and on.model != DEFAULT_MODEL_NAME:
+                    raise RuntimeError(f"the server serves {on.model}; give --hf-model (its "
+                                       "Hugging Face folder) for the generate baseline")
+                hf = HFGenerate(hf_model or _model_dir(model_dir, data_dir))
+            with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
+                return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
+                                    progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
+                                    probe=probe)
 
     _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_profiles, plot,
                   plot_profiles)
