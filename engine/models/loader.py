@@ -25,8 +25,8 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` (or, for ``gguf``, no GGUF) for ``model_dir``.
-        KeyError: a required weight is missing.
-        ValueError: a GGUF that does not match the model.
+        ValueError: a required weight is missing (named), or a GGUF that does not match the
+            model.
     """
     model_dir = Path(model_dir)
     if quantization == "gguf":
