@@ -16,6 +16,7 @@ from engine.quantization import check_quantization
 from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
+from kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class ModelRunner:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         check_quantization(config.quantization, device)
+        if device.type == "cpu" and dtype == torch.float32:
+            cpu_linear.load()  # our small-batch fp32 kernel; F.linear if it cannot be built
         attn = get_attention_backend(config.attention_backend, device)
         model = load_model(config.model, model_config, max_model_len, dtype, device, attn,
                            config.quantization)

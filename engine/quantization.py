@@ -3,7 +3,8 @@
 A ``LinearMethod`` maps activations ``x`` [num_tokens, in_features] to [num_tokens,
 out_features] in ``x``'s dtype; the model calls it and never looks inside. Three kinds:
 
-- ``DenseLinear``: ``F.linear`` on a float weight (fp32, bf16 or fp16; any device).
+- ``DenseLinear``: ``F.linear`` on a float weight (fp32, bf16 or fp16; any device); on CPU in
+  fp32, batches of up to ``kernels.cpu_linear.MAX_ROWS`` rows run our own kernel instead.
 - ``Int8Linear`` (``--quantization int8``): per-output-channel symmetric int8 weights, with
   torch's CPU weight-only kernel ``aten::_weight_int8pack_mm`` (the kernel gpt-fast uses).
 - ``Int4Linear`` (``--quantization gguf``): 4-bit codes in groups of 32 along the input, each
@@ -15,13 +16,14 @@ Both quantized kernels are fast only with bf16 inputs (fp32 inputs run 5-10x slo
 dense: measured in issue 15), so they run in bf16 whatever the model's dtype: with fp32
 activations (the CPU default) each call converts its input to bf16 and its output back, which
 costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of
-``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step) are
-compute-bound, and there fp32 GEMM beats the kernels, so with fp32 activations a quantized layer
+``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step; 4 rows once our
+CPU kernel is loaded, see ``dense_from_tokens``) are compute-bound, and there fp32 beats the
+kernels, so with fp32 activations a quantized layer
 also holds the weight as loaded, in fp32, for them: for ``gguf`` the exact dequantization of its
 4-bit blocks, for ``int8`` the unquantized weight. Decode steps of fewer sequences read only the
 quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
-Nothing here is our own kernel: every matmul is one of torch's.
+The quantized matmuls are torch's; the small-batch fp32 one is ours (``kernels/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -29,15 +31,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import QUANTIZATIONS
+from kernels import cpu_linear
 
 INT4_GROUP_SIZE = 32  # GGUF's block of 32 weights
 KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with bf16 inputs only
-# From this many rows (tokens) on, a quantized layer with an fp32 copy runs fp32 GEMM instead:
-# on AVX2 torch's int4 kernel costs about what fp32 does at 32 rows and 2.4x at 512.
+# From this many rows (tokens) on, a quantized layer with an fp32 copy runs fp32 instead: on
+# AVX2 torch's int4 kernel costs about what MKL's fp32 GEMM does at 32 rows and 2.4x at 512, and
+# what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows (benchmarks/bench_cpu_linear.py).
 DENSE_FROM_TOKENS = 32
+DENSE_FROM_TOKENS_OWN_KERNEL = 4
+
+
+def dense_from_tokens() -> int:
+    """``DENSE_FROM_TOKENS_OWN_KERNEL`` once our CPU kernel is loaded, else
+    ``DENSE_FROM_TOKENS`` (rows)."""
+    return DENSE_FROM_TOKENS_OWN_KERNEL if cpu_linear.loaded() else DENSE_FROM_TOKENS
 
 
 class LinearMethod:
@@ -66,7 +76,7 @@ class DenseLinear(LinearMethod):
         self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -86,8 +96,8 @@ class QuantizedLinear(LinearMethod):
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
-            return F.linear(x, self.dense, self.bias)
+        if self.dense is not None and x.shape[0] >= dense_from_tokens():
+            return cpu_linear.linear(x, self.dense, self.bias)
         y = self._kernel(x) if x.dtype == KERNEL_DTYPE else \
             self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if self.bias is None else y + self.bias

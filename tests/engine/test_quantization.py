@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine import quantization as quantization_module
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm import run_to_completion
@@ -26,6 +27,7 @@ from engine.quantization import (
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.weights import find_gguf, locate_bundled_gguf
+from kernels import cpu_linear
 
 CPU = torch.device("cpu")
 
@@ -113,8 +115,8 @@ def test_quantization_runs_on_cpu_only():
 
 def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefill():
     """With fp32 activations a quantized layer converts decode rows to bf16 for torch's kernel,
-    and runs prefill chunks (DENSE_FROM_TOKENS rows or more) through the exact fp32
-    dequantization of the same weights."""
+    and runs prefill chunks (DENSE_FROM_TOKENS rows or more; fewer once our CPU kernel is
+    loaded) through the exact fp32 dequantization of the same weights."""
     w = _grouped(64, 128)
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
@@ -125,7 +127,7 @@ def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefi
     assert y.dtype == torch.float32
     expected = decode @ w.dequantize().t() + bias
     assert 0 < (y - expected).abs().max() < 0.02 * expected.abs().max()  # bf16 kernel
-    assert torch.equal(lin(prefill), torch.nn.functional.linear(prefill, w.dequantize(), bias))
+    assert torch.equal(lin(prefill), cpu_linear.linear(prefill, w.dequantize(), bias))
     # bf16 activations: no fp32 copy, the kernel at every size.
     assert make_linear(w, None, "gguf", torch.bfloat16, CPU).dense is None
     int8 = make_linear(torch.randn(64, 128), None, "int8", torch.float32, CPU)
@@ -288,7 +290,7 @@ def _req(rid: str, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
 @pytest.mark.parametrize("quantization,dtype,max_mb", [("gguf", "auto", 100),
                                                       ("int8", "bfloat16", 140)])
 def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, dtype,
-                                          max_mb):
+                                          max_mb, monkeypatch):
     """Teacher-forced on fp32's greedy output, the quantized kernels' most likely token is
     fp32's at (nearly) every position, with fp32 or bf16 activations; the model reads a fraction
     of fp32's 538 MB of weights per token; and a request it refuses changes nothing for the
@@ -300,7 +302,9 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
         fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
     del fp32
     # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
-    # prefill chunks would run on the fp32 copy under fp32 activations: DENSE_FROM_TOKENS).
+    # prefill chunks would run on the fp32 copy under fp32 activations: DENSE_FROM_TOKENS; with
+    # our CPU kernel loaded, chunks of 4 rows already would).
+    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6
