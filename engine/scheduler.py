@@ -25,9 +25,11 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
 - A step is never empty while requests run: when the waiting requests' plans took the whole
   budget and none of them fits, the oldest running request grows (preempting if need be).
 - Stall-free batching between tenants (Sarathi-Serve, Agrawal et al. 2024, applied across
-  tenants): while one tenant has requests decoding and another tenant has prefill work, the step
-  budget is the running decodes plus ``interactive_step_tokens``, so a tenant's long prompts
-  cannot stretch another tenant's inter-token latency by more than that many tokens' work.
+  tenants): while a light tenant (all it can run fits its fair share: decodes, a short prompt)
+  shares the engine with a heavy one, the step budget is the light tenants' whole need, the
+  heavy tenants' decodes and ``interactive_step_tokens`` more, so a tenant's long prompts cannot
+  stretch another tenant's inter-token latency or first token by more than that many tokens'
+  work.
 - ``policy="fcfs"``: none of the above; running requests then waiting ones, in order (vLLM).
 """
 
@@ -286,11 +288,12 @@ class Scheduler:
 
         A tenant is light when all it can run now fits its fair share of the full budget (a
         decode, a short prompt); heavy otherwise. With a light and a heavy tenant, the step is
-        the decodes plus ``interactive_step_tokens``, or enough for every light tenant's whole
-        need at its share if that is more, so a light tenant's tokens never wait behind a long
-        step. Light tenants are planned first (max-min fairness: a demand under its fair share
-        is served whole), so their need fits the step, except for what a preempted request's
-        first slice (planned before anything else) takes of it.
+        the light tenants' whole need, the heavy tenants' decodes and ``interactive_step_tokens``
+        more, so a light tenant's tokens (its decodes, or a new prompt) never wait behind a long
+        step, nor share theirs with more than that many of a heavy tenant's prefill tokens.
+        Light tenants are planned first (max-min fairness: a demand under its fair share is
+        served whole), after the first slices of preempted requests, which the step also holds,
+        so their need fits the step.
 
         Returns:
             (the step's budget in tokens, the light tenants to plan first).
@@ -299,20 +302,28 @@ class Scheduler:
         if self.policy != "fair" or not self.interactive_step_tokens:
             return budget, set()
         need: Counter[TenantId] = Counter()
-        num_decodes = 0
+        decodes: Counter[TenantId] = Counter()
         for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
             need[r.tenant_id] += n
-            num_decodes += n == 1
+            decodes[r.tenant_id] += n == 1
         for r in self.waiting:
             need[r.tenant_id] += r.num_tokens
         total_weight = sum(self.weights[t] for t in need)
         light = {t for t, n in need.items() if n * total_weight <= budget * self.weights[t]}
         if not light or len(light) == len(need):
             return budget, set()  # nobody light, or everybody fits anyway (a lone tenant)
-        # Each light tenant's whole need at its weight share of the capped step.
-        room = max(-(-need[t] * total_weight // self.weights[t]) for t in light)
-        return min(budget, max(num_decodes + self.interactive_step_tokens, room)), light
+        # The light tenants' whole need (planned first), the heavy tenants' decodes and the
+        # first slices of their preempted requests (planned before anything: ``_plan``), the cap.
+        first_slices = 0
+        for r in self.waiting:
+            if r.status != RequestStatus.PREEMPTED:
+                break
+            if r.tenant_id not in light:
+                first_slices += min(r.num_tokens, self.fair_quantum_tokens)
+        room = (sum(need[t] for t in light) + sum(n for t, n in decodes.items() if t not in light)
+                + first_slices + self.interactive_step_tokens)
+        return min(budget, room), light
 
     def _plan(self, budget: int, light: set[TenantId]) -> dict[str, int]:
         """Divides this step's token budget between requests by weighted fair queuing.

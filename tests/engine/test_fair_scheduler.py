@@ -688,12 +688,12 @@ def test_light_tenants_short_prompt_gets_a_short_step_beside_a_heavy_prefill() -
     assert rows == [("b", 0, 256, False)] and not out.capped  # B alone: the whole budget
     sched.add_request(make_request("a", range(100, 120), "A", max_tokens=1))    # 20 tokens
     out, rows = step(sched)
-    # A is light (20 tokens fit its half of 256): the step is A's whole need at its share
-    # (2 x 20 = 40 tokens), not 256: A's prompt does not wait behind a long step; light tenants
-    # are planned first, so A gets all 20.
-    assert rows == [("b", 256, 20, False), ("a", 0, 20, True)] and out.capped
+    # A is light (20 tokens fit its half of 256): the step is A's whole need plus the cap
+    # (20 + 8 tokens), not 256: A's prompt neither waits behind a long step nor shares its
+    # step with more than 8 of B's prefill tokens; light tenants are planned first.
+    assert rows == [("b", 256, 8, False), ("a", 0, 20, True)] and out.capped
     _, rows = step(sched)
-    assert rows == [("b", 276, 256, False)]              # A done: B alone again
+    assert rows == [("b", 264, 256, False)]              # A done: B alone again
 
 
 def test_fcfs_policy_respects_seats_and_an_exact_budget() -> None:
@@ -795,12 +795,14 @@ def test_a_tenant_waiting_without_a_seat_does_not_stop_the_others_sharing() -> N
 
 def test_a_preempted_requests_first_slice_is_one_quantum() -> None:
     trace = replay([(0, "r1", "B", 37, 3, 2), (1, "r0", "C", 24, 4, 3)], num_blocks=4,
-                   max_num_batched_tokens=16, fair_quantum_tokens=4, interactive_step_tokens=4)
+                   max_num_batched_tokens=16, fair_quantum_tokens=4, interactive_step_tokens=3)
+    assert trace[3] == ([("r1", 28, 3), ("r0", 20, 4)], ())  # C light: C's 4 + B's cap of 3
     assert trace[4] == ([("r0", 24, 1)], ("r1",))
-    # r1 comes back with one quantum (4 tokens), not the whole budget: C's decode still runs.
-    assert trace[5] == ([("r0", 25, 1), ("r1", 16, 4)], ())
-    assert trace[6] == ([("r0", 26, 1), ("r1", 20, 4)], ())
-    assert trace[7:] == [([("r1", 24, 13)], ()), ([("r1", 37, 1)], ()), ([("r1", 38, 1)], ())]
+    # r1 comes back with one quantum (4 tokens) plus the stall-free cap (3), not the whole
+    # budget (16); the step holds both its first slice and C's decode, so C's decode still runs.
+    assert trace[5] == ([("r0", 25, 1), ("r1", 16, 7)], ())
+    assert trace[6] == ([("r0", 26, 1), ("r1", 23, 3)], ())
+    assert trace[7:] == [([("r1", 26, 11)], ()), ([("r1", 37, 1)], ()), ([("r1", 38, 1)], ())]
 
 
 def test_a_short_preempted_request_is_planned_its_need_not_a_quantum() -> None:
@@ -870,18 +872,17 @@ def test_step_budget_sums_each_tenants_need_and_classes_it_at_the_exact_share() 
     sched.add_request(make_request("b", range(1000, 1300), "B"))          # heavy: 300 tokens
     sched.add_request(make_request("a1", range(100, 110), "A"))           # A: 10 + 12 = 22
     sched.add_request(make_request("a2", range(200, 212), "A"))
-    # A's whole need at its half share: 2 x 22 = 44 tokens, not 2 x 12 (its last request).
-    assert sched._step_budget() == (44, {"A"})
+    # A's whole need (22 tokens, not 12: its last request) plus the cap of 4 for B.
+    assert sched._step_budget() == (26, {"A"})
     step(sched)                                        # A's both prefill whole, B gets the rest
-    # Running: a1 and a2 decode, b prefills. A's need is both decodes (2): at its half share
-    # that is 4 tokens, more than the 2 decodes + an interactive cap of 1.
+    # Running: a1 and a2 decode, b prefills. A's need is both decodes (2), plus a cap of 1.
     sched.interactive_step_tokens = 1
-    assert sched._step_budget() == (4, {"A"})
+    assert sched._step_budget() == (3, {"A"})
     sched.interactive_step_tokens = 4
     sched.add_request(make_request("c", range(300, 310), "C"))
-    # Running: a1 and a2 decode (1 + 1), b still prefills; C waits with 10 tokens. Two
-    # decodes + 4 = 6, but C's need at its third of the step is 30: the step is 30.
-    assert sched._step_budget() == (30, {"A", "C"})
+    # Running: a1 and a2 decode (1 + 1), b still prefills; C waits with 10 tokens: both light
+    # tenants' whole need (2 + 10) plus the cap of 4.
+    assert sched._step_budget() == (16, {"A", "C"})
 
 
 @pytest.mark.parametrize("weight, need, light", [(1, 32, True), (1, 33, False),
@@ -893,7 +894,8 @@ def test_a_tenant_is_light_up_to_exactly_its_weighted_share(weight, need, light)
     # A's share of 64 is 64 x w / (w + 1): 32 for weight 1, 48 for weight 3.
     budget, light_set = sched._step_budget()
     assert light_set == ({"A"} if light else set())
-    assert budget == 64  # A's whole need at its share fills the step either way
+    # Light: A's whole need plus the cap of 4 for B; heavy: the whole budget, shared fairly.
+    assert budget == (need + 4 if light else 64)
 
 
 # -- the n choices of one call share one prefill (EngineRequest.private_cache) -------------------
