@@ -15,9 +15,9 @@ For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), 
      hide the agreement of the rest; plus whole outputs identical when it generates freely;
    - perplexity on ``benchmarks/data/perplexity.txt`` (public-domain prose and two plain
      technical paragraphs, 577 tokens).
-   Fidelity runs with ``--max-num-batched-tokens 16``, so every forward has fewer rows than
-   ``DENSE_FROM_TOKENS`` and goes through the quantized kernels (with fp32 activations, longer
-   prefill chunks run on the exact fp32 dequantization and would measure that instead).
+   Fidelity runs with ``--max-num-batched-tokens 16`` and the fp32 switch-over at
+   ``DENSE_FROM_TOKENS`` rows, so every forward goes through the quantized kernels (with fp32
+   activations, longer forwards run on the exact fp32 dequantization and would measure that).
 
 Usage: ``python benchmarks/bench_quantization.py [--formats fp32,bf16,int8,gguf]
 [--data-dir .saltserve]``. Numbers in docs/benchmarks.md.
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from engine import quantization
 from engine.config import EngineConfig
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
@@ -126,13 +127,16 @@ def main() -> None:
           f"threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s")
     reference: dict[str, list] = {}
     rows = []
+    own_kernel_rows = quantization.DENSE_FROM_TOKENS_OWN_KERNEL
     for name in args.formats.split(","):
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)
         weight_mb = engine.model.weight_bytes() / 1e6
         del engine
-        # Fidelity of the decode kernels: forwards of at most 16 rows (see the docstring).
+        # Fidelity of the decode kernels: forwards of at most 16 rows (see the docstring), all
+        # through the quantized kernels (with our CPU kernel loaded, 4+ rows would run fp32).
+        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = quantization.DENSE_FROM_TOKENS
         engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=16,
                                         **FORMATS[name]))
         prompts = [chat_ids(engine, p) for p in PROMPTS]
@@ -152,6 +156,7 @@ def main() -> None:
         limit = bw * 1e3 / weight_mb
         rows.append((name, one, many, weight_mb, limit, agree / total, identical, ppl))
         del engine
+        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = own_kernel_rows
     ref = rows[0]
     print(f"\nfidelity against {reference['format']}: greedy agreement teacher-forced over "
           f"{len(PROMPTS)} prompts x 32 tokens; perplexity over {len(lps) + 1} tokens\n")
