@@ -6,8 +6,9 @@ scheduler runs beside another tenant's decodes. torch's sgemm (MKL) takes its ge
 AMD CPUs for 2-32 rows, so 4 rows cost about 2-3x one row although the step is bound by reading
 the weights once; the kernel reads each weight row once per call and reuses it for 4 rows from
 registers (``benchmarks/bench_cpu_linear.py`` prints both against each other). Each output is
-summed in the same order whatever the number of rows, so a sequence's logits do not depend on
-what else is in its batch (MKL's do).
+summed in the same order whatever the number of rows (1 to ``MAX_ROWS``), so within a dense fp32
+decode step a sequence's logits do not depend on what else is in its batch; above ``MAX_ROWS``
+rows, or on quantized layers below their dense threshold, other kernels run and that no longer holds.
 
 The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 10 s; cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed on the source) and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -66,12 +68,16 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
+                # pip's ninja sits beside the interpreter, off PATH when the venv is not activated.
+                bindir = os.path.dirname(sys.executable)
+                if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 build("saltserve_cpu", [str(SOURCE)], is_python_module=False, verbose=False,
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
                 torch.ops.saltserve_cpu.linear_small_m  # noqa: B018 - raises if not registered
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
-                why = f"build failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
         _state["ok"], _state["why"] = not why, why
         if why:
             logger.warning("CPU linear kernel off, using torch's F.linear: %s", why)
