@@ -843,6 +843,10 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Interleaved rounds per profile: each sends a new prompt set to caching off "
+                   "and on (in alternating order) and to each peer, and the report pools them "
+                   "and lists each round's on/off ratio, so machine drift hits both sides.")
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds the server's own cache figures from /metrics. "
                    "[$SALTSERVE_METRICS_TOKEN]")
@@ -857,7 +861,7 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
 @_bench_plot
 def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | None,
                    profiles: tuple[str, ...], requests: int, concurrency: int,
-                   max_tokens: int, seed: int, metrics_token: str | None,
+                   max_tokens: int, seed: int, rounds: int, metrics_token: str | None,
                    out: Path | None, peer_specs: tuple[str, ...], hf_baseline: bool,
                    hf_model: Path | None, data_dir: Path | None, plot: Path | None,
                    in_process: bool, model_dir: Path | None) -> None:
@@ -902,7 +906,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
             with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
                 return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
                                     progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
-                                    probe=probe)
+                                    probe=probe, rounds=rounds)
 
     _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_profiles, plot,
                   plot_profiles)

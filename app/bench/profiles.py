@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -108,11 +109,21 @@ class MetricsProbe:
             self._thread.join(5)
 
 
-def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
-                max_tokens: int, probe: MetricsProbe | None = None,
-                ignore_eos: bool = False) -> dict[str, Any]:
-    """Sends ``prompts`` at ``concurrency``; the run's figures (see the module docstring).
-    ``ignore_eos``: every request generates all ``max_tokens``."""
+@dataclass
+class Measured:
+    """One run's raw figures: its samples, wall time (seconds), the cache counters' change over
+    it (``queries``, ``hits``, ``evictions``; None without a probe) and KV usage samples."""
+
+    samples: list[Sample]
+    wall_s: float
+    counters: dict[str, float] | None = None
+    kv_usage: list[float] = field(default_factory=list)
+
+
+def measure(endpoint: Endpoint, prompts: list[str], concurrency: int, max_tokens: int,
+            probe: MetricsProbe | None = None, ignore_eos: bool = False) -> Measured:
+    """Sends ``prompts`` at ``concurrency``. ``ignore_eos``: every request generates all
+    ``max_tokens``."""
     before = probe.read() if probe else None
     if probe:
         probe.start()
@@ -124,16 +135,26 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
     if probe:
         probe.stop()
     after = probe.read() if probe else None
-    out = summarise(samples, wall)
-    if before is not None and after is not None:
-        queried = after["queries"] - before["queries"]
-        hits = after["hits"] - before["hits"]
+    counters = ({k: after[k] - before[k] for k in ("queries", "hits", "evictions")}
+                if before is not None and after is not None else None)
+    return Measured(samples, wall, counters, list(probe.samples) if probe else [])
+
+
+def pooled(runs: list[Measured]) -> dict[str, Any]:
+    """The report's figures (see the module docstring) over one or more runs of the same
+    workload: samples pooled, wall times summed, cache counters summed."""
+    samples = [s for m in runs for s in m.samples]
+    out = summarise(samples, sum(m.wall_s for m in runs))
+    if all(m.counters is not None for m in runs):
+        queried = sum(m.counters["queries"] for m in runs)  # type: ignore[index]
+        hits = sum(m.counters["hits"] for m in runs)  # type: ignore[index]
+        evicted = sum(m.counters["evictions"] for m in runs)  # type: ignore[index]
+        kv = [x for m in runs for x in m.kv_usage]
         out["metrics"] = {
             "hit_rate": hits / queried if queried else None,
-            "evicted_blocks_per_request": (after["evictions"] - before["evictions"])
-            / len(samples),
-            "kv_usage_mean": statistics.fmean(probe.samples) if probe.samples else None,
-            "kv_usage_peak": max(probe.samples) if probe.samples else None,
+            "evicted_blocks_per_request": evicted / len(samples),
+            "kv_usage_mean": statistics.fmean(kv) if kv else None,
+            "kv_usage_peak": max(kv) if kv else None,
             # The server counts tokens of every tenant: agreement within 2 points when this run
             # is the only traffic (a tenant with caching off is not looked up at all).
             "hit_rate_agrees": abs(hits / queried - out["hit_rate"]) <= 0.02 if queried
@@ -142,16 +163,32 @@ def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
     return out
 
 
+def run_profile(endpoint: Endpoint, prompts: list[str], concurrency: int,
+                max_tokens: int, probe: MetricsProbe | None = None,
+                ignore_eos: bool = False) -> dict[str, Any]:
+    """Sends ``prompts`` at ``concurrency``; the run's figures (see the module docstring).
+    ``ignore_eos``: every request generates all ``max_tokens``."""
+    return pooled([measure(endpoint, prompts, concurrency, max_tokens, probe, ignore_eos)])
+
+
 def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: int = 4,
                  max_tokens: int = 16, seed: int = 0, profiles: tuple[str, ...] = PROFILES,
                  progress: Any = None, nonce: str | None = None,
                  peers: dict[str, Endpoint] | None = None, hf: HFGenerate | None = None,
-                 probe: MetricsProbe | None = None) -> dict[str, Any]:
+                 probe: MetricsProbe | None = None, rounds: int = 1) -> dict[str, Any]:
     """Every profile with caching on (``on``'s tenant) and off (``off``'s), then on each of
     ``peers`` (name -> endpoint) and through ``hf`` (``generate``, one prompt at a time); the
     report, with ours (caching on) over each of the others. ``probe`` reads our cache counters
     (a server's ``/metrics``, or an in-process engine's): without one the report has no
-    ``metrics``."""
+    ``metrics``.
+
+    ``rounds`` > 1 interleaves: each round sends a new prompt set (its own nonce) to off and on,
+    in alternating order (off first in even rounds), then to each peer; every run's figures pool
+    its rounds, and ``rounds_on_vs_off`` lists each round's throughput ratio, so a drift of the
+    machine during the run hits both sides alike (HF ``generate`` runs the first round's prompts once, at the end).
+    Raises ValueError for ``rounds`` < 1."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     peers = peers or {}
     on.complete("Warm-up: say hello.", 2)
@@ -161,17 +198,28 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
         hf.complete("Warm-up: say hello.", 2)
     results: dict[str, Any] = {}
     for name in profiles:
-        prompts = profile_prompts(name, requests, seed, nonce)
-        # Off first: its prompts are new to the server, and it caches nothing the on run could
-        # reuse (another tenant, and caching off).
-        results[name] = {"off": run_profile(off, prompts, concurrency, max_tokens, probe),
-                         "on": run_profile(on, prompts, concurrency, max_tokens, probe)}
+        ours: dict[str, list[Measured]] = {"off": [], "on": []}
+        theirs: dict[str, list[Measured]] = {peer_name: [] for peer_name in peers}
+        first_prompts: list[str] = []
+        for i in range(rounds):
+            prompts = profile_prompts(name, requests, seed, nonce if i == 0 else f"{nonce}-{i}")
+            first_prompts = first_prompts or prompts
+            # Off first in round 0: its prompts are new to the server, and it caches nothing the
+            # on run could reuse (another tenant, and caching off).
+            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                ours[side].append(measure(on if side == "on" else off, prompts, concurrency,
+                                          max_tokens, probe))
+            for peer_name, peer in peers.items():
+                theirs[peer_name].append(measure(peer, prompts, concurrency, max_tokens,
+                                                 MetricsProbe(peer.url, peer.metrics_token)))
+        results[name] = {"off": pooled(ours["off"]), "on": pooled(ours["on"])}
         r = results[name]
-        r["peers"] = {peer_name: run_profile(peer, prompts, concurrency, max_tokens,
-                                             MetricsProbe(peer.url, peer.metrics_token))
-                      for peer_name, peer in peers.items()}
+        r["peers"] = {peer_name: pooled(runs) for peer_name, runs in theirs.items()}
+        if rounds > 1:
+            r["rounds_on_vs_off"] = [(len(b.samples) / b.wall_s) / (len(a.samples) / a.wall_s)
+                                     for a, b in zip(ours["off"], ours["on"])]
         if hf is not None:
-            r["hf_generate"] = run_hf(hf, prompts, max_tokens)
+            r["hf_generate"] = run_hf(hf, first_prompts, max_tokens)
         others = {"caching off": r["off"], **r["peers"]}
         if hf is not None:
             others["hf_generate"] = r["hf_generate"]
@@ -185,7 +233,7 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
             progress(name)
     return {"test": "profiles", "url": on.url, "model": on.model, "seed": seed,
             "nonce": nonce, "requests": requests, "concurrency": concurrency,
-            "max_tokens": max_tokens, "cache_config": on.cache_config(),
+            "max_tokens": max_tokens, "rounds": rounds, "cache_config": on.cache_config(),
             "peers": {n: {"url": p.url, "model": p.model, "cache_config": p.cache_config()}
                       for n, p in peers.items()},
             "hf_generate": ({"model_dir": str(hf.model_dir), "device": "cpu", "dtype": "float32"}
@@ -203,8 +251,11 @@ def profile_runs(profile: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def format_profiles(report: dict[str, Any]) -> str:
-    lines = [(f"model {report['model']} at {report['url']}: {report['requests']} requests per "
-              f"run, concurrency {report['concurrency']}, max_tokens {report['max_tokens']}")]
+    rounds = report.get("rounds", 1)
+    per_run = (f"{report['requests']} requests per run" if rounds == 1 else
+               f"{rounds} interleaved rounds of {report['requests']} requests per run")
+    lines = [(f"model {report['model']} at {report['url']}: {per_run}, concurrency "
+              f"{report['concurrency']}, max_tokens {report['max_tokens']}")]
     ours_block = report["cache_config"].get("block_size", "?")
     for name, peer in report.get("peers", {}).items():
         block = peer["cache_config"].get("block_size", "?")
@@ -222,6 +273,10 @@ def format_profiles(report: dict[str, Any]) -> str:
                          f"{x['ttft_p99_s']:6.2f}s {itl} {x['requests_per_s']:6.2f} "
                          f"{x['output_tokens_per_s']:9.1f} {x['prefill_tokens_per_s']:13.0f} "
                          f"{100 * x['hit_rate']:7.1f}%")
+        if r.get("rounds_on_vs_off"):
+            each = ", ".join(f"{x:.2f}" for x in r["rounds_on_vs_off"])
+            lines.append(f"{'':14} throughput on/off per round: {each} (median "
+                         f"{statistics.median(r['rounds_on_vs_off']):.2f}x)")
         for other, v in r["ours_vs"].items():
             lines.append(f"{'':14} ours (cache on) vs {other}: throughput "
                          f"{v['throughput']:.2f}x, TTFT p50 {v['ttft_p50_lower']:.2f}x lower")

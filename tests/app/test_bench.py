@@ -103,6 +103,43 @@ def test_profiles_run_peers_and_the_generate_baseline_on_the_same_prompts():
     assert "ours (cache on) vs hf_generate: throughput" in text
 
 
+def test_profile_rounds_interleave_on_and_off_and_pool_them():
+    """``--rounds``: each round a new prompt set (its own nonce), off and on in alternating
+    order, peers every round, HF generate once (round 0's prompts); figures pool the rounds."""
+    log: list[tuple[str, str]] = []  # (server, the prompt's opening "Run NONCE.")
+
+    class Logged(FakeServer):
+        def complete(self, prompt, max_tokens, ignore_eos=False):
+            log.append((self.url, prompt.split()[1]))
+            return super().complete(prompt, max_tokens, ignore_eos)
+
+    on, off = Logged("on"), Logged("off", caching=False)
+    peer, hf = Logged("peer"), Logged("hf", caching=False)
+    report = run_profiles(on, off, requests=3, concurrency=1, max_tokens=2,
+                          profiles=("shared_system",), peers={"peer": peer}, hf=hf,
+                          nonce="n", rounds=3)
+    sent = [entry for entry in log if entry[1] != "say"]  # not the warm-ups
+    servers = [url for url, _ in sent]
+    assert servers == (["off"] * 3 + ["on"] * 3 + ["peer"] * 3  # round 0
+                       + ["on"] * 3 + ["off"] * 3 + ["peer"] * 3  # round 1: on first
+                       + ["off"] * 3 + ["on"] * 3 + ["peer"] * 3
+                       + ["hf"] * 3)  # once, on round 0's prompts
+    assert [n for url, n in sent if url == "hf"] == ["n."] * 3
+    assert [n for url, n in sent if url == "on"] == ["n."] * 3 + ["n-1."] * 3 + ["n-2."] * 3
+    shared = report["profiles"]["shared_system"]
+    assert shared["on"]["requests"] == shared["off"]["requests"] == 9
+    assert shared["peers"]["peer"]["requests"] == 9 and shared["hf_generate"]["requests"] == 3
+    # A new nonce per round: each round's first request misses, the other two hit.
+    assert 0.5 < shared["on"]["hit_rate"] < 0.67 and shared["off"]["hit_rate"] == 0
+    assert len(shared["rounds_on_vs_off"]) == 3 and report["rounds"] == 3
+    assert "throughput on/off per round:" in format_profiles(report)
+    one = run_profiles(FakeServer(), FakeServer(caching=False), requests=2, concurrency=1,
+                       max_tokens=1, profiles=("unique",), nonce="u")
+    assert "rounds_on_vs_off" not in one["profiles"]["unique"]
+    with pytest.raises(ValueError, match="rounds"):
+        run_profiles(on, off, rounds=0)
+
+
 def test_match_rate_prompts_share_the_prefix_in_the_asked_proportion():
     shared, prompts = match_rate_prompts(0.25, 8, 40, seed=3, nonce="n")
     assert sum(p.startswith(shared + "\n") for p in prompts) == 2
