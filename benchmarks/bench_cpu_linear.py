@@ -8,7 +8,10 @@ M = 1..64 activation rows (M = running sequences in a decode step):
 - the weight-only quantized kernels torch has (``--quantization int8``: ``_weight_int8pack_mm``;
   ``gguf``: ``_weight_int4pack_mm_for_cpu``), bf16 in and out, for the crossover: up to which M
   reading 1-4 bytes per weight beats our fp32 kernel reading 4 bytes.
-Also the effective read bandwidth of our kernel at M=1 (weight bytes / time).
+- our Q4 kernel (``kernels/cpu/q4_linear.cpp``, fp32 in and out, int8 activation groups), the
+  one ``--quantization gguf`` runs below ``Q4_OWN_KERNEL_BELOW_TOKENS`` rows: its time and its
+  speed-up over torch's int4 kernel (with the fp32 <-> bf16 conversions a fp32 model pays).
+Also the effective read bandwidth of our kernels at M=1 (weight bytes / time).
 
 Usage: ``python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64]``.
 """
@@ -63,13 +66,14 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; kernel used up to "
           f"{cpu_linear.MAX_ROWS} rows")
     print(f"{'shape':>8} {'M':>3} {'F.linear us':>12} {'ours us':>9} {'speed-up':>9} "
-          f"{'int8 us':>8} {'int4 us':>8}")
+          f"{'int8 us':>8} {'int4 us':>8} {'our q4 us':>10} {'vs int4':>8}")
     for name, n, k in SHAPES:
         w = torch.randn(n, k) / k ** 0.5
         q8 = Int8Linear.quantize(w, None, torch.bfloat16)
         g = GroupedInt4(torch.randint(0, 16, (n, k), dtype=torch.uint8),
                         torch.rand(n, k // 32) / 100, -torch.rand(n, k // 32) / 100)
         q4 = Int4Linear.from_grouped(g, None, torch.bfloat16)
+        codes = cpu_linear.pack_q4(g.codes)
         for m in rows:
             x = torch.randn(m, k)
             xb = x.bfloat16()
@@ -83,10 +87,16 @@ def main() -> None:
                 ours_s, ratio = f"{'-':>9}", f"{'-':>9}"
             i8 = per_call_us(lambda q8=q8, xb=xb: q8._kernel(xb))
             i4 = per_call_us(lambda q4=q4, xb=xb: q4._kernel(xb))
-            print(f"{name:>8} {m:3d} {ref:12.1f} {ours_s} {ratio} {i8:8.1f} {i4:8.1f}")
+            i4_fp32 = per_call_us(lambda q4=q4, x=x: q4._kernel(x.bfloat16()).float())
+            oq4 = per_call_us(lambda x=x, c=codes, g=g: cpu_linear.q4_linear(x, c, g.scale.half(),
+                                                                              g.minimum.half()))
+            print(f"{name:>8} {m:3d} {ref:12.1f} {ours_s} {ratio} {i8:8.1f} {i4:8.1f} "
+                  f"{oq4:10.1f} {i4_fp32 / oq4:7.2f}x")
             if m == 1:
                 gbs = n * k * 4 / (float(ours_s) * 1e-6) / 1e9
-                print(f"{'':>8}     ours reads the fp32 weight at {gbs:.1f} GB/s")
+                q4_gbs = (codes.numel() + 4 * g.scale.numel()) / (oq4 * 1e-6) / 1e9
+                print(f"{'':>8}     ours reads the fp32 weight at {gbs:.1f} GB/s, "
+                      f"our q4 its 4-bit weight at {q4_gbs:.1f} GB/s")
 
 
 if __name__ == "__main__":

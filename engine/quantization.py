@@ -42,6 +42,19 @@ KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with b
 # what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows (benchmarks/bench_cpu_linear.py).
 DENSE_FROM_TOKENS = 32
 DENSE_FROM_TOKENS_OWN_KERNEL = 4
+# Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
+# (kernels/cpu/q4_linear.cpp) when it is loaded (benchmarks/bench_cpu_linear.py): on AVX2 CPUs
+# it beat both torch's int4 kernel and our fp32 one up to 16 rows; on CPUs with native bf16
+# (AVX512-BF16: torch's int4 kernel is 1.5-2x faster there) only at 1 row (a single stream).
+Q4_OWN_KERNEL_BELOW_TOKENS = 16
+Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 2
+
+
+def q4_own_kernel_below_tokens() -> int:
+    """Rows below which ``Int4Linear`` runs our Q4 kernel (see the constants above)."""
+    if "avx512_bf16" in cpu_linear.cpu_flags():
+        return Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16
+    return Q4_OWN_KERNEL_BELOW_TOKENS
 
 
 def dense_from_tokens() -> int:
@@ -183,6 +196,20 @@ class GroupedInt4:
                            torch.cat([p.minimum for p in parts]), parts[0].group_size)
 
 
+@dataclass
+class GroupedQ4:
+    """``GroupedInt4`` in our CPU kernel's layout (``kernels.cpu_linear.q4_linear``).
+
+    Attributes:
+        codes: [out, in / 2] uint8 from ``cpu_linear.pack_q4``.
+        scale, minimum: [out, in / 32] fp16 (a GGUF's own storage, so exact for its blocks).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+
 class Int4Linear(QuantizedLinear):
     """Grouped 4-bit weights through ``aten::_weight_int4pack_mm_for_cpu``.
 
@@ -196,10 +223,19 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
                  out_features: int, bias: torch.Tensor | None = None,
-                 dense: torch.Tensor | None = None) -> None:
+                 dense: torch.Tensor | None = None, own: GroupedQ4 | None = None) -> None:
         self.packed, self.group_size = packed, group_size
         self.scales_and_zeros, self.bias, self.dense = scales_and_zeros, bias, dense
         self.out_features = out_features
+        self.own = own
+        self.own_below = q4_own_kernel_below_tokens()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.own is not None and x.dtype == torch.float32
+                and x.shape[0] < self.own_below):
+            return cpu_linear.q4_linear(x, self.own.codes, self.own.scale, self.own.minimum,
+                                        self.bias)
+        return super().__call__(x)
 
     @classmethod
     def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -219,8 +255,12 @@ class Int4Linear(QuantizedLinear):
             w.codes.to(torch.int32).contiguous(), 1)
         zero = w.minimum + 8 * w.scale
         sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+        own = None
+        if keep_dense and cpu_linear.loaded() and w.group_size == cpu_linear.Q4_GROUP:
+            own = GroupedQ4(cpu_linear.pack_q4(w.codes), w.scale.half().contiguous(),
+                            w.minimum.half().contiguous())
         return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype),
-                   w.dequantize() if keep_dense else None)
+                   w.dequantize() if keep_dense else None, own)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
@@ -228,6 +268,9 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes a decode step reads: our kernel's weights where it runs, else torch's."""
+        if self.own is not None:
+            return _nbytes(self.own.codes, self.own.scale, self.own.minimum, self.bias)
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 

@@ -13,12 +13,13 @@ rows, or on quantized layers below their dense threshold, other kernels run and 
 The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 10 s; cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed on the source) and
 registered as ``torch.ops.saltserve_cpu.linear_small_m``. It needs a C++ compiler and a CPU with
-AVX2 and FMA; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call is ``F.linear`` and
+AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call is ``F.linear`` and
 one warning says why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "linear.cpp"
+Q4_SOURCE = Path(__file__).with_name("cpu") / "q4_linear.cpp"
+Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
 # Up to this many rows the kernel beats MKL's sgemm at this model's shapes on AVX2 (measured by
 # benchmarks/bench_cpu_linear.py); prefill chunks above it are compute-bound GEMMs MKL blocks for.
 MAX_ROWS = 32
@@ -40,19 +43,25 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str (when not ok)
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), "")
     except OSError:
-        return False
-    return {"avx2", "fma"} <= set(flags.split(":", 1)[-1].split())
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def _cpu_has_avx2_fma_f16c() -> bool:
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def load() -> bool:
     """Builds (first time on this machine) and registers the kernel; True when it can be used.
 
-    Never raises: a missing compiler, a CPU without AVX2/FMA, a failed build or
+    Never raises: a missing compiler, a CPU without AVX2/FMA/F16C, a failed build or
     ``SALTSERVE_CPU_KERNELS=0`` log one warning and make ``linear`` fall back to ``F.linear``.
     Thread-safe; the build itself is serialised across processes by torch's lock file.
     """
@@ -62,8 +71,8 @@ def load() -> bool:
         why = ""
         if os.environ.get(ENV_SWITCH, "1") == "0":
             why = f"{ENV_SWITCH}=0"
-        elif not _cpu_has_avx2_fma():
-            why = "this CPU lacks AVX2 or FMA"
+        elif not _cpu_has_avx2_fma_f16c():
+            why = "this CPU lacks AVX2, FMA or F16C"
         else:
             try:
                 from torch.utils.cpp_extension import load as build
@@ -72,10 +81,12 @@ def load() -> bool:
                 bindir = os.path.dirname(sys.executable)
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                build("saltserve_cpu", [str(SOURCE)], is_python_module=False, verbose=False,
-                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                build("saltserve_cpu", [str(SOURCE), str(Q4_SOURCE)], is_python_module=False,
+                      verbose=False,
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
                 torch.ops.saltserve_cpu.linear_small_m  # noqa: B018 - raises if not registered
+                torch.ops.saltserve_cpu.q4_linear  # noqa: B018
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
         _state["ok"], _state["why"] = not why, why
@@ -116,3 +127,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if usable(x, weight):
         return torch.ops.saltserve_cpu.linear_small_m(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [out, in] (uint8 in [0, 15], ``in`` a multiple of 32) -> [out, in / 2] uint8
+    in the kernel's layout, GGUF's own: per group of 32 inputs 16 bytes, byte j holding code j
+    in its low nibble and code j + 16 in its high one.
+
+    Raises:
+        ValueError: ``in`` not a multiple of 32.
+    """
+    n, k = codes.shape
+    if k % Q4_GROUP:
+        raise ValueError(f"in_features ({k}) must be a multiple of {Q4_GROUP}")
+    halves = codes.to(torch.uint8).view(n, k // Q4_GROUP, 2, Q4_GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              minimum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with ``w = code * scale + minimum`` in groups of 32 inputs (GGUF's
+    Q4_1), through ``kernels/cpu/q4_linear.cpp`` (``load()`` must be True). The activations are
+    rounded to int8 per group of 32, as llama.cpp's Q4_1 x Q8_1 dot product does, so results
+    differ from the dequantized fp32 product by that rounding (about 1/254 of each input).
+
+    Args:
+        x: [num_tokens, in_features] fp32.
+        codes: [out_features, in_features / 2] uint8 from ``pack_q4``.
+        scale, minimum: [out_features, in_features / 32] fp16.
+        bias: [out_features] fp32 or None.
+
+    Returns:
+        [num_tokens, out_features] fp32.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts the kernel does not take (a clear message).
+    """
+    return torch.ops.saltserve_cpu.q4_linear(x.contiguous(), codes, scale, minimum, bias)

@@ -103,3 +103,82 @@ def test_switched_off_it_is_f_linear_with_one_warning():
                          timeout=120, check=True)
     assert out.stdout.strip() == "SALTSERVE_CPU_KERNELS=0"
     assert out.stderr.count("CPU linear kernel off") == 1
+
+
+def _q4_reference(x, codes, scale, minimum, bias=None):
+    """The kernel's arithmetic in torch: activations rounded to int8 per group of 32 (scale
+    max|x| / 127), exact integer dot products with the codes, fp32 for the rest."""
+    m, k = x.shape
+    xg = x.view(m, k // 32, 32)
+    dx = xg.abs().amax(-1) / 127
+    qx = torch.where(dx[..., None] > 0, torch.round(xg / dx[..., None]), torch.zeros(()))
+    dots = torch.einsum("mgi,ngi->mng", qx.double(), codes.view(-1, k // 32, 32).double())
+    y = (dots * (scale[None] * dx[:, None]).double()).sum(-1)
+    y = y + (xg.sum(-1).double() @ minimum.double().t())
+    return (y if bias is None else y + bias.double()).float()
+
+
+def _q4_weights(n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    minimum = -8 * scale + torch.randn(n, k // 32, generator=gen) * 0.01
+    return codes, scale.half(), minimum.half()  # fp16, as a GGUF stores them
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 15])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 64), (1, 32), (5, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q4_equals_its_reference_and_stays_near_the_dequantized_product(m, n, k, with_bias):
+    """Every tile remainder (1 and 2+ rows, outputs not a multiple of 4 or 2); the kernel
+    computes its own arithmetic exactly (int8 activations) and stays within that rounding of
+    the fp32 product with the dequantized weight."""
+    codes, scale, minimum = _q4_weights(n, k, m * 100 + n + k)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    got = cpu_linear.q4_linear(x, cpu_linear.pack_q4(codes), scale, minimum, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _q4_reference(x, codes, scale, minimum, b),
+                               rtol=1e-4, atol=1e-4)
+    w = (codes.view(n, k // 32, 32).float() * scale.float()[..., None]
+         + minimum.float()[..., None]).view(n, k)
+    exact = F.linear(x, w, b)
+    # Within the int8 rounding of the activations: each input moves by at most half its
+    # group's step (max|x| / 127 / 2), so an output by at most sum |w| * that.
+    step = (x.view(m, k // 32, 32).abs().amax(-1) / 127 / 2).repeat_interleave(32, dim=1)
+    assert ((got - exact).abs() <= step @ w.abs().t() + 1e-4).all()
+    # Not the reference by accident: codes in the other nibble order give another answer.
+    swapped = cpu_linear.pack_q4(codes.view(n, k // 32, 2, 16).flip(2).reshape(n, k))
+    assert not torch.allclose(cpu_linear.q4_linear(x, swapped, scale, minimum, b), got,
+                              atol=1e-3)
+
+
+def test_q4_rows_do_not_depend_on_their_batch_and_zero_rows_give_the_bias():
+    codes, scale, minimum = _q4_weights(64, 128, 7)
+    packed = cpu_linear.pack_q4(codes)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    x[2] = 0  # a zero group: scale 0, codes 0, no division by zero
+    b = torch.randn(64)
+    batch = cpu_linear.q4_linear(x, packed, scale, minimum, b)
+    for i in range(6):
+        assert torch.equal(batch[i:i + 1], cpu_linear.q4_linear(x[i:i + 1], packed, scale,
+                                                               minimum, b))
+    assert torch.equal(batch[2], b)
+
+
+def test_q4_refuses_what_it_cannot_compute():
+    codes, scale, minimum = _q4_weights(4, 64, 1)
+    packed, x = cpu_linear.pack_q4(codes), torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_linear.q4_linear(torch.randn(2, 96), packed, scale, minimum)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_linear.q4_linear(x, packed, scale[:, :1], minimum)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.q4_linear(x.double(), packed, scale, minimum)
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_linear.q4_linear(x, packed, scale.float(), minimum.float())
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_linear.q4_linear(x, packed, scale, minimum, torch.randn(5))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.pack_q4(torch.zeros(4, 48, dtype=torch.uint8))
