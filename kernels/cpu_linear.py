@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "linear.cpp"
 Q4_SOURCE = Path(__file__).with_name("cpu") / "q4_linear.cpp"
+# kernels/cpu_ops.py's fused ops, built into the same extension.
+OPS_SOURCES = [Path(__file__).with_name("cpu") / f for f in ("norm.cpp", "decode_attention.cpp",
+                                                        "rotary_cache.cpp")]
 Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
 # Up to this many rows the kernel beats MKL's sgemm at this model's shapes on AVX2 (measured by
 # benchmarks/bench_cpu_linear.py); prefill chunks above it are compute-bound GEMMs MKL blocks for.
@@ -81,12 +84,17 @@ def load() -> bool:
                 bindir = os.path.dirname(sys.executable)
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                build("saltserve_cpu", [str(SOURCE), str(Q4_SOURCE)], is_python_module=False,
+                build("saltserve_cpu", [str(p) for p in (SOURCE, Q4_SOURCE, *OPS_SOURCES)],
+                      is_python_module=False,
                       verbose=False,
-                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
+                                    "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
                 torch.ops.saltserve_cpu.linear_small_m  # noqa: B018 - raises if not registered
                 torch.ops.saltserve_cpu.q4_linear  # noqa: B018
+                torch.ops.saltserve_cpu.add_rms_norm  # noqa: B018
+                torch.ops.saltserve_cpu.decode_attention  # noqa: B018
+                torch.ops.saltserve_cpu.reshape_and_cache  # noqa: B018
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
         _state["ok"], _state["why"] = not why, why

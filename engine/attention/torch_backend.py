@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from kernels import cpu_ops
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -26,9 +27,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
         slot_mapping: [num_tokens] int64, every entry a valid slot.
     """
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def _gather(cache: torch.Tensor, meta: AttentionMetadata, seq: int, seq_len: int) -> torch.Tensor:
@@ -57,10 +56,16 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     Returns:
         [num_tokens, num_heads, head_dim], query's dtype.
     """
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     starts = meta.query_start_loc.tolist()
     decode_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    if len(decode_ids) > 1:
+    if (decode_ids and not meta.cascade_prefix_len
+            and cpu_ops.decode_attention_usable(query, key_cache)):
+        # Our CPU kernel reads every decode row's context in place (kernels/cpu_ops.py).
+        cpu_ops.decode_attention(out, query, key_cache, value_cache, meta.query_start_loc,
+                                 meta.seq_lens, meta.block_tables, scale)
+        prefill_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
+    elif len(decode_ids) > 1:
         _decode_batch(query, key_cache, value_cache, meta, scale, decode_ids, starts, out)
         prefill_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
     else:

@@ -17,18 +17,15 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.quantization import DenseLinear, GroupedInt4, LinearMethod, make_linear
+from kernels import cpu_ops
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 like transformers' ``LlamaRMSNorm`` (bit-identical in fp32)."""
-    dtype = x.dtype
-    if dtype == torch.float32:  # one op; the same arithmetic as the lines below
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """RMSNorm computed in fp32 like transformers' ``LlamaRMSNorm`` (``kernels.cpu_ops``: our
+    fused CPU kernel in fp32, equal to it to fp32 rounding; torch ops elsewhere)."""
+    return cpu_ops.rms_norm(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -60,12 +57,6 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x [T, heads, D] (q and k heads together) by cos/sin [T, 1, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class LlamaDecoderLayer(nn.Module):
     """One decoder layer. Its projections are ``LinearMethod``s (dense or weight-only quantized,
     ``engine.quantization``), fused at load time: q/k/v into ``qkv`` and gate/up into
@@ -93,25 +84,41 @@ class LlamaDecoderLayer(nn.Module):
         self._w = (self.input_layernorm.weight, self.qkv, self.o,
                    self.post_attention_layernorm.weight, self.gate_up, self.down)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, attn: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual convention: the residual stream is ``residual + hidden`` (``hidden``
+        alone for the first layer, ``residual`` None), and each residual add is fused into the
+        RMSNorm after it (``kernels.cpu_ops.add_rms_norm``).
+
+        Args:
+            hidden, residual: [num_tokens, hidden_size].
+
+        Returns:
+            (this layer's MLP output, the residual stream before it); their sum is the layer's
+            output.
+        """
         ln1, qkv, o_proj, ln2, gate_up, down = self._w
         eps = self.input_layernorm.eps
         T = hidden.shape[0]
-        x = rms_norm(hidden, ln1, eps)
-        qk, v = qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotated in one pass (half the ops of two), then split as views.
-        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos,
-                          sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if residual is None:
+            residual, x = hidden, rms_norm(hidden, ln1, eps)
+        else:
+            residual, x = cpu_ops.add_rms_norm(residual, hidden, ln1, eps)
+        y = qkv(x)  # [T, q_size + 2 * kv_size]: q heads, k heads, v heads
+        # q and k rotated in one pass, in place, then split as views.
+        cpu_ops.rotary_neox_(y, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = y[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+        k = y[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
+                                                              self.head_dim)
+        v = y[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         attn.write_kv(k, v, key_cache, value_cache, meta)
         out = attn.forward(q, key_cache, value_cache, meta, self.scale)
-        hidden = hidden + o_proj(out.reshape(T, self.q_size))
-        x = rms_norm(hidden, ln2, eps)
+        residual, x = cpu_ops.add_rms_norm(residual, o_proj(out.reshape(T, self.q_size)), ln2,
+                                            eps)
         gate, up = gate_up(x).split(self.intermediate_size, dim=-1)
-        return hidden + down(F.silu(gate) * up)
+        return down(F.silu(gate) * up), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,10 +157,13 @@ class LlamaForCausalLM(nn.Module):
         """Args: input_ids, positions: [num_tokens] int64. Returns hidden [num_tokens, hidden]."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, cos, sin, kv_caches[i, 0], kv_caches[i, 1], meta,
-                                   self.attn)
-        return self.norm(hidden)
+            hidden, residual = layer.forward(hidden, residual, cos, sin, kv_caches[i, 0],
+                                             kv_caches[i, 1], meta, self.attn)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32."""

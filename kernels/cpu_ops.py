@@ -1,0 +1,151 @@
+"""Our fused CPU ops for the decode step besides the linears (vLLM has the same CPU ops), built
+with ``kernels.cpu_linear.load()`` into the same extension:
+
+- ``rms_norm`` and ``add_rms_norm`` (``kernels/cpu/norm.cpp``; vLLM's ``rms_norm`` and
+  ``fused_add_rms_norm``): torch 2.13's CPU ``rms_norm`` is five ops, about 40 us a call at 576
+  features; ours is one pass over the row. Results match transformers' ``LlamaRMSNorm`` to fp32
+  rounding (the sum of squares runs in 8 lanes).
+- ``decode_attention`` (``kernels/cpu/decode_attention.cpp``; vLLM's ``paged_attention_v1``):
+  the torch backend's decode rows read K/V straight through the block table instead of
+  gathering them (two ``aten::index`` a layer) for SDPA. Equal to SDPA to fp32 rounding.
+- ``rotary_neox_`` and ``reshape_and_cache`` (``kernels/cpu/rotary_cache.cpp``; vLLM's
+  ``rotary_embedding`` and ``reshape_and_cache``): q and k rotated in place in the fused qkv
+  output, bit-identical to the torch formula; K/V rows copied to their cache slots.
+
+Where our CPU kernels are not loaded (no compiler, no AVX2/FMA/F16C, ``SALTSERVE_CPU_KERNELS=0``),
+on other devices or dtypes, the norms, the rotation and the cache write compute the same thing
+with torch ops, and ``decode_attention_usable`` is False. No result depends on the other rows of its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear
+
+
+def _ours(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+            and weight.is_contiguous() and not x.requires_grad)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x ** 2, -1) + eps))`` per row, fp32 math (transformers'
+    ``LlamaRMSNorm``).
+
+    Args:
+        x: [num_tokens, hidden] float.
+        weight: [hidden], x's dtype.
+
+    Returns:
+        [num_tokens, hidden], x's dtype (a new tensor).
+    """
+    if _ours(x, weight):
+        return torch.ops.saltserve_cpu.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add fused into the next RMSNorm (vLLM's
+    ``fused_add_rms_norm``): ``residual + x``, and its ``rms_norm``.
+
+    Args:
+        residual, x: [num_tokens, hidden], same dtype; ``residual`` may be updated in place
+            (pass one the caller no longer needs as it was).
+        weight: [hidden].
+
+    Returns:
+        (the new residual ``residual + x``, its RMSNorm), both [num_tokens, hidden].
+    """
+    if _ours(x, weight) and _ours(residual, weight) and residual.shape == x.shape:
+        return residual, torch.ops.saltserve_cpu.add_rms_norm(residual, x, weight, eps)
+    residual = residual + x
+    return residual, rms_norm(residual, weight, eps)
+
+
+def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` runs for these operands (fp32 on CPU, kernels loaded)."""
+    return (cpu_linear.loaded() and query.device.type == "cpu" and query.dtype == torch.float32
+            and key_cache.dtype == torch.float32 and query.shape[-1] % 8 == 0
+            and key_cache.is_contiguous())
+
+
+def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> None:
+    """Attention of every sequence with one new token (query_len 1) over its paged context,
+    written into ``out``'s rows of those sequences; other rows are left as they are.
+
+    Args:
+        out: [num_tokens, num_heads, head_dim] fp32, contiguous.
+        query: the same shape, fp32 (copied when not contiguous).
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32; this
+            step's K/V already written.
+        query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32;
+        block_tables: [num_seqs, max_blocks] int32 (``AttentionMetadata``'s).
+        scale: softmax scale.
+
+    Raises:
+        RuntimeError: shapes or dtypes it does not take, a seq_len past its block table, or a
+            block id outside the cache (checked before anything is read).
+    """
+    torch.ops.saltserve_cpu.decode_attention(out, query.contiguous(), key_cache, value_cache,
+                                             query_start_loc, seq_lens, block_tables, scale)
+
+
+def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, heads, D] by cos/sin [T, 1, D] (the reference formula)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 head_dim: int) -> None:
+    """Rotates the first ``num_heads`` heads of every row of ``x`` in place (neox style:
+    ``x * cos + cat(-x2, x1) * sin``, the same bits as that torch formula).
+
+    Args:
+        x: [num_tokens, width] (rows may be strided, e.g. the fused qkv output, whose q and k
+            heads come first); ``num_heads * head_dim <= width``.
+        cos, sin: [num_tokens, 1, head_dim] in x's dtype.
+    """
+    t = x.shape[0]
+    if (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+            and cos.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and head_dim % 16 == 0 and cos.is_contiguous() and sin.is_contiguous()):
+        torch.ops.saltserve_cpu.rotary_neox_(x, cos.view(t, head_dim), sin.view(t, head_dim),
+                                             num_heads, head_dim)
+        return
+    heads = x[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    heads.copy_(_rotate_torch(heads, cos, sin))
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes this step's K/V rows into the paged cache at ``slot_mapping``.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided).
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        slot_mapping: [num_tokens] int64, every entry a valid slot.
+
+    Raises:
+        RuntimeError: a slot outside the cache (nothing written), or shapes that do not match.
+    """
+    if (cpu_linear.loaded() and key.device.type == "cpu" and key.dtype == torch.float32
+            and key_cache.dtype == torch.float32 and key.stride(2) == 1 and value.stride(2) == 1
+            and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+            and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        torch.ops.saltserve_cpu.reshape_and_cache(key, value, key_cache, value_cache,
+                                                  slot_mapping)
+        return
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -1,0 +1,196 @@
+"""Our fused CPU ops (``kernels/cpu/norm.cpp``, ``kernels/cpu/decode_attention.cpp`` through
+``kernels.cpu_ops``): equal to torch's ops to fp32 rounding, the same bits for a row whatever its
+batch, the torch fallback where they do not apply, and clear refusals of what they cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention_torch
+from kernels import cpu_linear, cpu_ops
+
+_LOADED = cpu_linear.load()
+pytestmark = pytest.mark.skipif(
+    not _LOADED and not cpu_linear.unavailable_reason().startswith("build failed"),
+    reason=f"kernels do not apply here: {cpu_linear.unavailable_reason()}")
+
+
+def _hf_rms_norm(x, w, eps):
+    """transformers' LlamaRMSNorm, op for op."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("t,h", [(1, 576), (7, 576), (33, 13), (2, 8), (3, 1)])
+def test_rms_norm_equals_transformers_to_fp32_rounding_and_is_batch_invariant(t, h):
+    gen = torch.Generator().manual_seed(t * 1000 + h)
+    x, w = torch.randn(t, h, generator=gen) * 3, torch.randn(h, generator=gen)
+    got = torch.ops.saltserve_cpu.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, _hf_rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), got)  # the wrapper runs our op
+    for i in range(t):
+        assert torch.equal(torch.ops.saltserve_cpu.rms_norm(x[i:i + 1].clone(), w, 1e-5),
+                           got[i:i + 1])
+    zero = torch.zeros(1, h)
+    assert torch.equal(cpu_ops.rms_norm(zero, w, 1e-5), zero)  # eps keeps 0 / 0 away
+
+
+def test_add_rms_norm_adds_in_place_and_normalises_the_sum():
+    gen = torch.Generator().manual_seed(1)
+    r, x, w = (torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen),
+               torch.randn(576, generator=gen))
+    expected_sum = r + x
+    before = r.clone()
+    new_r, normed = cpu_ops.add_rms_norm(r, x, w, 1e-6)
+    assert new_r.data_ptr() == r.data_ptr() and torch.equal(new_r, expected_sum)
+    assert not torch.equal(r, before)  # updated in place, as documented
+    torch.testing.assert_close(normed, _hf_rms_norm(expected_sum, w, 1e-6), rtol=2e-6,
+                               atol=2e-6)
+    # The torch fallback (bf16 here) computes the same thing and leaves its inputs alone.
+    rb, xb = before.bfloat16(), x.bfloat16()
+    new_rb, normed_b = cpu_ops.add_rms_norm(rb, xb, w.bfloat16(), 1e-6)
+    assert torch.equal(rb, before.bfloat16()) and torch.equal(new_rb, rb + xb)
+    torch.testing.assert_close(normed_b.float(), normed, rtol=0.05, atol=0.05)
+
+
+def test_norms_refuse_what_they_cannot_take():
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.saltserve_cpu.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.saltserve_cpu.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(),
+                                         1e-5)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.saltserve_cpu.add_rms_norm(torch.randn(3, 8), torch.randn(2, 8),
+                                             torch.randn(8), 1e-5)
+
+
+def _cache_and_meta(seq_lens, query_lens, block_size=16, kvh=3, d=64, seed=0):
+    """A shuffled paged cache holding every sequence's context, and the step's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks_per:
+        tables.append(order[used:used + n])
+        used += n
+    width = max(blocks_per)
+    bt = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    kc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
+        query_lens_cpu=tuple(query_lens), seq_lens_cpu=tuple(seq_lens), block_size=block_size,
+        token_slots=AttentionMetadata.expand_token_slots(bt, block_size))
+    return kc, vc, meta, tables
+
+
+def _sdpa_decode(q_row, kc, vc, table, seq_len, block_size, scale):
+    """One decode row [H, D] over its context, gathered and through SDPA (GQA)."""
+    k = kc[torch.tensor(table)].flatten(0, 1)[:seq_len].transpose(0, 1)   # [KVH, L, D]
+    v = vc[torch.tensor(table)].flatten(0, 1)[:seq_len].transpose(0, 1)
+    return F.scaled_dot_product_attention(q_row[:, None], k, v, scale=scale,
+                                          enable_gqa=True)[:, 0]
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [7], [16], [17, 40, 3], [300, 1, 129, 64]])
+@pytest.mark.parametrize("kvh,h", [(3, 9), (2, 2)])
+def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h):
+    """Lengths inside one block, on a block boundary, with a tail that is not a multiple of 8,
+    several blocks in a shuffled cache; GQA and plain MHA."""
+    kc, vc, meta, tables = _cache_and_meta(seq_lens, [1] * len(seq_lens), kvh=kvh,
+                                           seed=len(seq_lens))
+    q = torch.randn(len(seq_lens), h, 64, generator=torch.Generator().manual_seed(h))
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.decode_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, 0.125)
+    for i, (t, s) in enumerate(zip(tables, seq_lens)):
+        torch.testing.assert_close(out[i], _sdpa_decode(q[i], kc, vc, t, s, 16, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+        alone = torch.empty(1, h, 64)
+        cpu_ops.decode_attention(alone, q[i:i + 1], kc, vc,
+                                 torch.tensor([0, 1], dtype=torch.int32), meta.seq_lens[i:i + 1],
+                                 meta.block_tables[i:i + 1].contiguous(), 0.125)
+        assert torch.equal(alone[0], out[i])  # the same bits alone as in the batch
+
+
+def test_the_torch_backend_runs_it_for_decode_rows_beside_a_prefill_chunk():
+    """A batch of a prefill chunk (query_len 5) between two decodes: the decodes through our
+    kernel, the chunk through SDPA, and the whole equal to the torch-only path."""
+    seq_lens, query_lens = [33, 20, 50], [1, 5, 1]
+    kc, vc, meta, _ = _cache_and_meta(seq_lens, query_lens, seed=4)
+    q = torch.randn(7, 9, 64, generator=torch.Generator().manual_seed(5))
+    got = paged_attention_torch(q, kc, vc, meta, 0.125)
+    cpu_linear._state["ok"] = False  # the pure-torch path
+    try:
+        assert not cpu_ops.decode_attention_usable(q, kc)
+        expected = paged_attention_torch(q, kc, vc, meta, 0.125)
+    finally:
+        cpu_linear._state["ok"] = True
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[1:6], torch.zeros(5, 9, 64))
+
+
+def test_decode_attention_refuses_bad_tables_before_reading():
+    kc, vc, meta, _ = _cache_and_meta([20], [1])
+    q, out = torch.randn(1, 9, 64), torch.zeros(1, 9, 64)
+    bad = meta.block_tables.clone()
+    bad[0, 1] = kc.shape[0]  # one past the cache
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_ops.decode_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens, bad, 0.1)
+    with pytest.raises(RuntimeError, match="seq_len outside"):
+        cpu_ops.decode_attention(out, q, kc, vc, meta.query_start_loc,
+                                 torch.tensor([33], dtype=torch.int32), meta.block_tables, 0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_ops.decode_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens.long(),
+                                 meta.block_tables, 0.1)
+    assert torch.equal(out, torch.zeros(1, 9, 64))  # nothing written
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_rotary_in_place_is_bit_identical_to_the_torch_formula(t):
+    """q and k heads of a fused qkv output (strided rows) rotated in place; v untouched."""
+    gen = torch.Generator().manual_seed(t)
+    h, kvh, d = 9, 3, 64
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen)
+    angles = torch.rand(t, 1, d, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    heads = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)
+    expected = cpu_ops._rotate_torch(heads, cos, sin)
+    v_before = qkv[:, (h + kvh) * d:].clone()
+    cpu_ops.rotary_neox_(qkv, cos, sin, h + kvh, d)
+    assert torch.equal(heads, expected)
+    assert torch.equal(qkv[:, (h + kvh) * d:], v_before)
+    # The fallback (our kernels off) computes the same bits.
+    again = torch.randn(t, (h + 2 * kvh) * d, generator=gen)
+    copy = again.clone()
+    cpu_ops.rotary_neox_(again, cos, sin, h + kvh, d)
+    cpu_linear._state["ok"] = False
+    try:
+        cpu_ops.rotary_neox_(copy, cos, sin, h + kvh, d)
+    finally:
+        cpu_linear._state["ok"] = True
+    assert torch.equal(again, copy)
+
+
+def test_reshape_and_cache_writes_strided_rows_to_their_slots_and_refuses_bad_slots():
+    gen = torch.Generator().manual_seed(9)
+    kvh, d = 3, 64
+    qkv = torch.randn(4, 15 * d, generator=gen)
+    k = qkv[:, 9 * d:12 * d].view(4, kvh, d)
+    v = qkv[:, 12 * d:].view(4, kvh, d)
+    kc, vc = torch.zeros(5, 16, kvh, d), torch.zeros(5, 16, kvh, d)
+    slots = torch.tensor([3, 17, 79, 40])
+    cpu_ops.reshape_and_cache(k, v, kc, vc, slots)
+    assert torch.equal(kc.view(-1, kvh, d)[slots], k)
+    assert torch.equal(vc.view(-1, kvh, d)[slots], v)
+    assert int((kc != 0).any(-1).any(-1).sum()) == 4  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.reshape_and_cache(k, v, torch.zeros_like(kc), vc, torch.tensor([0, 1, 2, 80]))
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.saltserve_cpu.reshape_and_cache(k, v, kc, vc, slots.int())
