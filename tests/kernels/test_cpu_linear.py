@@ -127,7 +127,7 @@ def _q4_weights(n, k, seed):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 15])
-@pytest.mark.parametrize("n,k", [(960, 576), (7, 64), (1, 32), (5, 1536)])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 64), (1, 32), (3, 96), (5, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_q4_equals_its_reference_and_stays_near_the_dequantized_product(m, n, k, with_bias):
     """Every tile remainder (1 and 2+ rows, outputs not a multiple of 4 or 2); the kernel
@@ -182,3 +182,4 @@ def test_q4_refuses_what_it_cannot_compute():
         cpu_linear.q4_linear(x, packed, scale, minimum, torch.randn(5))
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_linear.pack_q4(torch.zeros(4, 48, dtype=torch.uint8))
+
