@@ -12,7 +12,8 @@ rows, or on quantized layers below their dense threshold, other kernels run and 
 
 The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 10 s; cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed on the source) and
-registered as ``torch.ops.saltserve_cpu.linear_small_m``. It needs a C++ compiler and a CPU with
+registered as ``torch.ops.saltserve_cpu.linear_small_m``; the same extension holds our 4-bit
+kernel (``q4_linear`` here) and the fused ops of ``kernels.cpu_ops``. It needs a C++ compiler and a CPU with
 AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call is ``F.linear`` and
 one warning says why.
 """

@@ -1,9 +1,11 @@
-"""The ``torch`` attention backend: pure-torch paged attention (CPU, and the reference on GPU).
+"""The ``torch`` attention backend: paged attention in torch ops (CPU, and the reference on GPU).
 
 Prefill chunks run through ``scaled_dot_product_attention`` one sequence at a time; decodes run as
 one padded batch, split at a shared prefix into cascade attention when enough sequences share
 enough blocks (vLLM's cascade attention, merged by log-sum-exp). Context is read through per-token
-cache slots expanded once per step (``AttentionMetadata.token_slots``).
+cache slots expanded once per step (``AttentionMetadata.token_slots``). On CPU in fp32, where our
+CPU kernels are built (``kernels.cpu_ops``), decode rows outside a cascade run our paged decode
+kernel instead, and the K/V write is our ``reshape_and_cache``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context, with GQA.
 
-    Decode sequences (query_len 1) run as one padded batch; prefill chunks run one by one.
+    Decode sequences (query_len 1) run as one padded batch (or, fp32 on CPU with our kernels
+    built and no cascade, through ``kernels.cpu_ops.decode_attention``); prefill chunks run one
+    by one.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
