@@ -9,8 +9,9 @@ M = 1..64 activation rows (M = running sequences in a decode step):
   ``gguf``: ``_weight_int4pack_mm_for_cpu``), bf16 in and out, for the crossover: up to which M
   reading 1-4 bytes per weight beats our fp32 kernel reading 4 bytes.
 - our Q4 kernel (``kernels/cpu/q4_linear.cpp``, fp32 in and out, int8 activation groups), the
-  one ``--quantization gguf`` runs below ``Q4_OWN_KERNEL_BELOW_TOKENS`` rows: its time and its
-  speed-up over torch's int4 kernel (with the fp32 <-> bf16 conversions a fp32 model pays).
+  one ``--quantization gguf`` runs below ``engine.quantization.q4_own_kernel_below_tokens()``
+  rows: its time and its speed-up over torch's int4 kernel (with the fp32 <-> bf16 conversions a
+  fp32 model pays). ``ATEN_CPU_CAPABILITY=avx2`` shows torch's kernels as on an AVX2-only CPU.
 Also the effective read bandwidth of our kernels at M=1 (weight bytes / time).
 
 Usage: ``python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64]``.
@@ -74,6 +75,7 @@ def main() -> None:
                         torch.rand(n, k // 32) / 100, -torch.rand(n, k // 32) / 100)
         q4 = Int4Linear.from_grouped(g, None, torch.bfloat16)
         codes = cpu_linear.pack_q4(g.codes)
+        scale16, minimum16 = g.scale.half(), g.minimum.half()  # as Int4Linear keeps them
         for m in rows:
             x = torch.randn(m, k)
             xb = x.bfloat16()
@@ -88,8 +90,8 @@ def main() -> None:
             i8 = per_call_us(lambda q8=q8, xb=xb: q8._kernel(xb))
             i4 = per_call_us(lambda q4=q4, xb=xb: q4._kernel(xb))
             i4_fp32 = per_call_us(lambda q4=q4, x=x: q4._kernel(x.bfloat16()).float())
-            oq4 = per_call_us(lambda x=x, c=codes, g=g: cpu_linear.q4_linear(x, c, g.scale.half(),
-                                                                              g.minimum.half()))
+            oq4 = per_call_us(lambda x=x, c=codes, s=scale16, mn=minimum16:
+                              cpu_linear.q4_linear(x, c, s, mn))
             print(f"{name:>8} {m:3d} {ref:12.1f} {ours_s} {ratio} {i8:8.1f} {i4:8.1f} "
                   f"{oq4:10.1f} {i4_fp32 / oq4:7.2f}x")
             if m == 1:

@@ -23,7 +23,9 @@ also holds the weight as loaded, in fp32, for them: for ``gguf`` the exact dequa
 4-bit blocks, for ``int8`` the unquantized weight. Decode steps of fewer sequences read only the
 quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
-The quantized matmuls are torch's; the small-batch fp32 one is ours (``kernels/cpu_linear.py``).
+The quantized matmuls are torch's, except one-row 4-bit forwards on CPUs without native bf16,
+which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``); the small-batch fp32 one is ours
+(``kernels/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with b
 DENSE_FROM_TOKENS = 32
 DENSE_FROM_TOKENS_OWN_KERNEL = 4
 # Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
-# (kernels/cpu/q4_linear.cpp) when it is loaded (benchmarks/bench_cpu_linear.py): on AVX2 CPUs
-# it beat both torch's int4 kernel and our fp32 one up to 16 rows; on CPUs with native bf16
-# (AVX512-BF16: torch's int4 kernel is 1.5-2x faster there) only at 1 row (a single stream).
-Q4_OWN_KERNEL_BELOW_TOKENS = 16
-Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 2
+# (kernels/cpu/q4_linear.cpp) when it is loaded. Measured on an AVX-512/AMX Xeon, with torch
+# dispatching its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU): ours is
+# 1.4-1.7x torch's int4 kernel (with its bf16 conversions) per call at 1 row, a tie at 2-3 and
+# slower from 4, where our fp32 kernel on the dense copy takes over anyway. With native bf16
+# (AVX512-BF16) torch's int4 kernel is faster from 1 row (one gguf stream: 56 against 48 tok/s,
+# interleaved in one process), so there ours is off. benchmarks/bench_cpu_linear.py prints both.
+Q4_OWN_KERNEL_BELOW_TOKENS = 2
+Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 
 
 def q4_own_kernel_below_tokens() -> int:
@@ -219,6 +224,8 @@ class Int4Linear(QuantizedLinear):
             ``w = (code - 8) * scale + zero``.
         bias: [out] in the activation dtype, or None.
         dense: [out, in] fp32 or None (see ``QuantizedLinear``).
+        own: the same weights for our Q4 kernel (fp32 activations only), or None; it runs
+            below ``own_below`` rows (``q4_own_kernel_below_tokens()``).
     """
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,

@@ -100,7 +100,7 @@ def load() -> bool:
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
         _state["ok"], _state["why"] = not why, why
         if why:
-            logger.warning("CPU linear kernel off, using torch's F.linear: %s", why)
+            logger.warning("CPU kernels off (linear, 4-bit, norm, attention, rotary), using torch's ops: %s", why)
         return not why
 
 

@@ -19,10 +19,15 @@ with torch ops, and ``decode_attention_usable`` is False. No result depends on t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_linear
+
+if TYPE_CHECKING:
+    from engine.attention.metadata import AttentionMetadata
 
 
 def _ours(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -70,11 +75,17 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return residual, rms_norm(residual, weight, eps)
 
 
-def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` runs for these operands (fp32 on CPU, kernels loaded)."""
+def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether ``decode_attention`` runs for these operands (fp32 on CPU, kernels loaded, the
+    metadata's int32 tensors as the engine builds them)."""
     return (cpu_linear.loaded() and query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == torch.float32 and query.shape[-1] % 8 == 0
-            and key_cache.is_contiguous())
+            and key_cache.dtype == torch.float32 and value_cache.dtype == torch.float32
+            and query.dim() == 3 and key_cache.dim() == 4 and query.shape[-1] % 8 == 0
+            and query.shape[1] % key_cache.shape[2] == 0
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
+                    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables)))
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -118,7 +129,8 @@ def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     """
     t = x.shape[0]
     if (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
-            and cos.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() == 2
+            and x.stride(1) == 1 and (t < 2 or x.stride(0) >= x.shape[1])
             and head_dim % 16 == 0 and cos.is_contiguous() and sin.is_contiguous()):
         torch.ops.saltserve_cpu.rotary_neox_(x, cos.view(t, head_dim), sin.view(t, head_dim),
                                              num_heads, head_dim)

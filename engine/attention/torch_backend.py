@@ -64,7 +64,7 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     starts = meta.query_start_loc.tolist()
     decode_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     if (decode_ids and not meta.cascade_prefix_len
-            and cpu_ops.decode_attention_usable(query, key_cache)):
+            and cpu_ops.decode_attention_usable(query, key_cache, value_cache, meta)):
         # Our CPU kernel reads every decode row's context in place (kernels/cpu_ops.py).
         cpu_ops.decode_attention(out, query, key_cache, value_cache, meta.query_start_loc,
                                  meta.seq_lens, meta.block_tables, scale)

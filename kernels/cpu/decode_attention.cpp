@@ -11,8 +11,8 @@
 //   query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, max_blocks]
 //   int32. Sequences whose query_len is not 1 are skipped (their out rows are not written).
 // Per (sequence, kv head): the scores of its num_heads / num_kv_heads query heads over all
-// seq_len positions, an exact max-subtracted softmax in fp32 (exp: Cephes' polynomial, about
-// 1 ulp), then the weighted sum of V. A sequence's result does not depend on its batch.
+// seq_len positions, a max-subtracted softmax in fp32 (exp: Cephes' polynomial, about 1 ulp;
+// weights below exp(-88) count as 0), then the weighted sum of V. A sequence's result does not depend on its batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>

@@ -12,7 +12,9 @@
 // each product and the sum rounded separately (built with -ffp-contract=off): bit-identical to
 // the torch formula x * cos + cat(-x[half:], x[:half]) * sin.
 // reshape_and_cache: key, value [T, KVH, D] (rows may be strided) into
-// key_cache, value_cache [num_blocks, block_size, KVH, D] at slot_mapping [T] int64.
+// key_cache, value_cache [num_blocks, block_size, KVH, D] at slot_mapping [T] int64 (every slot
+// must be in the cache: unlike vLLM's, a -1 padding slot is refused, not skipped; the engine's
+// slot mappings have no padding).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -33,8 +35,9 @@ void rotary_neox_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
               "rotary_neox_: float32 only");
-  TORCH_CHECK(x.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(),
-              "rotary_neox_: contiguous columns and cos/sin expected");
+  TORCH_CHECK(x.stride(1) == 1 && (x.size(0) < 2 || x.stride(0) >= x.size(1)) &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_neox_: contiguous, non-overlapping rows and contiguous cos/sin expected");
   const int64_t T = x.size(0), stride = x.stride(0), half = head_dim / 2;
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -47,7 +50,7 @@ void rotary_neox_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
         float* v = xp + t * stride + h * head_dim;
         for (int64_t i = 0; i < half; i += 8) {
           const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
-          const __m256 nb = _mm256_sub_ps(_mm256_setzero_ps(), b);
+          const __m256 nb = _mm256_xor_ps(b, _mm256_set1_ps(-0.f));  // torch's neg: the sign bit
           _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
                                                 _mm256_mul_ps(nb, _mm256_loadu_ps(s + i))));
           _mm256_storeu_ps(v + half + i,

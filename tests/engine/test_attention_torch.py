@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention_torch, shared_prefix_blocks
+from kernels import cpu_linear
+
+
+@pytest.fixture(params=["torch", "ours"])
+def decode_path(request, monkeypatch):
+    """Both decode paths of the torch backend, whatever ran before in this process: the padded
+    SDPA batch (our CPU kernels off: bf16, GPU, no compiler) and our CPU decode kernel."""
+    if request.param == "ours":
+        if not cpu_linear.load():
+            pytest.skip(f"our CPU kernels are off: {cpu_linear.unavailable_reason()}")
+    else:
+        monkeypatch.setitem(cpu_linear._state, "ok", False)
+    return request.param
 
 
 def _meta(tables: list[list[int]], seq_lens: list[int], block_size: int,
@@ -29,7 +43,7 @@ def test_shared_prefix_blocks_keeps_one_own_token_per_sequence():
     assert shared_prefix_blocks([(0, 1), (4, 1)], [32, 32], 16) == 0
 
 
-def test_cascade_decode_matches_one_pass_decode():
+def test_cascade_decode_matches_one_pass_decode(decode_path):
     torch.manual_seed(0)
     block_size, kv_heads, heads, dim = 16, 3, 9, 64
     shared = list(range(20))                                     # 320 shared tokens

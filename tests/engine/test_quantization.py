@@ -137,24 +137,24 @@ def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefi
 
 def test_fp32_decode_rows_run_our_q4_kernel_below_its_threshold(monkeypatch):
     """With our CPU kernels loaded, a 4-bit layer under fp32 activations runs our Q4 kernel on
-    its fp16 scales and minimums below ``own_below`` rows (1 row on a native-bf16 CPU, 16 on
-    AVX2) and torch's kernels from there; bf16 activations never take it."""
+    its fp16 scales and minimums below ``own_below`` rows (1 row on AVX2, none with native
+    bf16) and torch's kernels from there; bf16 activations never take it."""
     if not cpu_linear.load():
         pytest.skip(f"our CPU kernels are off: {cpu_linear.unavailable_reason()}")
     w = _grouped(64, 128, seed=3)
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
-    assert lin.own is not None and lin.own.scale.dtype == torch.float16
-    assert torch.equal(lin.own.scale.float(), w.scale.half().float())
+    assert lin.own is not None and lin.own.scale.dtype == lin.own.minimum.dtype == torch.float16
     native = "avx512_bf16" in cpu_linear.cpu_flags()
     assert lin.own_below == (quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 if native
                              else quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS)
     own = cpu_linear.q4_linear
-    x = torch.randn(lin.own_below, 128)
+    # At the threshold (and above it) torch's kernels run: not our kernel's bits.
+    x = torch.randn(max(lin.own_below, 1), 128)
+    assert not torch.equal(lin(x), own(x, lin.own.codes, lin.own.scale, lin.own.minimum, bias))
+    monkeypatch.setattr(lin, "own_below", 2)
     one = x[:1]
     assert torch.equal(lin(one), own(one, lin.own.codes, lin.own.scale, lin.own.minimum, bias))
-    # At the threshold torch's kernels run: not our kernel's bits.
-    assert not torch.equal(lin(x), own(x, lin.own.codes, lin.own.scale, lin.own.minimum, bias))
     # The threshold is the layer's own: forced to 16, 3 rows take our kernel too.
     monkeypatch.setattr(lin, "own_below", 16)
     three = torch.randn(3, 128)

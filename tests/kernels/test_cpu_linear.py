@@ -102,7 +102,7 @@ def test_switched_off_it_is_f_linear_with_one_warning():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "SALTSERVE_CPU_KERNELS=0"
-    assert out.stderr.count("CPU linear kernel off") == 1
+    assert out.stderr.count("CPU kernels off") == 1
 
 
 def _q4_reference(x, codes, scale, minimum, bias=None):
@@ -111,7 +111,8 @@ def _q4_reference(x, codes, scale, minimum, bias=None):
     m, k = x.shape
     xg = x.view(m, k // 32, 32)
     dx = xg.abs().amax(-1) / 127
-    qx = torch.where(dx[..., None] > 0, torch.round(xg / dx[..., None]), torch.zeros(()))
+    # x * (1 / d), as the kernel rounds it (x / d differs in a few roundings per million).
+    qx = torch.where(dx[..., None] > 0, torch.round(xg * (1 / dx[..., None])), torch.zeros(()))
     dots = torch.einsum("mgi,ngi->mng", qx.double(), codes.view(-1, k // 32, 32).double())
     y = (dots * (scale[None] * dx[:, None]).double()).sum(-1)
     y = y + (xg.sum(-1).double() @ minimum.double().t())

@@ -4,6 +4,8 @@ batch, the torch fallback where they do not apply, and clear refusals of what th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,15 +127,21 @@ def test_the_torch_backend_runs_it_for_decode_rows_beside_a_prefill_chunk():
     seq_lens, query_lens = [33, 20, 50], [1, 5, 1]
     kc, vc, meta, _ = _cache_and_meta(seq_lens, query_lens, seed=4)
     q = torch.randn(7, 9, 64, generator=torch.Generator().manual_seed(5))
+    assert cpu_ops.decode_attention_usable(q, kc, vc, meta)
     got = paged_attention_torch(q, kc, vc, meta, 0.125)
     cpu_linear._state["ok"] = False  # the pure-torch path
     try:
-        assert not cpu_ops.decode_attention_usable(q, kc)
+        assert not cpu_ops.decode_attention_usable(q, kc, vc, meta)
         expected = paged_attention_torch(q, kc, vc, meta, 0.125)
     finally:
         cpu_linear._state["ok"] = True
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(got[1:6], torch.zeros(5, 9, 64))
+    assert got.abs().amax() > 0.05 and torch.isfinite(got).all()
+    # Metadata the kernel does not take (int64 lengths) falls back instead of failing.
+    meta64 = replace(meta, seq_lens=meta.seq_lens.long())
+    assert not cpu_ops.decode_attention_usable(q, kc, vc, meta64)
+    torch.testing.assert_close(paged_attention_torch(q, kc, vc, meta64, 0.125), expected,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_refuses_bad_tables_before_reading():
@@ -163,7 +171,8 @@ def test_rotary_in_place_is_bit_identical_to_the_torch_formula(t):
     heads = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)
     expected = cpu_ops._rotate_torch(heads, cos, sin)
     v_before = qkv[:, (h + kvh) * d:].clone()
-    cpu_ops.rotary_neox_(qkv, cos, sin, h + kvh, d)
+    assert cpu_linear.loaded()  # the kernel, not the fallback, runs first
+    torch.ops.saltserve_cpu.rotary_neox_(qkv, cos.view(t, d), sin.view(t, d), h + kvh, d)
     assert torch.equal(heads, expected)
     assert torch.equal(qkv[:, (h + kvh) * d:], v_before)
     # The fallback (our kernels off) computes the same bits.
@@ -186,7 +195,7 @@ def test_reshape_and_cache_writes_strided_rows_to_their_slots_and_refuses_bad_sl
     v = qkv[:, 12 * d:].view(4, kvh, d)
     kc, vc = torch.zeros(5, 16, kvh, d), torch.zeros(5, 16, kvh, d)
     slots = torch.tensor([3, 17, 79, 40])
-    cpu_ops.reshape_and_cache(k, v, kc, vc, slots)
+    torch.ops.saltserve_cpu.reshape_and_cache(k, v, kc, vc, slots)  # the kernel itself
     assert torch.equal(kc.view(-1, kvh, d)[slots], k)
     assert torch.equal(vc.view(-1, kvh, d)[slots], v)
     assert int((kc != 0).any(-1).any(-1).sum()) == 4  # nothing else written

@@ -88,8 +88,15 @@ def test_strided_query_and_out_buffer():
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_reference_agrees_with_engine_torch_backend(group):
-    """The reference and the engine's SDPA backend are two independent torch implementations."""
+@pytest.mark.parametrize("path", ["torch", "ours"])
+def test_reference_agrees_with_engine_torch_backend(group, path, monkeypatch):
+    """The reference and the engine's torch backend agree, on both of its decode paths: SDPA
+    (our CPU kernels off) and our CPU decode kernel (``kernels.cpu_ops``)."""
+    from kernels import cpu_linear
+    if path == "ours" and not cpu_linear.load():
+        pytest.skip(f"our CPU kernels are off: {cpu_linear.unavailable_reason()}")
+    if path == "torch":
+        monkeypatch.setitem(cpu_linear._state, "ok", False)
     batch = make_batch(MIXED, num_kv_heads=2, group=group, head_dim=64, block_size=16,
                        dtype=torch.float32)
     seq_lens = tuple(batch.seq_lens.tolist())
