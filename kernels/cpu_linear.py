@@ -13,9 +13,9 @@ rows, or on quantized layers below their dense threshold, other kernels run and 
 The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 10 s; cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed on the source) and
 registered as ``torch.ops.saltserve_cpu.linear_small_m``; the same extension holds our 4-bit
-kernel (``q4_linear`` here) and the fused ops of ``kernels.cpu_ops``. It needs a C++ compiler and a CPU with
-AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call is ``F.linear`` and
-one warning says why.
+kernel (``q4_linear`` here) and the fused ops of ``kernels.cpu_ops``. It needs a C++ compiler
+and a CPU with AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call
+is ``F.linear`` (and every fused op its torch fallback), and one warning says why.
 """
 
 from __future__ import annotations
@@ -86,21 +86,19 @@ def load() -> bool:
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 build("saltserve_cpu", [str(p) for p in (SOURCE, Q4_SOURCE, *OPS_SOURCES)],
-                      is_python_module=False,
-                      verbose=False,
+                      is_python_module=False, verbose=False,
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
                                     "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
-                torch.ops.saltserve_cpu.linear_small_m  # noqa: B018 - raises if not registered
-                torch.ops.saltserve_cpu.q4_linear  # noqa: B018
-                torch.ops.saltserve_cpu.add_rms_norm  # noqa: B018
-                torch.ops.saltserve_cpu.decode_attention  # noqa: B018
-                torch.ops.saltserve_cpu.reshape_and_cache  # noqa: B018
+                for op in ("linear_small_m", "q4_linear", "rms_norm", "add_rms_norm",
+                           "decode_attention", "rotary_neox_", "reshape_and_cache"):
+                    getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
         _state["ok"], _state["why"] = not why, why
         if why:
-            logger.warning("CPU kernels off (linear, 4-bit, norm, attention, rotary), using torch's ops: %s", why)
+            logger.warning("CPU kernels off (linear, 4-bit, norm, attention, rotary), "
+                           "using torch's ops: %s", why)
         return not why
 
 

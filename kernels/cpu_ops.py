@@ -12,9 +12,10 @@ with ``kernels.cpu_linear.load()`` into the same extension:
   ``rotary_embedding`` and ``reshape_and_cache``): q and k rotated in place in the fused qkv
   output, bit-identical to the torch formula; K/V rows copied to their cache slots.
 
-Where our CPU kernels are not loaded (no compiler, no AVX2/FMA/F16C, ``SALTSERVE_CPU_KERNELS=0``),
-on other devices or dtypes, the norms, the rotation and the cache write compute the same thing
-with torch ops, and ``decode_attention_usable`` is False. No result depends on the other rows of its batch.
+Where our CPU kernels are not loaded (no compiler, no AVX2/FMA/F16C,
+``SALTSERVE_CPU_KERNELS=0``), on other devices or dtypes, the norms, the rotation and the cache
+write compute the same thing with torch ops, and ``decode_attention_usable`` is False. No result
+depends on the other rows of its batch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 //   int32. Sequences whose query_len is not 1 are skipped (their out rows are not written).
 // Per (sequence, kv head): the scores of its num_heads / num_kv_heads query heads over all
 // seq_len positions, a max-subtracted softmax in fp32 (exp: Cephes' polynomial, about 1 ulp;
-// weights below exp(-88) count as 0), then the weighted sum of V. A sequence's result does not depend on its batch.
+// weights below exp(-88) count as 0), then the weighted sum of V. A sequence's result does not
+// depend on its batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -69,7 +70,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && D % 8 == 0 && KVH > 0 && H % KVH == 0,
-              "decode_attention: head_dim a multiple of 8 and num_heads a multiple of num_kv_heads");
+              "decode_attention: head_dim a multiple of 8, num_heads a multiple of num_kv_heads");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                   value_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "decode_attention: float32 only");

@@ -16,8 +16,8 @@
 //           + sum_g minimum[n, g] * xsum[m, g]  (+ bias[n]).
 // The inner sum is exact integer arithmetic (pmaddubsw: 15 * 127 * 2 fits int16), so the only
 // approximation beyond the weights' own is the activations' int8 rounding (at most 1 / 254 of the
-// group's largest |x| per input; benchmarks/bench_quantization.py reports its effect on greedy agreement
-// and perplexity). Each weight row is read once per call for up to 4 activation rows.
+// group's largest |x| per input; benchmarks/bench_quantization.py reports its effect on greedy
+// agreement and perplexity). Each weight row is read once per call for up to 4 activation rows.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -61,7 +61,8 @@ struct QuantizedActs {
 inline void halves_to_floats(const uint16_t* h, float* f, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    _mm256_storeu_ps(
+        f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
   for (; i < count; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
@@ -172,7 +173,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       int8_t* q = qx.data() + m * K + g * kGroup;
       // fmin/fmax clamp (and map a NaN from an inf input to a bound): no undefined cast.
       for (int i = 0; i < kGroup; ++i)
-        q[i] = static_cast<int8_t>(std::fmin(std::fmax(std::nearbyint(xg[i] * inv), -127.f), 127.f));
+        q[i] = static_cast<int8_t>(
+            std::fmin(std::fmax(std::nearbyint(xg[i] * inv), -127.f), 127.f));
       dx[m * G + g] = d;
       xsum[m * G + g] = sum;
     }
