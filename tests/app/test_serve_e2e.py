@@ -207,7 +207,7 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
                    json={"name": "no-cache", "enable_prefix_caching": False}).json()
     key = httpx.post(base + f"/admin/tenants/{t['id']}/keys", headers=admin, json={}).json()
     r = CliRunner().invoke(main, ["bench", "validate", "--url", base, "--api-key", key["key"],
-                                  "--rounds", "2", "--out", str(out)])
+                                  "--rounds", "1", "--out", str(out)])
     assert r.exit_code == 1, r.output
     report = json.loads(out.read_text())
     gates = {name: g["passed"] for name, g in report["gates"].items()}
@@ -217,11 +217,12 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
 
 
 def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
-    """``saltserve bench profiles`` on two profiles: the shared system prompt hits with caching
-    on and never with it off; mostly unique prompts hit neither way; the server's own counters
-    agree with the responses' ``cached_tokens``. Beside them, the same prompts on a peer (this
-    server again, as another tenant: the plumbing of ``--peer``) and through Hugging Face
-    ``generate``, with a plot of them all."""
+    """``saltserve bench profiles`` on the real server: the shared system prompt hits with
+    caching on and never with it off, and the server's own counters agree with the responses'
+    ``cached_tokens``. Beside them, the same prompts on a peer (this server again, as another
+    tenant: the plumbing of ``--peer``) and through Hugging Face ``generate``, with a plot of
+    them all. (All four profiles, rounds and the report's ratios: ``test_bench.py``, on fake
+    servers.)"""
     import httpx
     from click.testing import CliRunner
 
@@ -241,18 +242,18 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
     r = CliRunner().invoke(main, [
         "bench", "profiles", "--url", base, "--api-key",
         (data_dir / "demo-api-key").read_text().strip(), "--api-key-no-cache", off["key"],
-        "--profile", "shared_system", "--profile", "unique", "--requests", "4",
+        "--profile", "shared_system", "--requests", "3",
         "--concurrency", "2", "--max-tokens", "4", "--metrics-token", admin_jwt,
         "--peer", f"self={base}/v1,{peer['key']}", "--hf-baseline", "--hf-model",
         str(model_dir), "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
-    shared, unique = report["profiles"]["shared_system"], report["profiles"]["unique"]
-    assert shared["on"]["prompt_tokens"] // 4 >= 1500  # the seed's >= 1,500-token prompt
-    assert shared["on"]["hit_rate"] > 0.7 and shared["off"]["hit_rate"] == 0
+    shared = report["profiles"]["shared_system"]
+    assert shared["on"]["prompt_tokens"] // 3 >= 1500  # the seed's >= 1,500-token prompt
+    # The first of the three is cold, the other two hit all but their question's blocks.
+    assert shared["on"]["hit_rate"] > 0.6 and shared["off"]["hit_rate"] == 0
     assert shared["on"]["ttft_p50_s"] < shared["off"]["ttft_p50_s"]
-    assert unique["on"]["hit_rate"] < 0.05 and unique["off"]["hit_rate"] == 0
-    for run in (shared["on"], shared["off"], unique["on"], unique["off"]):
+    for run in (shared["on"], shared["off"]):
         assert run["metrics"]["hit_rate_agrees"], run["metrics"]
         assert 0 < run["metrics"]["kv_usage_peak"] <= 1
     assert report["cache_config"]["block_size"] == "16"
@@ -260,7 +261,7 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
     # The peer (a tenant of its own: its first prompt is cold) hits like ours; generate never.
     peer_run, hf = shared["peers"]["self"], shared["hf_generate"]
     assert peer_run["prompt_tokens"] == hf["prompt_tokens"] == shared["on"]["prompt_tokens"]
-    assert peer_run["hit_rate"] > 0.7 and hf["hit_rate"] == 0
+    assert peer_run["hit_rate"] > 0.6 and hf["hit_rate"] == 0
     assert hf["output_tokens_per_s"] > 0 and hf["ttft_p50_s"] < hf["wall_s"]
     assert set(shared["ours_vs"]) == {"caching off", "self", "hf_generate"}
     assert "ours (cache on) vs hf_generate: throughput" in r.output

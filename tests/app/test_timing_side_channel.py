@@ -1,6 +1,6 @@
 """The prefix-cache timing side channel, measured: tenant B cannot time tenant A's prompts.
 
-Tenant A warms a ~400-token prompt. A's own repeat is served from the cache (fast TTFT); tenant B
+Tenant A warms a 256-token prompt. A's own repeat is served from the cache (fast TTFT); tenant B
 sending the very same prompt gets 0 cached tokens and pays a cold prefill: its TTFT sits with a
 cold control prompt of the same length, not with A's warm value. TTFT is the server-side time to
 the first generated token (``usage_records.ttft_s``), so HTTP and test-client overhead stay out.
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-PROMPT_TOKENS = 400  # 25 blocks of 16; the last-token rule leaves 24 blocks (384 tokens) hittable
-ROUNDS = 5
+PROMPT_TOKENS = 256  # 16 blocks of 16; the last-token rule leaves 15 blocks (240 tokens) hittable
+ROUNDS = 3
 
 
 @pytest.fixture(scope="module")
