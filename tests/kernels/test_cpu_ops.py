@@ -102,19 +102,22 @@ def _sdpa_decode(q_row, kc, vc, table, seq_len, block_size, scale):
 
 @pytest.mark.parametrize("seq_lens", [[1], [7], [16], [17, 40, 3], [300, 1, 129, 64]])
 @pytest.mark.parametrize("kvh,h", [(3, 9), (2, 2)])
-def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h):
-    """Lengths inside one block, on a block boundary, with a tail that is not a multiple of 8,
-    several blocks in a shuffled cache; GQA and plain MHA."""
-    kc, vc, meta, tables = _cache_and_meta(seq_lens, [1] * len(seq_lens), kvh=kvh,
+@pytest.mark.parametrize("d", [64, 128, 72, 8])
+def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h, d):
+    """Lengths inside one block, on a block boundary, with a tail that is not a multiple of 8
+    (nor of the four positions scored at once), several blocks in a shuffled cache; GQA and
+    plain MHA; head dims of whole 64-column register tiles (64, 128), one tile and a rest (72),
+    and no whole tile (8)."""
+    kc, vc, meta, tables = _cache_and_meta(seq_lens, [1] * len(seq_lens), kvh=kvh, d=d,
                                            seed=len(seq_lens))
-    q = torch.randn(len(seq_lens), h, 64, generator=torch.Generator().manual_seed(h))
+    q = torch.randn(len(seq_lens), h, d, generator=torch.Generator().manual_seed(h))
     out = torch.full_like(q, float("nan"))
     cpu_ops.decode_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, 0.125)
     for i, (t, s) in enumerate(zip(tables, seq_lens)):
         torch.testing.assert_close(out[i], _sdpa_decode(q[i], kc, vc, t, s, 16, 0.125),
                                    rtol=1e-5, atol=1e-5)
-        alone = torch.empty(1, h, 64)
+        alone = torch.empty(1, h, d)
         cpu_ops.decode_attention(alone, q[i:i + 1], kc, vc,
                                  torch.tensor([0, 1], dtype=torch.int32), meta.seq_lens[i:i + 1],
                                  meta.block_tables[i:i + 1].contiguous(), 0.125)
