@@ -100,14 +100,15 @@ def _sdpa_decode(q_row, kc, vc, table, seq_len, block_size, scale):
                                           enable_gqa=True)[:, 0]
 
 
-@pytest.mark.parametrize("seq_lens", [[1], [7], [16], [17, 40, 3], [300, 1, 129, 64]])
+@pytest.mark.parametrize("seq_lens", [[1], [7], [16], [17, 40, 3], [300, 1, 129, 64],
+                                      [2, 6, 130]])
 @pytest.mark.parametrize("kvh,h", [(3, 9), (2, 2)])
-@pytest.mark.parametrize("d", [64, 128, 72, 8])
+@pytest.mark.parametrize("d", [64, 128, 72, 136, 8])
 def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h, d):
     """Lengths inside one block, on a block boundary, with a tail that is not a multiple of 8
-    (nor of the four positions scored at once), several blocks in a shuffled cache; GQA and
-    plain MHA; head dims of whole 64-column register tiles (64, 128), one tile and a rest (72),
-    and no whole tile (8)."""
+    (and every remainder of the four positions scored at once), several blocks in a shuffled
+    cache; GQA and plain MHA; head dims of whole 64-column register tiles (64, 128), tiles and a
+    rest (72, 136), and no whole tile (8)."""
     kc, vc, meta, tables = _cache_and_meta(seq_lens, [1] * len(seq_lens), kvh=kvh, d=d,
                                            seed=len(seq_lens))
     q = torch.randn(len(seq_lens), h, d, generator=torch.Generator().manual_seed(h))
