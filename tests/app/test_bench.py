@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.bench.baselines import Peer, parse_peer
-from app.bench.profiles import format_profiles, run_profiles
+from app.bench.profiles import format_profiles, profile_prompts, run_profiles
 from app.bench.sweep import match_rate_prompts, parse_values, run_sweep
 from app.bench.validate import Sample
 from app.cli import main
@@ -102,6 +102,20 @@ def test_profiles_run_peers_and_the_generate_baseline_on_the_same_prompts():
     assert "block size: ours 16, peer 32 (differs" in text
     assert "ours (cache on) vs hf_generate: throughput" in text
 
+
+
+def test_rag_profile_reuses_each_of_its_three_documents():
+    """``rag_document``: requests cycle through 3 documents, so with caching on request i + 3
+    reuses request i's whole document and the first three are cold: 3 of 6 requests hit about
+    all of their prompt (the question is the only new part); caching off never hits."""
+    prompts = profile_prompts("rag_document", 6, 0, "r1")
+    docs = [p.split("\nQuestion")[0] for p in prompts]
+    assert docs[:3] == docs[3:] and len(set(docs)) == 3 and len(set(prompts)) == 6
+    report = run_profiles(FakeServer(), FakeServer(caching=False), requests=6, concurrency=1,
+                          max_tokens=2, profiles=("rag_document",), nonce="r1")
+    rag = report["profiles"]["rag_document"]
+    assert 0.4 < rag["on"]["hit_rate"] < 0.5 and rag["off"]["hit_rate"] == 0
+    assert rag["on"]["prompt_tokens"] == rag["off"]["prompt_tokens"]
 
 def test_profile_rounds_interleave_on_and_off_and_pool_them():
     """``--rounds``: each round a new prompt set (its own nonce), off and on in alternating
