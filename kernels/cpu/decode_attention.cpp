@@ -116,10 +116,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       scores.resize(G * L);
       const int32_t* table = tables + s * MB;
       const float* qh = q + (row * H + kvh * G) * D;  // this kv head's G query heads
-      auto key = [&](int64_t p) { return kc + ((table[p / BS] * BS + p % BS) * KVH + kvh) * D; };
+      // Position p's row of this kv head in a cache (K or V), through the block table.
+      auto at = [&](const float* cache, int64_t p) {
+        return cache + ((table[p / BS] * BS + p % BS) * KVH + kvh) * D;
+      };
       int64_t pk = 0;
       for (; pk + 4 <= L; pk += 4) {  // four positions at once: four independent FMA chains
-        const float *k0 = key(pk), *k1 = key(pk + 1), *k2 = key(pk + 2), *k3 = key(pk + 3);
+        const float *k0 = at(kc, pk), *k1 = at(kc, pk + 1), *k2 = at(kc, pk + 2),
+                    *k3 = at(kc, pk + 3);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qh + g * D;
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -136,7 +140,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         }
       }
       for (; pk < L; ++pk)  // the same sum, in the same order, one position at a time
-        for (int64_t g = 0; g < G; ++g) scores[g * L + pk] = dot(qh + g * D, key(pk), D) * sc;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + pk] = dot(qh + g * D, at(kc, pk), D) * sc;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float mx = -INFINITY;
@@ -161,9 +165,6 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         }
         const __m256 inv = _mm256_set1_ps(1.f / sum);
         float* og = o + (row * H + kvh * G + g) * D;
-        auto value = [&](int64_t pp) {
-          return vc + ((table[pp / BS] * BS + pp % BS) * KVH + kvh) * D;
-        };
         // sum_p w[p] * v[p] in position order, per element: 64 columns at a time in eight
         // registers (the accumulators never round-trip through memory), the rest through acc.
         int64_t d0 = 0;
@@ -171,7 +172,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           __m256 a[8];
           for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
           for (int64_t pp = 0; pp < L; ++pp) {
-            const float* v = value(pp) + d0;
+            const float* v = at(vc, pp) + d0;
             const __m256 wv = _mm256_set1_ps(sg[pp]);
             for (int j = 0; j < 8; ++j)
               a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * j), a[j]);
@@ -180,9 +181,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
             _mm256_storeu_ps(og + d0 + 8 * j, _mm256_mul_ps(a[j], inv));
         }
         if (d0 < D) {
-          std::fill(acc.begin(), acc.end(), 0.f);
+          std::fill(acc.begin() + d0, acc.end(), 0.f);
           for (int64_t pp = 0; pp < L; ++pp) {
-            const float* v = value(pp);
+            const float* v = at(vc, pp);
             const __m256 wv = _mm256_set1_ps(sg[pp]);
             for (int64_t d = d0; d < D; d += 8)
               _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d),
