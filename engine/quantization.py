@@ -81,6 +81,40 @@ class LinearMethod:
         """Bytes a forward reads for the weights (codes, scales, bias)."""
         raise NotImplementedError
 
+    def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        """What ``__call__`` runs for ``num_tokens`` rows of fp32 CPU activations, as the fused
+        decode layer (``kernels/cpu/decode_layer.cpp``) takes it; None where it cannot."""
+        return None
+
+
+# Projection kinds of kernels/cpu/decode_layer.cpp.
+SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """One projection as ``kernels/cpu/decode_layer.cpp`` runs it (the same kernel, operands
+    and order as ``LinearMethod.__call__`` for that many fp32 rows).
+
+    Attributes:
+        kind: ``SPEC_DENSE`` (weight [out, in] fp32), ``SPEC_INT4`` (torch's packed codes,
+            scales_and_zeros; in bf16), ``SPEC_Q4`` (our codes, scale, minimum) or ``SPEC_INT8``
+            (qweight, scales; in bf16).
+        tensors: the kind's operands.
+        bias: [out] fp32 or None.
+        group: inputs per 4-bit group (``SPEC_INT4``), else 0.
+    """
+
+    kind: int
+    tensors: tuple[torch.Tensor, ...]
+    bias: torch.Tensor | None = None
+    group: int = 0
+
+
+def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                             and t.is_contiguous()) for t in tensors)
+
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -95,6 +129,11 @@ class DenseLinear(LinearMethod):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(x, self.weight, self.bias)
+
+    def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        if not _fp32_cpu(self.weight, self.bias):
+            return None
+        return DecodeSpec(SPEC_DENSE, (self.weight,), self.bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -119,6 +158,17 @@ class QuantizedLinear(LinearMethod):
         y = self._kernel(x) if x.dtype == KERNEL_DTYPE else \
             self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _kernel_spec(self) -> DecodeSpec | None:
+        return None
+
+    def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        if not _fp32_cpu(self.bias):
+            return None
+        if self.dense is not None and num_tokens >= dense_from_tokens():
+            return DecodeSpec(SPEC_DENSE, (self.dense,), self.bias) if _fp32_cpu(
+                self.dense) else None
+        return self._kernel_spec()
 
 
 class Int8Linear(QuantizedLinear):
@@ -152,6 +202,9 @@ class Int8Linear(QuantizedLinear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def _kernel_spec(self) -> DecodeSpec | None:
+        return DecodeSpec(SPEC_INT8, (self.qweight, self.scales), self.bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -244,6 +297,16 @@ class Int4Linear(QuantizedLinear):
                                         self.bias)
         return super().__call__(x)
 
+    def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        if self.own is not None and num_tokens < self.own_below and _fp32_cpu(self.bias):
+            return DecodeSpec(SPEC_Q4, (self.own.codes, self.own.scale, self.own.minimum),
+                              self.bias)
+        return super().decode_spec(num_tokens)
+
+    def _kernel_spec(self) -> DecodeSpec | None:
+        return DecodeSpec(SPEC_INT4, (self.packed, self.scales_and_zeros), self.bias,
+                          self.group_size)
+
     @classmethod
     def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
                      keep_dense: bool = False) -> Int4Linear:
@@ -315,6 +378,18 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
     return Int8Linear.quantize(weight, bias, dtype, keep_dense)
 
 
-__all__ = ["DENSE_FROM_TOKENS", "INT4_GROUP_SIZE", "KERNEL_DTYPE", "QUANTIZATIONS",
-           "DenseLinear", "GroupedInt4", "Int4Linear", "Int8Linear", "LinearMethod",
-           "QuantizedLinear", "check_quantization", "make_linear"]
+__all__ = [
+    "DENSE_FROM_TOKENS",
+    "INT4_GROUP_SIZE",
+    "KERNEL_DTYPE",
+    "QUANTIZATIONS",
+    "DecodeSpec",
+    "DenseLinear",
+    "GroupedInt4",
+    "Int4Linear",
+    "Int8Linear",
+    "LinearMethod",
+    "QuantizedLinear",
+    "check_quantization",
+    "make_linear",
+]

@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu") / "linear.cpp"
 Q4_SOURCE = Path(__file__).with_name("cpu") / "q4_linear.cpp"
 # kernels/cpu_ops.py's fused ops, built into the same extension.
 OPS_SOURCES = [Path(__file__).with_name("cpu") / f for f in ("norm.cpp", "decode_attention.cpp",
-                                                        "rotary_cache.cpp")]
+                                                        "rotary_cache.cpp", "decode_layer.cpp")]
 Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
 # Up to this many rows the kernel beats MKL's sgemm at this model's shapes on AVX2 (measured by
 # benchmarks/bench_cpu_linear.py); prefill chunks above it are compute-bound GEMMs MKL blocks for.
@@ -91,7 +91,8 @@ def load() -> bool:
                                     "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
                 for op in ("linear_small_m", "q4_linear", "rms_norm", "add_rms_norm",
-                           "decode_attention", "rotary_neox_", "reshape_and_cache"):
+                           "decode_attention", "rotary_neox_", "reshape_and_cache",
+                           "decode_layer"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"

@@ -89,6 +89,57 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
                     for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables)))
 
 
+def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        meta: AttentionMetadata, num_heads: int) -> bool:
+    """Whether ``decode_layer``'s attention, rotation and cache write take these operands
+    (fp32 caches on CPU, head_dim a multiple of 16, the metadata's tensors as the engine builds
+    them); the caller checks that every row is a decode outside a cascade."""
+    head_dim = key_cache.shape[-1]
+    return (cpu_linear.loaded() and key_cache.device.type == "cpu" and key_cache.dim() == 4
+            and key_cache.dtype == torch.float32 and value_cache.dtype == torch.float32
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and head_dim % 16 == 0 and num_heads % key_cache.shape[2] == 0
+            and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.device.type == "cpu"
+            and all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
+                    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables)))
+
+
+def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
+                 ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
+                 weights: list[torch.Tensor | None], kinds: list[int], groups: list[int],
+                 cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                 intermediate_size: int, scale: float) -> torch.Tensor:
+    """One Llama decoder layer for a step of decodes only, in one call
+    (``kernels/cpu/decode_layer.cpp``): the same kernels in the same order as
+    ``LlamaDecoderLayer.forward``, so bit-identical to it. ``decode_layer_usable`` must hold and
+    every row must be a sequence's one new token (no cascade).
+
+    Args:
+        hidden, residual: [num_tokens, hidden_size] fp32; ``residual`` is updated in place to
+            ``residual + hidden + attention output`` (``first``: the layer's input is ``hidden``
+            alone, and ``residual`` must be ``hidden`` itself).
+        ln1, ln2: the two RMSNorm weights [hidden_size].
+        weights, kinds, groups: the four projections (qkv, o, gate_up, down) as their
+            ``LinearMethod.decode_spec``s: four tensors each (three operands, the bias; None
+            where unused), a kind and a group size each.
+        cos, sin: [num_tokens, 1, head_dim] fp32 contiguous.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; this step's
+            K/V are written at ``meta.slot_mapping``.
+
+    Returns:
+        The layer's MLP output [num_tokens, hidden_size] (the layer's output is it plus the
+        updated ``residual``).
+
+    Raises:
+        RuntimeError: operands the kernels do not take (checked by each kernel before writing).
+    """
+    return torch.ops.saltserve_cpu.decode_layer(
+        hidden, residual, first, ln1, ln2, eps, weights, kinds, groups, cos, sin, key_cache,
+        value_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        num_heads, key_cache.shape[2], key_cache.shape[3], intermediate_size, scale)
+
+
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> None:

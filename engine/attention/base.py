@@ -48,3 +48,9 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_dim], ``query``'s dtype.
         """
+
+    def fused_cpu_decode_usable(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                meta: AttentionMetadata, num_heads: int) -> bool:
+        """Whether a layer may run this step as one ``kernels.cpu_ops.decode_layer`` call,
+        which writes K/V and attends as this backend's CPU decode kernels do (default: no)."""
+        return False

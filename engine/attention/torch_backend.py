@@ -239,3 +239,11 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+
+    def fused_cpu_decode_usable(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                meta: AttentionMetadata, num_heads: int) -> bool:
+        """Yes when every row is a decode (query_len 1) outside a cascade and our CPU decode
+        kernels take the operands: then ``write_kv`` and ``forward`` would run exactly
+        ``reshape_and_cache`` and ``decode_attention``, as the fused layer does."""
+        return (not meta.cascade_prefix_len and all(q == 1 for q in meta.query_lens_cpu)
+                and cpu_ops.decode_layer_usable(key_cache, value_cache, meta, num_heads))

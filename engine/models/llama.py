@@ -83,6 +83,39 @@ class LlamaDecoderLayer(nn.Module):
         step of the 135M model)."""
         self._w = (self.input_layernorm.weight, self.qkv, self.o,
                    self.post_attention_layernorm.weight, self.gate_up, self.down)
+        self._decode_args: dict[int, tuple | None] = {}
+
+    def decode_args(self, num_tokens: int) -> tuple | None:
+        """The projections as ``kernels.cpu_ops.decode_layer`` takes them for ``num_tokens``
+        fp32 rows (weights, kinds, groups), or None where one of them cannot run there.
+        Cached per row count: ``bind_weights`` clears it."""
+        if num_tokens not in self._decode_args:
+            specs = [m.decode_spec(num_tokens) for m in (self.qkv, self.o, self.gate_up,
+                                                         self.down)]
+            args = None
+            if all(s is not None for s in specs):
+                weights = [t for s in specs
+                           for t in (*s.tensors, *(None,) * (3 - len(s.tensors)), s.bias)]
+                args = (weights, [s.kind for s in specs], [s.group for s in specs])
+            self._decode_args[num_tokens] = args
+        return self._decode_args[num_tokens]
+
+    def forward_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, meta: AttentionMetadata, args: tuple
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a step of decodes only, as one fused CPU call
+        (``kernels.cpu_ops.decode_layer``; bit-identical to ``forward``). ``args``: from
+        ``decode_args``; the backend's ``fused_cpu_decode_usable`` must hold."""
+        weights, kinds, groups = args
+        first = residual is None
+        if first:
+            residual = hidden
+        out = cpu_ops.decode_layer(hidden, residual, first, self._w[0], self._w[3],
+                                   self.input_layernorm.eps, weights, kinds, groups, cos, sin,
+                                   key_cache, value_cache, meta, self.num_heads,
+                                   self.intermediate_size, self.scale)
+        return out, residual
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -158,12 +191,34 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
+        fused = self._fused_decode_args(hidden, kv_caches, meta)
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward(hidden, residual, cos, sin, kv_caches[i, 0],
-                                             kv_caches[i, 1], meta, self.attn)
+            if fused is not None:
+                hidden, residual = layer.forward_decode(hidden, residual, cos, sin,
+                                                        kv_caches[i, 0], kv_caches[i, 1], meta,
+                                                        fused[i])
+            else:
+                hidden, residual = layer.forward(hidden, residual, cos, sin, kv_caches[i, 0],
+                                                 kv_caches[i, 1], meta, self.attn)
         if residual is None:  # no layers
             return self.norm(hidden)
         return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
+
+    # Set False to run every step through the per-op Python layers (benchmarks, tests).
+    fused_decode = True
+
+    def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
+                           meta: AttentionMetadata) -> list[tuple] | None:
+        """Per layer ``decode_args`` when this step can run fused (no autograd, fp32 CPU
+        activations, every row a decode outside a cascade, the backend and every projection supporting it), else
+        None (checked once per step)."""
+        if (not self.fused_decode or torch.is_grad_enabled() or hidden.dtype != torch.float32
+                or hidden.device.type != "cpu" or not self.layers
+                or not self.attn.fused_cpu_decode_usable(kv_caches[0, 0], kv_caches[0, 1], meta,
+                                                         self.config.num_attention_heads)):
+            return None
+        args = [layer.decode_args(hidden.shape[0]) for layer in self.layers]
+        return None if any(a is None for a in args) else args
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32."""

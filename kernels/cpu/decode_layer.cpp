@@ -1,0 +1,146 @@
+// One decoder layer of a CPU decode step in one call (issue 15: per-step overhead).
+//
+// Why: at one stream of --quantization gguf a step of the 135M model spent about as long in
+// Python and in some 240 small ATen calls between the linears (bf16 conversions, views, splits,
+// allocations: about 20 a layer, 3-10 us each from Python) as in the linears themselves. Here
+// the layer's sequence of operations runs from C++: the same kernels, in the same order, on the
+// same operands, so its output is bit-identical to the Python layer's (engine/models/llama.py,
+// LlamaDecoderLayer.forward; a test compares them with torch.equal).
+//
+// The layer, for T rows that are each a sequence's one new token (query_len 1, no cascade):
+//   x = first ? rms_norm(hidden) : add_rms_norm(residual += hidden)
+//   y = qkv(x); rotate q and k in place (neox); write k, v to the paged cache at slot_mapping
+//   attn = decode_attention(q over each sequence's block table)
+//   x = add_rms_norm(residual += o(attn));  gate, up = gate_up(x)
+//   return down(silu(gate) * up)          (residual is updated in place; first: it is hidden)
+//
+// Each projection comes as a kind and up to four tensors, chosen in Python by the layer's
+// LinearMethod for this number of rows (engine/quantization.py, decode_spec):
+//   kDense  (w)                        our linear_small_m (T <= 32) or at::linear
+//   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
+//   kQ4     (codes, scale, minimum)    our q4_linear
+//   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
+// plus an optional bias (added after the product, as QuantizedLinear does).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3 };
+constexpr int64_t kSlots = 4;      // tensors per projection: three operands and the bias
+constexpr int64_t kMaxDenseRows = 32;  // kernels.cpu_linear.MAX_ROWS
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// Our other ops, through the dispatcher (about 1 us a call; the files stay independent).
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64_t group,
+                   const at::Tensor& x) {
+  static const auto linear_small_m =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+          "saltserve_cpu::linear_small_m");
+  static const auto q4_linear =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const OptTensor&)>("saltserve_cpu::q4_linear");
+  auto slot = [&](int64_t i) -> at::Tensor {
+    const OptTensor t = w.get(p * kSlots + i);
+    TORCH_CHECK(t.has_value() && t->defined(), "decode_layer: projection ", p, " kind ", kind,
+                " needs tensor ", i);
+    return *t;
+  };
+  const OptTensor bias = w.get(p * kSlots + 3);
+  const bool has_bias = bias.has_value() && bias->defined();
+  switch (kind) {
+    case kDense:
+      if (x.size(0) <= kMaxDenseRows) return linear_small_m.call(x.contiguous(), slot(0), bias);
+      return at::linear(x, slot(0), bias);
+    case kQ4:
+      return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
+    case kInt4:
+    case kInt8: {
+      const at::Tensor xb = x.to(at::kBFloat16);
+      at::Tensor y = kind == kInt4
+                         ? at::_weight_int4pack_mm_for_cpu(xb, slot(0), group, slot(1))
+                         : at::_weight_int8pack_mm(xb, slot(0), slot(1));
+      y = y.to(x.scalar_type());
+      return has_bias ? y + *bias : y;
+    }
+    default:
+      TORCH_CHECK(false, "decode_layer: unknown projection kind ", kind);
+  }
+}
+
+at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool first,
+                        const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        c10::List<OptTensor> weights, at::IntArrayRef kinds,
+                        at::IntArrayRef groups, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& key_cache, at::Tensor& value_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t intermediate_size, double scale) {
+  static const auto rms_norm =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("saltserve_cpu::rms_norm");
+  static const auto add_rms_norm =
+      op<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "saltserve_cpu::add_rms_norm");
+  static const auto rotary_neox_ =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
+          "saltserve_cpu::rotary_neox_");
+  static const auto reshape_and_cache =
+      op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+              const at::Tensor&)>("saltserve_cpu::reshape_and_cache");
+  static const auto decode_attention =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "saltserve_cpu::decode_attention");
+  TORCH_CHECK(kinds.size() == 4 && groups.size() == 4 &&
+                  weights.size() == static_cast<size_t>(4 * kSlots),
+              "decode_layer: 4 projections (qkv, o, gate_up, down) of ", kSlots,
+              " tensors each expected");
+  TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes(),
+              "decode_layer: hidden and residual [T, hidden] expected");
+  const int64_t T = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+
+  at::Tensor x = first ? rms_norm.call(hidden, ln1, eps)
+                       : add_rms_norm.call(residual, hidden, ln1, eps);
+  at::Tensor y = project(weights, 0, kinds[0], groups[0], x);  // [T, q | k | v]
+  TORCH_CHECK(y.dim() == 2 && y.size(1) == q_size + 2 * kv_size,
+              "decode_layer: qkv gives ", y.sizes(), ", expected [T, ", q_size + 2 * kv_size,
+              "]");
+  rotary_neox_.call(y, cos.view({T, head_dim}), sin.view({T, head_dim}),
+                    num_heads + num_kv_heads, head_dim);
+  const at::Tensor k = y.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+  const at::Tensor v = y.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+  reshape_and_cache.call(k, v, key_cache, value_cache, slot_mapping);
+  const at::Tensor q = y.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+  at::Tensor attn = at::empty(q.sizes(), q.options());
+  decode_attention.call(attn, q.contiguous(), key_cache, value_cache, query_start_loc,
+                        seq_lens, block_tables, scale);
+  at::Tensor o = project(weights, 1, kinds[1], groups[1], attn.view({T, q_size}));
+  x = add_rms_norm.call(residual, o, ln2, eps);
+  const at::Tensor gate_up = project(weights, 2, kinds[2], groups[2], x);
+  const at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate_size)) *
+                         gate_up.narrow(1, intermediate_size, intermediate_size);
+  return project(weights, 3, kinds[3], groups[3], act);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
+  m.def("decode_layer(Tensor hidden, Tensor(a!) residual, bool first, Tensor ln1, Tensor ln2, "
+        "float eps, Tensor?[] weights, int[] kinds, int[] groups, Tensor cos, Tensor sin, "
+        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int num_heads, "
+        "int num_kv_heads, int head_dim, int intermediate_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }

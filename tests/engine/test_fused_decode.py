@@ -1,0 +1,228 @@
+"""The fused CPU decode layer (``kernels/cpu/decode_layer.cpp``) against the per-op Python layer
+(``LlamaDecoderLayer.forward``): bit-identical outputs, residuals and K/V caches for every
+projection kind (dense fp32, torch's int4 and int8, our Q4, with and without bias), and used
+only for steps of decodes outside a cascade."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.llm import run_to_completion
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.quantization import (
+    SPEC_DENSE,
+    SPEC_INT4,
+    SPEC_INT8,
+    SPEC_Q4,
+    GroupedInt4,
+    Int4Linear,
+)
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from kernels import cpu_linear, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="our CPU kernels are not built")
+
+
+@pytest.fixture(autouse=True)
+def _inference():  # as the engine runs the model
+    with torch.inference_mode():
+        yield
+
+CPU = torch.device("cpu")
+BLOCK = 16
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 128, 4, 2, 32, 96
+
+
+def _config(bias: bool) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=HIDDEN,
+                       intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=HEADS,
+                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=128,
+                       tie_word_embeddings=True, attention_bias=bias, eos_token_ids=(0,))
+
+
+def _model(quantization: str | None, bias: bool) -> LlamaForCausalLM:
+    cfg = _config(bias)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (64, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+            p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTER)})
+        if bias:
+            shapes.update({p + f"self_attn.{n}_proj.bias": (HEADS * HEAD_DIM if n == "q"
+                                                            else KV_HEADS * HEAD_DIM,)
+                           for n in "qkv"})
+    state: dict = {n: torch.randn(*s, generator=gen) * 0.2 for n, s in shapes.items()}
+    if quantization == "gguf":  # every projection as 4-bit groups, as the GGUF holds them
+        for name, w in list(state.items()):
+            if name.endswith("proj.weight"):
+                n, k = w.shape
+                state[name] = GroupedInt4(
+                    torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                    torch.rand(n, k // 32, generator=gen) * 0.05,
+                    -torch.rand(n, k // 32, generator=gen) * 0.4)
+    model = LlamaForCausalLM(cfg, 128, get_attention_backend("torch", CPU))
+    model.load_weights(state, quantization)
+    model.bind_weights()
+    return model
+
+
+def _decode_step(seq_lens: list[int], query_lens: list[int] | None = None
+                 ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of one step (default: every sequence decodes one token), each sequence in its
+    own run of blocks (sequence s starts at block 4 s), and its positions."""
+    query_lens = query_lens or [1] * len(seq_lens)
+    tables = [[4 * s + b for b in range(4)] for s in range(len(seq_lens))]
+    slots, positions = [], []
+    for s, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for pos in range(n - q, n):
+            slots.append(tables[s][pos // BLOCK] * BLOCK + pos % BLOCK)
+            positions.append(pos)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.tensor(tables, dtype=torch.int32), tuple(query_lens),
+                             tuple(seq_lens), BLOCK)
+    meta = get_attention_backend("torch", CPU).build_metadata(meta, [tuple(t) for t in tables])
+    return meta, torch.tensor(positions)
+
+
+def _caches(num_seqs: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(2, 2, 4 * num_seqs, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+
+
+CASES = [(None, False, 1), (None, True, 3), (None, False, 33), ("int8", True, 1),
+         ("int8", False, 5), ("gguf", True, 1), ("gguf", False, 3), ("gguf", True, 5)]
+
+
+@pytest.mark.parametrize(("quantization", "bias", "rows"), CASES)
+def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, rows):
+    model = _model(quantization, bias)
+    seq_lens = [3 + 7 * s for s in range(rows)]  # 3 .. 227: one to four blocks deep
+    seq_lens = [1 + (n - 1) % 60 for n in seq_lens]
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(rows, HIDDEN, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    caches = _caches(rows)
+    meta, positions = _decode_step(seq_lens)
+    cos, sin = model.rotary.cos_sin(positions, torch.float32)
+    layer = model.layers[1]
+    args = layer.decode_args(rows)
+    assert args is not None
+    for first in (True, False):
+        plain_caches, fused_caches = caches.clone(), caches.clone()
+        h, r = hidden.clone(), None if first else residual.clone()
+        want_h, want_r = layer.forward(h, r, cos, sin, plain_caches[1, 0], plain_caches[1, 1],
+                                       meta, model.attn)
+        h, r = hidden.clone(), None if first else residual.clone()
+        got_h, got_r = layer.forward_decode(h, r, cos, sin, fused_caches[1, 0],
+                                            fused_caches[1, 1], meta, args)
+        assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
+        assert torch.equal(fused_caches, plain_caches)
+        assert not torch.equal(fused_caches, caches)  # this step's K/V were written
+
+
+def test_each_linear_method_names_the_kernel_its_call_runs(monkeypatch):
+    gguf = _model("gguf", bias=False).layers[0]
+    assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
+    assert gguf.qkv.decode_spec(1).group == 32
+    assert gguf.qkv.decode_spec(4).kind == SPEC_DENSE  # the fp32 copy from 4 rows
+    assert gguf.qkv.decode_spec(4).tensors[0] is gguf.qkv.dense
+    assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
+    gguf.qkv.own_below = 2  # as on CPUs without native bf16
+    assert gguf.qkv.decode_spec(1).kind == SPEC_Q4 and gguf.qkv.decode_spec(2).kind == SPEC_INT4
+    assert _model("int8", bias=True).layers[0].o.decode_spec(1).kind == SPEC_INT8
+    dense = _model(None, bias=True).layers[0]
+    assert dense.qkv.decode_spec(1).bias is dense.qkv.bias
+    # A bf16 model has no fused path.
+    dense.qkv.weight = dense.qkv.weight.bfloat16()
+    assert dense.qkv.decode_spec(1) is None
+
+
+def test_our_q4_kernel_fused_is_bit_identical_too():
+    model = _model("gguf", bias=True)
+    for layer in model.layers:
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            m.own_below = 2
+    layer = model.layers[0]
+    layer.bind_weights()  # clears the cached decode args
+    assert layer.decode_args(1)[1] == [SPEC_Q4] * 4
+    caches = _caches(1)
+    meta, positions = _decode_step([20])
+    cos, sin = model.rotary.cos_sin(positions, torch.float32)
+    hidden = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(3))
+    a, b = caches.clone(), caches.clone()
+    want = layer.forward(hidden.clone(), None, cos, sin, a[0, 0], a[0, 1], meta, model.attn)
+    got = layer.forward_decode(hidden.clone(), None, cos, sin, b[0, 0], b[0, 1], meta,
+                               layer.decode_args(1))
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert torch.equal(a, b)
+
+
+def test_the_model_fuses_decode_steps_only(monkeypatch):
+    model = _model("gguf", bias=False)
+    calls = []
+    real = cpu_ops.decode_layer
+    monkeypatch.setattr(cpu_ops, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def forward(seq_lens, query_lens=None, fused=True):
+        caches = _caches(len(seq_lens))
+        meta, positions = _decode_step(seq_lens, query_lens)
+        ids = torch.arange(len(positions)) % 64
+        model.fused_decode = fused
+        return model.forward(ids, positions, caches, meta), caches
+
+    got, got_caches = forward([9, 30, 17])
+    assert len(calls) == 2  # one call a layer
+    want, want_caches = forward([9, 30, 17], fused=False)
+    assert len(calls) == 2 and torch.equal(got, want) and torch.equal(got_caches, want_caches)
+    forward([9, 30], query_lens=[1, 4])  # a prefill chunk in the step: per-op layers
+    assert len(calls) == 2
+    # Decodes sharing a long prefix run cascade attention, which the fused layer has not.
+    meta, _ = _decode_step([9, 30, 17])
+    caches = _caches(3)
+    assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], meta, HEADS)
+    assert not model.attn.fused_cpu_decode_usable(
+        caches[0, 0], caches[0, 1], replace(meta, cascade_prefix_len=16), HEADS)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, tokenizer,
+                                                              monkeypatch, quantization):
+    calls = []
+    real = cpu_ops.decode_layer
+    monkeypatch.setattr(cpu_ops, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):",
+                                             "Once upon a time, in a small village,")]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    results = {}
+    for fused in (True, False):
+        engine = make_llm_engine(quantization=quantization)
+        engine.model.fused_decode = fused
+        for n in (1, 3):  # one stream, then three
+            out = run_to_completion(engine, [EngineRequest(f"{fused}-{n}-{i}", tuple(p), params,
+                                                           tenant_id="t")
+                                             for i, p in enumerate(prompts[:n])])
+            results[fused, n] = [(r.token_ids, [(lp.token_id, lp.logprob, lp.top)
+                                                for lp in r.logprobs]) for r in out]
+    assert results[True, 1] == results[False, 1] and results[True, 3] == results[False, 3]
+    layers = 30
+    assert len(calls) >= layers * 11 * 2  # (nearly) every decode step of both runs fused
