@@ -93,7 +93,7 @@ def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, num_heads: int) -> bool:
     """Whether ``decode_layer``'s attention, rotation and cache write take these operands
     (fp32 caches on CPU, head_dim a multiple of 16, the metadata's tensors as the engine builds
-    them); the caller checks that every row is a decode outside a cascade."""
+    them); the caller checks that every row is a decode."""
     head_dim = key_cache.shape[-1]
     return (cpu_linear.loaded() and key_cache.device.type == "cpu" and key_cache.dim() == 4
             and key_cache.dtype == torch.float32 and value_cache.dtype == torch.float32
@@ -112,8 +112,9 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
                  intermediate_size: int, scale: float) -> torch.Tensor:
     """One Llama decoder layer for a step of decodes only, in one call
     (``kernels/cpu/decode_layer.cpp``): the same kernels in the same order as
-    ``LlamaDecoderLayer.forward``, so bit-identical to it. ``decode_layer_usable`` must hold and
-    every row must be a sequence's one new token (no cascade).
+    ``LlamaDecoderLayer.forward`` outside a cascade, so bit-identical to it. ``decode_layer_usable``
+    must hold and every row must be a sequence's one new token (a cascade split in ``meta`` is
+    not used: attention reads each sequence's whole block table).
 
     Args:
         hidden, residual: [num_tokens, hidden_size] fp32; ``residual`` is updated in place to

@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> list[tuple] | None:
         """Per layer ``decode_args`` when this step can run fused (no autograd, fp32 CPU
-        activations, every row a decode outside a cascade, the backend and every projection supporting it), else
+        activations, every row a decode (a cascade split is then not used), the backend and every projection supporting it), else
         None (checked once per step)."""
         if (not self.fused_decode or torch.is_grad_enabled() or hidden.dtype != torch.float32
                 or hidden.device.type != "cpu" or not self.layers

@@ -49,11 +49,12 @@ class Cluster:
     homes: dict[str, str] = field(default_factory=dict)  # tenant name -> its replica
     start_replica: Callable[..., ServerProcess] | None = None
 
-    def chat(self, tenant: str, max_tokens: int = 4) -> int:
+    def chat(self, tenant: str, max_tokens: int = 4, ignore_eos: bool = False) -> int:
         client = openai.OpenAI(base_url=self.lb + "/v1", api_key=self.keys[tenant],
                                max_retries=0, timeout=120)
         r = client.chat.completions.create(model=MODEL, messages=messages(tenant),
-                                           max_tokens=max_tokens, temperature=0)
+                                           max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": ignore_eos})
         return r.usage.prompt_tokens_details.cached_tokens
 
     def resident(self, replica: str, tenant: str) -> int:
@@ -235,18 +236,19 @@ def test_sigterm_drains_a_replica_without_failing_a_request(cluster):
     on_r2 = [t for t, home in cluster.homes.items() if home == "r2"]
     results: list[str] = []
 
-    def one(tenant: str, max_tokens: int) -> None:
+    def one(tenant: str, max_tokens: int, ignore_eos: bool = False) -> None:
         try:
-            cluster.chat(tenant, max_tokens)
+            cluster.chat(tenant, max_tokens, ignore_eos)
             results.append("ok")
         except openai.OpenAIError as e:
             results.append(type(e).__name__)
 
-    long = threading.Thread(target=one, args=(on_r2[0], 48))
+    # 256 tokens: a few seconds of decode at this machine's fastest (48 once finished within
+    # the second this test used to wait).
+    long = threading.Thread(target=one, args=(on_r2[0], 256, True))
     long.start()
-    time.sleep(1.0)
     r2 = cluster.replicas["r2"]
-    assert cluster.in_flight("r2") >= 1  # the long request runs on r2
+    within(30, lambda: cluster.in_flight("r2") >= 1)  # the long request runs on r2
     r2.process.send_signal(signal.SIGTERM)
     health = httpx.get(r2.base + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "draining"

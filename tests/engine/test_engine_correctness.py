@@ -131,6 +131,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     assert min(map(len, prompts)) > 280
     expected = hf_greedy(hf_model, tokenizer, prompts, 8, min_new=8)
     engine = make_llm_engine()
+    engine.model.fused_decode = False  # the fused CPU layers attend without the cascade split
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
                                                    tenant_id="t")

@@ -1,7 +1,7 @@
 """The fused CPU decode layer (``kernels/cpu/decode_layer.cpp``) against the per-op Python layer
 (``LlamaDecoderLayer.forward``): bit-identical outputs, residuals and K/V caches for every
 projection kind (dense fp32, torch's int4 and int8, our Q4, with and without bias), and used
-only for steps of decodes outside a cascade."""
+only for steps of decodes only (where it also replaces a cascade split)."""
 
 from __future__ import annotations
 
@@ -196,12 +196,18 @@ def test_the_model_fuses_decode_steps_only(monkeypatch):
     assert len(calls) == 2 and torch.equal(got, want) and torch.equal(got_caches, want_caches)
     forward([9, 30], query_lens=[1, 4])  # a prefill chunk in the step: per-op layers
     assert len(calls) == 2
-    # Decodes sharing a long prefix run cascade attention, which the fused layer has not.
-    meta, _ = _decode_step([9, 30, 17])
-    caches = _caches(3)
-    assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], meta, HEADS)
-    assert not model.attn.fused_cpu_decode_usable(
-        caches[0, 0], caches[0, 1], replace(meta, cascade_prefix_len=16), HEADS)
+    # A cascade split (decodes sharing a long prefix) is not taken by the fused layers: the
+    # same result as the per-op layers without it.
+    meta, positions = _decode_step([40, 40, 40, 40])
+    ids = torch.arange(4)
+    outs = []
+    for fused, cascade in ((True, 32), (False, 0)):
+        model.fused_decode = fused
+        caches = _caches(4)
+        outs.append((model.forward(ids, positions, caches,
+                                   replace(meta, cascade_prefix_len=cascade)), caches))
+    assert len(calls) == 4
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"])
