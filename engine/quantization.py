@@ -44,6 +44,11 @@ KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with b
 # what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows (benchmarks/bench_cpu_linear.py).
 DENSE_FROM_TOKENS = 32
 DENSE_FROM_TOKENS_OWN_KERNEL = 4
+# With native bf16 (AVX512-BF16) torch's quantized kernels beat our fp32 kernel on the dense
+# copy up to 32 rows: gguf decode, one engine, alternating, 3 rounds (2026-12-02, AMD EPYC):
+# 4 streams 402 against 181 tok/s, 8: 439 against 332, 16: 562 against 410; a warm prefill of
+# 13 new tokens after a cached 1,744: 41-46 against 56-60 ms.
+DENSE_FROM_TOKENS_NATIVE_BF16 = 32
 # Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
 # (kernels/cpu/q4_linear.cpp) when it is loaded. Measured on an AVX-512/AMX Xeon, with torch
 # dispatching its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU): ours is
@@ -63,9 +68,14 @@ def q4_own_kernel_below_tokens() -> int:
 
 
 def dense_from_tokens() -> int:
-    """``DENSE_FROM_TOKENS_OWN_KERNEL`` once our CPU kernel is loaded, else
-    ``DENSE_FROM_TOKENS`` (rows)."""
-    return DENSE_FROM_TOKENS_OWN_KERNEL if cpu_linear.loaded() else DENSE_FROM_TOKENS
+    """Rows from which a quantized layer runs its fp32 copy: ``DENSE_FROM_TOKENS_OWN_KERNEL``
+    once our CPU kernel is loaded on a CPU without native bf16, else ``DENSE_FROM_TOKENS``
+    (``DENSE_FROM_TOKENS_NATIVE_BF16`` with it; see the constants above)."""
+    if not cpu_linear.loaded():
+        return DENSE_FROM_TOKENS
+    if "avx512_bf16" in cpu_linear.cpu_flags():
+        return DENSE_FROM_TOKENS_NATIVE_BF16
+    return DENSE_FROM_TOKENS_OWN_KERNEL
 
 
 class LinearMethod:

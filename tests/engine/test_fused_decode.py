@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.attention import get_attention_backend
+from engine import quantization
 from engine.attention.metadata import AttentionMetadata
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
@@ -144,8 +145,10 @@ def test_each_linear_method_names_the_kernel_its_call_runs(monkeypatch):
     gguf = _model("gguf", bias=False).layers[0]
     assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
     assert gguf.qkv.decode_spec(1).group == 32
-    assert gguf.qkv.decode_spec(4).kind == SPEC_DENSE  # the fp32 copy from 4 rows
-    assert gguf.qkv.decode_spec(4).tensors[0] is gguf.qkv.dense
+    dense_from = quantization.dense_from_tokens()  # the fp32 copy from there (4 or 32 rows)
+    assert gguf.qkv.decode_spec(dense_from - 1).kind == SPEC_INT4
+    assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
+    assert gguf.qkv.decode_spec(dense_from).tensors[0] is gguf.qkv.dense
     assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
     gguf.qkv.own_below = 2  # as on CPUs without native bf16
     assert gguf.qkv.decode_spec(1).kind == SPEC_Q4 and gguf.qkv.decode_spec(2).kind == SPEC_INT4
