@@ -1,7 +1,7 @@
 """The fused CPU decode layer (``kernels/cpu/decode_layer.cpp``) against the per-op Python layer
 (``LlamaDecoderLayer.forward``): bit-identical outputs, residuals and K/V caches for every
 projection kind (dense fp32, torch's int4 and int8, our Q4, with and without bias), and used
-only for steps of decodes only (where it also replaces a cascade split)."""
+only for steps of decodes (where it also replaces a cascade split)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.attention import get_attention_backend
 from engine import quantization
+from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
