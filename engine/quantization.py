@@ -98,7 +98,7 @@ class LinearMethod:
 
 
 # Projection kinds of kernels/cpu/decode_layer.cpp.
-SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8 = 0, 1, 2, 3
+SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,9 @@ class DecodeSpec:
     and order as ``LinearMethod.__call__`` for that many fp32 rows).
 
     Attributes:
-        kind: ``SPEC_DENSE`` (weight [out, in] fp32), ``SPEC_INT4`` (torch's packed codes,
+        kind: ``SPEC_DENSE`` (weight [out, in] fp32, our kernel: up to
+            ``kernels.cpu_linear.MAX_ROWS`` rows), ``SPEC_LINEAR`` (the same, ``F.linear``:
+            more rows), ``SPEC_INT4`` (torch's packed codes,
             scales_and_zeros; in bf16), ``SPEC_Q4`` (our codes, scale, minimum) or ``SPEC_INT8``
             (qweight, scales; in bf16).
         tensors: the kind's operands.
@@ -119,6 +121,13 @@ class DecodeSpec:
     tensors: tuple[torch.Tensor, ...]
     bias: torch.Tensor | None = None
     group: int = 0
+
+
+def _dense_spec(weight: torch.Tensor, bias: torch.Tensor | None, num_tokens: int
+                ) -> DecodeSpec:
+    """``cpu_linear.linear``'s choice for ``num_tokens`` fp32 rows (kernels loaded)."""
+    kind = SPEC_DENSE if 0 < num_tokens <= cpu_linear.MAX_ROWS else SPEC_LINEAR
+    return DecodeSpec(kind, (weight,), bias)
 
 
 def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -143,7 +152,7 @@ class DenseLinear(LinearMethod):
     def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
         if not _fp32_cpu(self.weight, self.bias):
             return None
-        return DecodeSpec(SPEC_DENSE, (self.weight,), self.bias)
+        return _dense_spec(self.weight, self.bias, num_tokens)
 
     @property
     def weight_bytes(self) -> int:
@@ -176,7 +185,7 @@ class QuantizedLinear(LinearMethod):
         if not _fp32_cpu(self.bias):
             return None
         if self.dense is not None and num_tokens >= dense_from_tokens():
-            return DecodeSpec(SPEC_DENSE, (self.dense,), self.bias) if _fp32_cpu(
+            return _dense_spec(self.dense, self.bias, num_tokens) if _fp32_cpu(
                 self.dense) else None
         return self._kernel_spec()
 

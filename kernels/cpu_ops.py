@@ -133,7 +133,9 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
         updated ``residual``).
 
     Raises:
-        RuntimeError: operands the kernels do not take (checked by each kernel before writing).
+        RuntimeError: operands the kernels do not take. Each kernel checks its own before
+            writing, but a failure in a later one leaves ``residual`` and this step's K/V
+            slots written, as the Python layer would.
     """
     return torch.ops.saltserve_cpu.decode_layer(
         hidden, residual, first, ln1, ln2, eps, weights, kinds, groups, cos, sin, key_cache,

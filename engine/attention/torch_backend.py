@@ -100,6 +100,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
 # Below this many shared tokens (or decode sequences) the one-pass batched decode is cheaper.
 CASCADE_MIN_PREFIX_TOKENS = 256
 CASCADE_MIN_SEQS = 4
+# Below this many decode sequences the fused CPU layers run instead of a cascade split
+# (``fused_cpu_decode_usable``); from here on the shared prefix read once per step pays.
+FUSED_OVER_CASCADE_BELOW_SEQS = 32
 
 
 def shared_prefix_blocks(tables: list[tuple[int, ...]], seq_lens: list[int],
@@ -244,9 +247,12 @@ class TorchAttentionBackend(AttentionBackend):
                                 meta: AttentionMetadata, num_heads: int) -> bool:
         """Yes when every row is a decode (query_len 1) and our CPU decode kernels take the
         operands: then, outside a cascade, ``write_kv`` and ``forward`` run exactly
-        ``reshape_and_cache`` and ``decode_attention``, as the fused layer does. A cascade split
-        in ``meta`` is not taken there: the fused layers with our decode kernel beat the
-        cascade's per-op path on CPU (4 gguf streams over a shared 1,550-token prefix: 40
-        against 64.5 ms a step; 16: 102.5 against 124.5; docs/benchmarks.md)."""
+        ``reshape_and_cache`` and ``decode_attention``, as the fused layer does. Below
+        ``FUSED_OVER_CASCADE_BELOW_SEQS`` sequences a cascade split in ``meta`` is not taken
+        there: the fused layers with our decode kernel beat the cascade's per-op path on CPU
+        (gguf, a shared 1,550-token prefix, ms a step: 4 streams 40.1 against 64.5, 16: 102.5
+        against 124.5, 32: 123.8 against 126.7, 64: 231.8 against 218.5; docs/benchmarks.md)."""
+        if meta.cascade_prefix_len and meta.num_seqs >= FUSED_OVER_CASCADE_BELOW_SEQS:
+            return False
         return (all(q == 1 for q in meta.query_lens_cpu)
                 and cpu_ops.decode_layer_usable(key_cache, value_cache, meta, num_heads))

@@ -16,7 +16,13 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.quantization import DenseLinear, GroupedInt4, LinearMethod, make_linear
+from engine.quantization import (
+    DenseLinear,
+    GroupedInt4,
+    LinearMethod,
+    dense_from_tokens,
+    make_linear,
+)
 from kernels import cpu_ops
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
@@ -83,22 +89,26 @@ class LlamaDecoderLayer(nn.Module):
         step of the 135M model)."""
         self._w = (self.input_layernorm.weight, self.qkv, self.o,
                    self.post_attention_layernorm.weight, self.gate_up, self.down)
-        self._decode_args: dict[int, tuple | None] = {}
+        self._decode_args: dict[tuple, tuple | None] = {}
 
     def decode_args(self, num_tokens: int) -> tuple | None:
         """The projections as ``kernels.cpu_ops.decode_layer`` takes them for ``num_tokens``
         fp32 rows (weights, kinds, groups), or None where one of them cannot run there.
-        Cached per row count: ``bind_weights`` clears it."""
-        if num_tokens not in self._decode_args:
-            specs = [m.decode_spec(num_tokens) for m in (self.qkv, self.o, self.gate_up,
-                                                         self.down)]
+        Cached per row count and the kernel thresholds the specs depend on (the quantized
+        layers' ``own_below``, ``dense_from_tokens()``); ``bind_weights`` clears it (call it
+        after replacing a projection)."""
+        projections = self._w[1], self._w[2], self._w[4], self._w[5]
+        key = (num_tokens, dense_from_tokens(),
+               *(getattr(m, "own_below", None) for m in projections))
+        if key not in self._decode_args:
+            specs = [m.decode_spec(num_tokens) for m in projections]
             args = None
             if all(s is not None for s in specs):
                 weights = [t for s in specs
                            for t in (*s.tensors, *(None,) * (3 - len(s.tensors)), s.bias)]
                 args = (weights, [s.kind for s in specs], [s.group for s in specs])
-            self._decode_args[num_tokens] = args
-        return self._decode_args[num_tokens]
+            self._decode_args[key] = args
+        return self._decode_args[key]
 
     def forward_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                        cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
@@ -209,9 +219,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> list[tuple] | None:
-        """Per layer ``decode_args`` when this step can run fused (no autograd, fp32 CPU
-        activations, every row a decode (a cascade split is then not used), the backend and every projection supporting it), else
-        None (checked once per step)."""
+        """Per layer ``decode_args`` when this step can run fused, else None (checked once
+        per step): no autograd, fp32 CPU activations, every row a decode (a cascade split is
+        then not used), and the backend and every projection supporting it."""
         if (not self.fused_decode or torch.is_grad_enabled() or hidden.dtype != torch.float32
                 or hidden.device.type != "cpu" or not self.layers
                 or not self.attn.fused_cpu_decode_usable(kv_caches[0, 0], kv_caches[0, 1], meta,

@@ -16,7 +16,8 @@
 //
 // Each projection comes as a kind and up to four tensors, chosen in Python by the layer's
 // LinearMethod for this number of rows (engine/quantization.py, decode_spec):
-//   kDense  (w)                        our linear_small_m (T <= 32) or at::linear
+//   kDense  (w)                        our linear_small_m (up to kernels.cpu_linear.MAX_ROWS)
+//   kLinear (w)                        at::linear (F.linear: more rows)
 //   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
 //   kQ4     (codes, scale, minimum)    our q4_linear
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
@@ -29,9 +30,8 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3 };
-constexpr int64_t kSlots = 4;      // tensors per projection: three operands and the bias
-constexpr int64_t kMaxDenseRows = 32;  // kernels.cpu_linear.MAX_ROWS
+enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4 };
+constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
 using OptTensor = c10::optional<at::Tensor>;
 
@@ -59,7 +59,8 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
   const bool has_bias = bias.has_value() && bias->defined();
   switch (kind) {
     case kDense:
-      if (x.size(0) <= kMaxDenseRows) return linear_small_m.call(x.contiguous(), slot(0), bias);
+      return linear_small_m.call(x.contiguous(), slot(0), bias);
+    case kLinear:
       return at::linear(x, slot(0), bias);
     case kQ4:
       return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
@@ -107,6 +108,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
               " tensors each expected");
   TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes(),
               "decode_layer: hidden and residual [T, hidden] expected");
+  // The first layer's residual stream is its input: the caller passes hidden as residual
+  // (read by rms_norm before add_rms_norm first writes it, as in the Python layer).
+  TORCH_CHECK(!first || residual.is_same(hidden),
+              "decode_layer: the first layer's residual must be hidden itself");
   const int64_t T = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 
@@ -135,6 +140,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
 
 }  // namespace
 
+// residual (a!): updated in place; on the first layer it is hidden itself (see above).
 TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
   m.def("decode_layer(Tensor hidden, Tensor(a!) residual, bool first, Tensor ln1, Tensor ln2, "
         "float eps, Tensor?[] weights, int[] kinds, int[] groups, Tensor cos, Tensor sin, "

@@ -9,6 +9,7 @@ import torch
 from engine.llm import run_to_completion
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+from kernels import cpu_linear, cpu_ops
 
 MAX_NEW = 40
 SHARED = ("You are a careful assistant for a company that builds bridges. Answer with facts, "
@@ -116,14 +117,23 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
     assert out == hf_outputs
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cascade", "fused"])
 def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
-                                                             hf_model, monkeypatch):
+                                                             hf_model, monkeypatch, fused):
+    """Decodes sharing a long prefix: the per-op layers split attention at it (cascade); the
+    fused CPU layers (kernels/cpu/decode_layer.cpp) read each whole block table instead."""
     from engine.attention import torch_backend as attention
 
+    if fused and not cpu_linear.load():
+        pytest.skip("our CPU kernels are not built")
     calls = []
     real = attention._decode_cascade
     monkeypatch.setattr(attention, "_decode_cascade",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused_calls = []
+    real_fused = cpu_ops.decode_layer
+    monkeypatch.setattr(cpu_ops, "decode_layer",
+                        lambda *a, **k: fused_calls.append(1) or real_fused(*a, **k))
     system = " ".join(f"Rule {i}: keep bridge {i} inspected and painted." for i in range(24))
     prompts = [tokenizer.encode(system + q) for q in
                (" Summary:", " Question: which rule is first?", " The most important rule is",
@@ -131,10 +141,13 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     assert min(map(len, prompts)) > 280
     expected = hf_greedy(hf_model, tokenizer, prompts, 8, min_new=8)
     engine = make_llm_engine()
-    engine.model.fused_decode = False  # the fused CPU layers attend without the cascade split
+    engine.model.fused_decode = fused
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
                                                    tenant_id="t")
                                      for i, ids in enumerate(prompts)])
     assert [r.token_ids for r in got] == expected
-    assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step used the cascade
+    if fused:
+        assert not calls and len(fused_calls) >= 30 * 6  # fused layers, no cascade split
+    else:
+        assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step: cascade

@@ -13,6 +13,7 @@ import torch
 from engine import quantization
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import FUSED_OVER_CASCADE_BELOW_SEQS
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -20,6 +21,7 @@ from engine.quantization import (
     SPEC_DENSE,
     SPEC_INT4,
     SPEC_INT8,
+    SPEC_LINEAR,
     SPEC_Q4,
     GroupedInt4,
     Int4Linear,
@@ -110,8 +112,11 @@ def _caches(num_seqs: int) -> torch.Tensor:
     return torch.randn(2, 2, 4 * num_seqs, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
 
 
-CASES = [(None, False, 1), (None, True, 3), (None, False, 33), ("int8", True, 1),
-         ("int8", False, 5), ("gguf", True, 1), ("gguf", False, 3), ("gguf", True, 5)]
+# Row counts on both sides of the kernels' thresholds: our fp32 kernel up to 32 rows, the
+# quantized layers' fp32 copy from 4 or 32 (``dense_from_tokens``).
+CASES = [(None, False, 1), (None, True, 3), (None, False, 32), (None, False, 33),
+         ("int8", True, 1), ("int8", False, 5), ("int8", True, 33), ("gguf", True, 1),
+         ("gguf", False, 3), ("gguf", True, 5), ("gguf", False, 32)]
 
 
 @pytest.mark.parametrize(("quantization", "bias", "rows"), CASES)
@@ -141,13 +146,15 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
         assert not torch.equal(fused_caches, caches)  # this step's K/V were written
 
 
-def test_each_linear_method_names_the_kernel_its_call_runs(monkeypatch):
+def test_each_linear_method_names_the_kernel_its_call_runs():
     gguf = _model("gguf", bias=False).layers[0]
+    gguf.qkv.own_below = 0  # torch's int4 kernel from 1 row (CPUs with native bf16)
     assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
     assert gguf.qkv.decode_spec(1).group == 32
     dense_from = quantization.dense_from_tokens()  # the fp32 copy from there (4 or 32 rows)
     assert gguf.qkv.decode_spec(dense_from - 1).kind == SPEC_INT4
     assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
+    assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
     assert gguf.qkv.decode_spec(dense_from).tensors[0] is gguf.qkv.dense
     assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
     gguf.qkv.own_below = 2  # as on CPUs without native bf16
@@ -158,6 +165,36 @@ def test_each_linear_method_names_the_kernel_its_call_runs(monkeypatch):
     # A bf16 model has no fused path.
     dense.qkv.weight = dense.qkv.weight.bfloat16()
     assert dense.qkv.decode_spec(1) is None
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "gguf"])
+def test_every_row_count_runs_the_kernel_the_projection_would(quantization):
+    """Each projection's ``decode_spec``, run as the fused layer runs it, equals its own call
+    bit for bit at 1-40 rows (the Q4 kernel included: own_below 2)."""
+    model = _model(quantization, bias=True)
+    gen = torch.Generator().manual_seed(4)
+    for m, in_features in ((model.layers[0].qkv, HIDDEN), (model.layers[0].down, INTER)):
+        if isinstance(m, Int4Linear):
+            m.own_below = 2
+        for rows in range(1, 41):
+            x = torch.randn(rows, in_features, generator=gen)
+            spec = m.decode_spec(rows)
+            assert torch.equal(_run_spec(spec, x), m(x)), (quantization, rows, spec.kind)
+
+
+def _run_spec(spec, x: torch.Tensor) -> torch.Tensor:
+    """What kernels/cpu/decode_layer.cpp's ``project`` runs for ``spec`` (its reference)."""
+    if spec.kind == SPEC_DENSE:
+        return torch.ops.saltserve_cpu.linear_small_m(x, spec.tensors[0], spec.bias)
+    if spec.kind == SPEC_LINEAR:
+        return torch.nn.functional.linear(x, spec.tensors[0], spec.bias)
+    if spec.kind == SPEC_Q4:
+        return torch.ops.saltserve_cpu.q4_linear(x, *spec.tensors, spec.bias)
+    xb = x.to(torch.bfloat16)
+    y = (torch.ops.aten._weight_int4pack_mm_for_cpu(xb, spec.tensors[0], spec.group,
+                                                    spec.tensors[1])
+         if spec.kind == SPEC_INT4 else torch._weight_int8pack_mm(xb, *spec.tensors)).float()
+    return y if spec.bias is None else y + spec.bias
 
 
 def test_our_q4_kernel_fused_is_bit_identical_too():
@@ -199,8 +236,8 @@ def test_the_model_fuses_decode_steps_only(monkeypatch):
     assert len(calls) == 2 and torch.equal(got, want) and torch.equal(got_caches, want_caches)
     forward([9, 30], query_lens=[1, 4])  # a prefill chunk in the step: per-op layers
     assert len(calls) == 2
-    # A cascade split (decodes sharing a long prefix) is not taken by the fused layers: the
-    # same result as the per-op layers without it.
+    # Below 32 sequences a cascade split (decodes sharing a long prefix) is not taken by the
+    # fused layers: the same result as the per-op layers without it.
     meta, positions = _decode_step([40, 40, 40, 40])
     ids = torch.arange(4)
     outs = []
@@ -211,6 +248,12 @@ def test_the_model_fuses_decode_steps_only(monkeypatch):
                                    replace(meta, cascade_prefix_len=cascade)), caches))
     assert len(calls) == 4
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # From 32 sequences on the cascade split is kept (its shared-prefix read pays there).
+    many, _ = _decode_step([40] * FUSED_OVER_CASCADE_BELOW_SEQS)
+    caches = _caches(FUSED_OVER_CASCADE_BELOW_SEQS)
+    assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], many, HEADS)
+    assert not model.attn.fused_cpu_decode_usable(
+        caches[0, 0], caches[0, 1], replace(many, cascade_prefix_len=32), HEADS)
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"])
@@ -234,4 +277,4 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
                                                 for lp in r.logprobs]) for r in out]
     assert results[True, 1] == results[False, 1] and results[True, 3] == results[False, 3]
     layers = 30
-    assert len(calls) >= layers * 11 * 2  # (nearly) every decode step of both runs fused
+    assert len(calls) == layers * 11 * 2  # every decode step (11 a request) of both runs fused
