@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from engine.errors import EngineDeadError
@@ -142,10 +142,16 @@ class AsyncLLM(EngineClient):
         reason a ``start()`` after ``shutdown()`` (a new thread) runs slower; the server never
         restarts an engine.
 
+        An unset ``one_token_step_threads`` becomes 1 here: through the server a single
+        stream on 2 vCPUs ran 89-93 tok/s on one torch thread against 50-56 on two, whose
+        OpenMP workers share the cores with the event loop (docs/benchmarks.md).
+
         Raises:
             whatever ``LLMEngine(config, **engine_kwargs)`` raises (ValueError for a bad
             setting, FileNotFoundError for missing weights); no thread is left running.
         """
+        if getattr(config, "one_token_step_threads", 0) is None:  # served: one thread
+            config = replace(config, one_token_step_threads=1)
         self = cls.__new__(cls)
         ready = threading.Event()
         failure: list[BaseException] = []

@@ -149,6 +149,11 @@ class EngineConfig:
         "help": "Failed batched forwards in a row before the engine is declared dead "
                 "(/health 503, the server exits non-zero); one failure only fails that "
                 "step's requests."})
+    one_token_step_threads: int | None = field(default=None, metadata={
+        "help": "CPU: torch threads for engine steps of one token (a single decoding stream), "
+                "leaving the other cores to the server's event loop and network; 0 = the same "
+                "threads as every other step (docs/benchmarks.md, issue 15).",
+        "unset": "1 when served (saltserve serve), 0 in-process"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:
@@ -176,6 +181,8 @@ class EngineConfig:
             raise ValueError("--interactive-step-tokens must be >= 0")
         if self.override_generation_config is not None:
             parse_generation_overrides(self.override_generation_config)
+        if self.one_token_step_threads is not None and self.one_token_step_threads < 0:
+            raise ValueError("--one-token-step-threads must be at least 0")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("--max-consecutive-step-failures must be at least 1")
 

@@ -57,6 +57,12 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.torch_device, self.torch_dtype = device, dtype
+        # CPU steps of one token run on one_token_step_threads torch threads, others on
+        # this thread's count at load (see EngineConfig.one_token_step_threads).
+        self.step_threads = torch.get_num_threads()
+        self.one_token_threads = ((config.one_token_step_threads or 0)
+                                  if device.type == "cpu" else 0)
+        self._threads_now = self.step_threads
         self.device = str(device)
         self.dtype = str(dtype).removeprefix("torch.")
         self.attn = model.attn
@@ -117,6 +123,12 @@ class ModelRunner:
         A failure in sampling is retried row by row, so only the requests whose own sampling
         fails are reported in ``failed``; a failure in the forward pass raises.
         """
+        if self.one_token_threads:
+            want = (self.one_token_threads if out.total_num_scheduled_tokens == 1
+                    else self.step_threads)
+            if want != self._threads_now:
+                torch.set_num_threads(want)
+                self._threads_now = want
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -167,3 +167,18 @@ def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
     finally:
         llm.shutdown()
     assert not built_on[0].is_alive()
+
+
+@pytest.mark.parametrize(("given", "served"), [(None, 1), (0, 0), (2, 2)])
+def test_served_engines_step_one_token_on_one_thread_unless_told(monkeypatch, given, served):
+    """``one_token_step_threads`` unset becomes 1 when served (``from_config``); set, it is
+    kept (0 = off)."""
+    from engine import async_engine
+    from engine.config import EngineConfig
+
+    seen = []
+    monkeypatch.setattr(async_engine, "LLMEngine",
+                        lambda config, **kw: seen.append(config) or FakeEngine())
+    llm = AsyncLLM.from_config(EngineConfig(model="m", one_token_step_threads=given))
+    llm.shutdown()
+    assert [c.one_token_step_threads for c in seen] == [served]

@@ -1,0 +1,54 @@
+"""``--one-token-step-threads``: CPU steps of one token (a lone decoding stream) run on that
+many torch threads and every other step on the threads the runner was loaded with; the
+tokens are the same (each output of our CPU kernels is summed by one thread)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import run_to_completion
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def threads_calls(monkeypatch):
+    calls: list[int] = []
+    real = torch.set_num_threads
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or real(n))
+    yield calls
+    real(before)  # this test's thread is pytest's: leave it as it was
+
+
+def _run(engine, tokenizer, tag: str, n: int):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"][:n]
+    return [r.token_ids for r in run_to_completion(engine, [
+        EngineRequest(f"{tag}-{i}", tuple(tokenizer.encode(p)), params, tenant_id="t")
+        for i, p in enumerate(prompts)])]
+
+
+def test_one_token_steps_switch_threads_and_keep_the_tokens(make_llm_engine, tokenizer,
+                                                            threads_calls):
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs 2+ torch threads")
+    plain = make_llm_engine()  # in-process default: unset = 0, never switches
+    want_one, want_two = _run(plain, tokenizer, "a", 1), _run(plain, tokenizer, "b", 2)
+    assert threads_calls == []
+    engine = make_llm_engine(one_token_step_threads=1)
+    loaded = engine.runner.step_threads
+    assert loaded == torch.get_num_threads() >= 2
+    assert _run(engine, tokenizer, "c", 1) == want_one
+    # The prefill step runs on all threads (no switch needed), then each decode step on one.
+    assert threads_calls == [1] and torch.get_num_threads() == 1
+    assert _run(engine, tokenizer, "d", 2) == want_two  # prefill, 2-row decodes: all threads
+    assert threads_calls[1:] == [loaded] and torch.get_num_threads() == loaded
+
+
+def test_negative_thread_counts_are_refused():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--one-token-step-threads must be at least 0"):
+        EngineConfig(model="m", one_token_step_threads=-1)
