@@ -142,16 +142,20 @@ class AsyncLLM(EngineClient):
         reason a ``start()`` after ``shutdown()`` (a new thread) runs slower; the server never
         restarts an engine.
 
-        An unset ``one_token_step_threads`` becomes 1 here: through the server a single
-        stream on 2 vCPUs ran 89-93 tok/s on one torch thread against 50-56 on two, whose
-        OpenMP workers share the cores with the event loop (docs/benchmarks.md).
+        An unset ``one_token_step_threads`` becomes torch's thread count less one (at least
+        1) here, leaving a core to the event loop: through the server a single stream on 2
+        vCPUs ran 103.9 tok/s on one torch thread against 59.3 on two, whose OpenMP workers
+        shared the cores with the event loop (docs/benchmarks.md; only 2 vCPUs measured).
 
         Raises:
             whatever ``LLMEngine(config, **engine_kwargs)`` raises (ValueError for a bad
             setting, FileNotFoundError for missing weights); no thread is left running.
         """
-        if getattr(config, "one_token_step_threads", 0) is None:  # served: one thread
-            config = replace(config, one_token_step_threads=1)
+        if getattr(config, "one_token_step_threads", 0) is None:  # served: leave a core
+            import torch
+
+            config = replace(config,
+                             one_token_step_threads=max(1, torch.get_num_threads() - 1))
         self = cls.__new__(cls)
         ready = threading.Event()
         failure: list[BaseException] = []

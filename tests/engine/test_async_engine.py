@@ -169,12 +169,18 @@ def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
     assert not built_on[0].is_alive()
 
 
-@pytest.mark.parametrize(("given", "served"), [(None, 1), (0, 0), (2, 2)])
-def test_served_engines_step_one_token_on_one_thread_unless_told(monkeypatch, given, served):
-    """``one_token_step_threads`` unset becomes 1 when served (``from_config``); set, it is
-    kept (0 = off)."""
+@pytest.mark.parametrize(("given", "threads", "served"),
+                         [(None, 2, 1), (None, 16, 15), (None, 1, 1), (0, 2, 0), (2, 2, 2)])
+def test_served_engines_leave_a_core_on_one_token_steps_unless_told(monkeypatch, given,
+                                                                    threads, served):
+    """``one_token_step_threads`` unset becomes torch's threads less one (at least 1) when
+    served (``from_config``); set, it is kept (0 = off)."""
+    import torch
+
     from engine import async_engine
     from engine.config import EngineConfig
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
 
     seen = []
     monkeypatch.setattr(async_engine, "LLMEngine",
