@@ -327,6 +327,9 @@ class AsyncLLM(EngineClient):
             logger.exception("engine loop failed; stopping it")
             self._dead_error = e
         finally:
+            restore = getattr(getattr(self.engine, "runner", None), "restore_threads", None)
+            if restore is not None:  # --one-token-step-threads may have left fewer
+                restore()
             self._fail_pending()
 
     def _fail_pending(self) -> None:

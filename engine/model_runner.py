@@ -117,6 +117,13 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
+    def restore_threads(self) -> None:
+        """Puts torch back on the load-time thread count (torch's count is process-wide: an
+        engine that stops after a one-token step must not leave the process on fewer)."""
+        if self._threads_now != self.step_threads:
+            torch.set_num_threads(self.step_threads)
+            self._threads_now = self.step_threads
+
     def execute(self, out: SchedulerOutput) -> ExecuteOutput:
         """Runs one step: batched forward, then sampling (see ``ModelExecutor.execute``).
 

@@ -17,6 +17,7 @@ def threads_calls(monkeypatch):
     calls: list[int] = []
     real = torch.set_num_threads
     before = torch.get_num_threads()
+    real(max(2, before))  # the machine has 2+ cores (CI: 2); the runner reads this at load
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or real(n))
     yield calls
     real(before)  # this test's thread is pytest's: leave it as it was
@@ -32,8 +33,6 @@ def _run(engine, tokenizer, tag: str, n: int):
 
 def test_one_token_steps_switch_threads_and_keep_the_tokens(make_llm_engine, tokenizer,
                                                             threads_calls):
-    if torch.get_num_threads() < 2:
-        pytest.skip("needs 2+ torch threads")
     plain = make_llm_engine()  # in-process default: unset = 0, never switches
     want_one, want_two = _run(plain, tokenizer, "a", 1), _run(plain, tokenizer, "b", 2)
     assert threads_calls == []
@@ -45,6 +44,36 @@ def test_one_token_steps_switch_threads_and_keep_the_tokens(make_llm_engine, tok
     assert threads_calls == [1] and torch.get_num_threads() == 1
     assert _run(engine, tokenizer, "d", 2) == want_two  # prefill, 2-row decodes: all threads
     assert threads_calls[1:] == [loaded] and torch.get_num_threads() == loaded
+    _run(engine, tokenizer, "e", 1)  # ends on one thread; restore_threads puts it back
+    assert torch.get_num_threads() == 1
+    engine.runner.restore_threads()
+    assert threads_calls[-1] == loaded and torch.get_num_threads() == loaded
+
+
+def test_a_served_engine_gives_the_threads_back_when_it_stops(model_dir, tokenizer,
+                                                              threads_calls):
+    import asyncio
+
+    from engine.async_engine import AsyncLLM
+    from engine.config import EngineConfig
+
+    loaded = torch.get_num_threads()
+    llm = AsyncLLM.from_config(EngineConfig(model=str(model_dir), max_model_len=256,
+                                            num_gpu_blocks_override=32), tokenizer=tokenizer)
+    try:
+        assert llm.engine.runner.one_token_threads == max(1, loaded - 1)
+
+        async def one():
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            req = EngineRequest("served", tuple(tokenizer.encode("Hello")), params,
+                                tenant_id="t")
+            return [o async for o in llm.add_request(req)]
+
+        assert asyncio.run(one())
+        assert threads_calls == [max(1, loaded - 1)]  # its decode steps
+    finally:
+        llm.shutdown()
+    assert threads_calls[-1] == loaded and torch.get_num_threads() == loaded
 
 
 def test_negative_thread_counts_are_refused():
