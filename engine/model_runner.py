@@ -116,7 +116,6 @@ class ModelRunner:
         """Drops per-request state (the seeded RNG) when a request finishes."""
         self.generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def restore_threads(self) -> None:
         """Puts torch back on the load-time thread count (torch's count is process-wide: an
         engine that stops after a one-token step must not leave the process on fewer)."""
@@ -124,6 +123,7 @@ class ModelRunner:
             torch.set_num_threads(self.step_threads)
             self._threads_now = self.step_threads
 
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteOutput:
         """Runs one step: batched forward, then sampling (see ``ModelExecutor.execute``).
 

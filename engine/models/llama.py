@@ -220,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> list[tuple] | None:
         """Per layer ``decode_args`` when this step can run fused, else None (checked once
-        per step): no autograd, fp32 CPU activations, every row a decode (a cascade split is
+        per step): no autograd (``ModelRunner.execute`` runs in inference mode), fp32 CPU
+        activations, every row a decode (a cascade split is
         then not used), and the backend and every projection supporting it."""
         if (not self.fused_decode or torch.is_grad_enabled() or hidden.dtype != torch.float32
                 or hidden.device.type != "cpu" or not self.layers
