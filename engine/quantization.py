@@ -109,9 +109,8 @@ class DecodeSpec:
     Attributes:
         kind: ``SPEC_DENSE`` (weight [out, in] fp32, our kernel: up to
             ``kernels.cpu_linear.MAX_ROWS`` rows), ``SPEC_LINEAR`` (the same, ``F.linear``:
-            more rows), ``SPEC_INT4`` (torch's packed codes,
-            scales_and_zeros; in bf16), ``SPEC_Q4`` (our codes, scale, minimum) or ``SPEC_INT8``
-            (qweight, scales; in bf16).
+            more rows), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
+            ``SPEC_Q4`` (our codes, scale, minimum) or ``SPEC_INT8`` (qweight, scales; bf16).
         tensors: the kind's operands.
         bias: [out] fp32 or None.
         group: inputs per 4-bit group (``SPEC_INT4``), else 0.

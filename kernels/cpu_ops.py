@@ -76,6 +76,12 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return residual, rms_norm(residual, weight, eps)
 
 
+def _int32_cpu_metadata(meta: AttentionMetadata) -> bool:
+    """The metadata's query_start_loc, seq_lens and block_tables as the engine builds them."""
+    return all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
+               for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
+
+
 def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether ``decode_attention`` runs for these operands (fp32 on CPU, kernels loaded, the
@@ -85,8 +91,7 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
             and query.dim() == 3 and key_cache.dim() == 4 and query.shape[-1] % 8 == 0
             and query.shape[1] % key_cache.shape[2] == 0
             and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
-                    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables)))
+            and _int32_cpu_metadata(meta))
 
 
 def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -100,8 +105,7 @@ def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and head_dim % 16 == 0 and num_heads % key_cache.shape[2] == 0
             and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.device.type == "cpu"
-            and all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
-                    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables)))
+            and _int32_cpu_metadata(meta))
 
 
 def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
@@ -112,9 +116,9 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
                  intermediate_size: int, scale: float) -> torch.Tensor:
     """One Llama decoder layer for a step of decodes only, in one call
     (``kernels/cpu/decode_layer.cpp``): the same kernels in the same order as
-    ``LlamaDecoderLayer.forward`` outside a cascade, so bit-identical to it. ``decode_layer_usable``
-    must hold and every row must be a sequence's one new token (a cascade split in ``meta`` is
-    not used: attention reads each sequence's whole block table).
+    ``LlamaDecoderLayer.forward`` outside a cascade, so bit-identical to it.
+    ``decode_layer_usable`` must hold and every row must be a sequence's one new token (a
+    cascade split in ``meta`` is not used: attention reads each sequence's whole block table).
 
     Args:
         hidden, residual: [num_tokens, hidden_size] fp32; ``residual`` is updated in place to
