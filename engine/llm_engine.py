@@ -109,9 +109,9 @@ class LLMEngine:
         model_dir = Path(config.model)
         model_cfg = ModelConfig.from_pretrained(model_dir)
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from engine.weights import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(model_dir)
         self.tokenizer = tokenizer
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if max_model_len > model_cfg.max_position_embeddings:

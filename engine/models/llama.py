@@ -49,9 +49,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                    / head_dim))
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # On the CPU even inside a ``torch.device`` context: ops on meta tensors import
+        # torch._dynamo (1.4 s of start-up); ``.to()`` moves it with the model.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                 device="cpu").float() / head_dim))
+        freqs = (torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None]
+                 * inv_freq[None, :])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -178,7 +181,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, attn: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # ``_weight`` skips nn.Embedding's random init (the loaded weights replace it): 113 MB
+        # of normal_ draws, and on the meta device an import of torch._dynamo (0.5 s).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: LinearMethod | None = None
@@ -189,11 +195,6 @@ class LlamaForCausalLM(nn.Module):
     def bind_weights(self) -> None:
         for layer in self.layers:
             layer.bind_weights()
-
-    def init_non_persistent_buffers(self) -> None:
-        """Rebuilds the rotary tables after ``to_empty`` (they are not in the checkpoint)."""
-        cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
