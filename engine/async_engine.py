@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.errors import EngineDeadError
@@ -142,27 +142,28 @@ class AsyncLLM(EngineClient):
         reason a ``start()`` after ``shutdown()`` (a new thread) runs slower; the server never
         restarts an engine.
 
-        An unset ``one_token_step_threads`` becomes torch's thread count less one (at least
-        1) here, leaving a core to the event loop: through the server a single stream on 2
-        vCPUs ran 103.9 tok/s on one torch thread against 59.3 on two, whose OpenMP workers
-        shared the cores with the event loop (docs/benchmarks.md; only 2 vCPUs measured).
+        An unset ``one_token_step_threads`` means measured here: one-token CPU steps run on
+        the faster of torch's threads and one fewer, timed while serving
+        (``ModelRunner.tune_one_token_threads``). Through the server a lone stream on 2 vCPUs
+        ran 103.9 tok/s on one thread against 59.3 on two on one machine, and 47.7 against
+        70.3 on another (docs/benchmarks.md).
 
         Raises:
             whatever ``LLMEngine(config, **engine_kwargs)`` raises (ValueError for a bad
             setting, FileNotFoundError for missing weights); no thread is left running.
         """
-        if getattr(config, "one_token_step_threads", 0) is None:  # served: leave a core
-            import torch
-
-            config = replace(config,
-                             one_token_step_threads=max(1, torch.get_num_threads() - 1))
         self = cls.__new__(cls)
         ready = threading.Event()
         failure: list[BaseException] = []
 
         def build_then_loop() -> None:
             try:
-                cls.__init__(self, LLMEngine(config, **engine_kwargs))
+                engine = LLMEngine(config, **engine_kwargs)
+                if getattr(config, "one_token_step_threads", 0) is None:  # served: measure
+                    tune = getattr(engine.runner, "tune_one_token_threads", None)
+                    if tune is not None:
+                        tune()
+                cls.__init__(self, engine)
                 self._thread = threading.current_thread()
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 failure.append(e)

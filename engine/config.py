@@ -153,8 +153,8 @@ class EngineConfig:
         "help": "CPU: torch threads for engine steps of one token (a single decoding stream), "
                 "leaving the other cores to the server's event loop and network; 0 = the same "
                 "threads as every other step (docs/benchmarks.md, issue 15).",
-        "unset": "torch's threads less one (at least 1) when served (saltserve serve), 0 "
-                 "in-process"})
+        "unset": "when served (saltserve serve), the faster of torch's threads and one "
+                 "fewer, timed on the one-token steps themselves; 0 in-process"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:

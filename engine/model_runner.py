@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -16,6 +17,7 @@ from engine.quantization import check_quantization
 from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
+from engine.thread_tuner import ThreadTuner
 from kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class ModelRunner:
         self.one_token_threads = ((config.one_token_step_threads or 0)
                                   if device.type == "cpu" else 0)
         self._threads_now = self.step_threads
+        self.thread_tuner: ThreadTuner | None = None  # see tune_one_token_threads
         self.device = str(device)
         self.dtype = str(dtype).removeprefix("torch.")
         self.attn = model.attn
@@ -123,6 +126,26 @@ class ModelRunner:
             torch.set_num_threads(self.step_threads)
             self._threads_now = self.step_threads
 
+    def tune_one_token_threads(self) -> None:
+        """From now on, CPU steps of one token run on the faster of ``step_threads - 1`` and
+        ``step_threads`` torch threads, timed while serving (``engine.thread_tuner``). What an
+        unset ``--one-token-step-threads`` means when served. No-op on a GPU, on one thread,
+        or with a fixed ``--one-token-step-threads``."""
+        if self.torch_device.type == "cpu" and not self.one_token_threads \
+                and self.step_threads >= 2:
+            self.thread_tuner = ThreadTuner((self.step_threads - 1, self.step_threads))
+
+    def _threads_for(self, out: SchedulerOutput) -> int | None:
+        """torch's thread count for this step, or None to leave it (no switching set up)."""
+        one = out.total_num_scheduled_tokens == 1
+        if one and self.thread_tuner is not None:
+            return self.thread_tuner.threads()
+        if one and self.one_token_threads:
+            return self.one_token_threads
+        if self.thread_tuner is not None or self.one_token_threads:
+            return self.step_threads
+        return None
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteOutput:
         """Runs one step: batched forward, then sampling (see ``ModelExecutor.execute``).
@@ -130,12 +153,18 @@ class ModelRunner:
         A failure in sampling is retried row by row, so only the requests whose own sampling
         fails are reported in ``failed``; a failure in the forward pass raises.
         """
-        if self.one_token_threads:
-            want = (self.one_token_threads if out.total_num_scheduled_tokens == 1
-                    else self.step_threads)
-            if want != self._threads_now:
-                torch.set_num_threads(want)
-                self._threads_now = want
+        want = self._threads_for(out)
+        if want is not None and want != self._threads_now:
+            torch.set_num_threads(want)
+            self._threads_now = want
+        timed = self.thread_tuner is not None and out.total_num_scheduled_tokens == 1
+        start = time.perf_counter()
+        result = self._execute(out)
+        if timed:
+            self.thread_tuner.record(self._threads_now, time.perf_counter() - start)
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ExecuteOutput:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -169,22 +169,29 @@ def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
     assert not built_on[0].is_alive()
 
 
-@pytest.mark.parametrize(("given", "threads", "served"),
-                         [(None, 2, 1), (None, 16, 15), (None, 1, 1), (0, 2, 0), (2, 2, 2)])
-def test_served_engines_leave_a_core_on_one_token_steps_unless_told(monkeypatch, given,
-                                                                    threads, served):
-    """``one_token_step_threads`` unset becomes torch's threads less one (at least 1) when
-    served (``from_config``); set, it is kept (0 = off)."""
-    import torch
-
+@pytest.mark.parametrize(("given", "tuned"), [(None, True), (0, False), (2, False)])
+def test_served_engines_time_their_one_token_steps_unless_told(monkeypatch, given, tuned):
+    """``one_token_step_threads`` unset: a served engine (``from_config``) has its runner
+    time one-token steps on its candidate thread counts; set, the count is kept (0 = off)."""
     from engine import async_engine
     from engine.config import EngineConfig
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    class Runner:
+        calls = 0
+
+        def tune_one_token_threads(self):
+            Runner.calls += 1
 
     seen = []
-    monkeypatch.setattr(async_engine, "LLMEngine",
-                        lambda config, **kw: seen.append(config) or FakeEngine())
+
+    def build(config, **kw):
+        seen.append(config)
+        engine = FakeEngine()
+        engine.runner = Runner()
+        return engine
+
+    monkeypatch.setattr(async_engine, "LLMEngine", build)
     llm = AsyncLLM.from_config(EngineConfig(model="m", one_token_step_threads=given))
     llm.shutdown()
-    assert [c.one_token_step_threads for c in seen] == [served]
+    assert [c.one_token_step_threads for c in seen] == [given]  # the config is not rewritten
+    assert Runner.calls == int(tuned)

@@ -50,8 +50,8 @@ def test_one_token_steps_switch_threads_and_keep_the_tokens(make_llm_engine, tok
     assert threads_calls[-1] == loaded and torch.get_num_threads() == loaded
 
 
-def test_a_served_engine_gives_the_threads_back_when_it_stops(model_dir, tokenizer,
-                                                              threads_calls):
+def test_a_served_engine_times_both_counts_and_gives_the_threads_back(model_dir, tokenizer,
+                                                                       threads_calls):
     import asyncio
 
     from engine.async_engine import AsyncLLM
@@ -61,19 +61,39 @@ def test_a_served_engine_gives_the_threads_back_when_it_stops(model_dir, tokeniz
     llm = AsyncLLM.from_config(EngineConfig(model=str(model_dir), max_model_len=256,
                                             num_gpu_blocks_override=32), tokenizer=tokenizer)
     try:
-        assert llm.engine.runner.one_token_threads == max(1, loaded - 1)
+        tuner = llm.engine.runner.thread_tuner
+        assert llm.engine.runner.one_token_threads == 0
+        assert tuner is not None and tuner.candidates == (loaded - 1, loaded)
 
-        async def one():
-            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-            req = EngineRequest("served", tuple(tokenizer.encode("Hello")), params,
+        async def one(i: int, n: int):
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            req = EngineRequest(f"served-{i}", tuple(tokenizer.encode("The capital of France is")), params,
                                 tenant_id="t")
-            return [o async for o in llm.add_request(req)]
+            return [t for o in [o async for o in llm.add_request(req)] for t in o.new_token_ids]
 
-        assert asyncio.run(one())
-        assert threads_calls == [max(1, loaded - 1)]  # its decode steps
+        # One trial's worth of one-token steps (the prefill step of each request is not one).
+        tokens = asyncio.run(one(0, tuner.trial_steps + 1))
+        assert tuner.trials == 1 and tuner.chosen in tuner.candidates
+        # Both counts ran, in blocks, and the tokens are those of an engine that never switches.
+        assert set(threads_calls) == {loaded - 1, loaded}
+        assert len(threads_calls) == 2 * tuner.rounds  # a switch at each block of a round
+        plain = _run_ids(model_dir, tokenizer, len(tokens))
+        assert tokens == plain
     finally:
         llm.shutdown()
-    assert threads_calls[-1] == loaded and torch.get_num_threads() == loaded
+    assert torch.get_num_threads() == loaded
+
+
+def _run_ids(model_dir, tokenizer, n: int) -> list[int]:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=256,
+                                    num_gpu_blocks_override=32), tokenizer=tokenizer)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    [result] = run_to_completion(engine, [EngineRequest(
+        "plain", tuple(tokenizer.encode("The capital of France is")), params, tenant_id="t")])
+    return list(result.token_ids)
 
 
 def test_negative_thread_counts_are_refused():
