@@ -64,8 +64,8 @@ def test_the_choice_is_logged_without_request_data(caplog):
     tuner = ThreadTuner((1, 2), block=2, rounds=1)
     with caplog.at_level(logging.INFO, logger="engine.thread_tuner"):
         drive(tuner, {1: 0.02, 2: 0.01}, 4)
-    assert caplog.messages == ["one-token steps: 1 threads 20.00 ms, 2 threads 10.00 ms; "
-                               "running them on 2 torch threads"]
+    assert caplog.messages == [("one-token steps: 1 threads 20.00 ms, 2 threads 10.00 ms; "
+                                "running them on 2 torch threads")]
 
 
 @pytest.mark.parametrize("kwargs", [{"candidates": (2,)}, {"candidates": (2, 2)},
