@@ -135,9 +135,9 @@ class ModelRunner:
                 and self.step_threads >= 2:
             self.thread_tuner = ThreadTuner((self.step_threads - 1, self.step_threads))
 
-    def _threads_for(self, out: SchedulerOutput) -> int | None:
-        """torch's thread count for this step, or None to leave it (no switching set up)."""
-        one = out.total_num_scheduled_tokens == 1
+    def _threads_for(self, one: bool) -> int | None:
+        """torch's thread count for a step (``one``: of exactly one token), or None to leave it
+        (no switching set up)."""
         if one and self.thread_tuner is not None:
             return self.thread_tuner.threads()
         if one and self.one_token_threads:
@@ -153,11 +153,12 @@ class ModelRunner:
         A failure in sampling is retried row by row, so only the requests whose own sampling
         fails are reported in ``failed``; a failure in the forward pass raises.
         """
-        want = self._threads_for(out)
+        one = out.total_num_scheduled_tokens == 1
+        want = self._threads_for(one)
         if want is not None and want != self._threads_now:
             torch.set_num_threads(want)
             self._threads_now = want
-        timed = self.thread_tuner is not None and out.total_num_scheduled_tokens == 1
+        timed = one and self.thread_tuner is not None
         start = time.perf_counter()
         result = self._execute(out)
         if timed:
