@@ -1,5 +1,5 @@
-"""Greedy output of our engine == Hugging Face ``generate`` (fp32, CPU) on the bundled model,
-token for token: cold, warm, caching off, chunked prefill, and under preemption."""
+"""Greedy output of our engine == Hugging Face's greedy decoding (fp32, CPU) on the bundled
+model, token for token: cold, warm, caching off, chunked prefill, and under preemption."""
 
 from __future__ import annotations
 
@@ -28,35 +28,67 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-def hf_greedy(hf, tokenizer, prompts: list[list[int]], max_new: int,
-              min_new: int = 0) -> list[list[int]]:
-    """Hugging Face ``generate`` (greedy, fp32) for all prompts in one left-padded batch.
+def hf_greedy(hf, prompts: list[list[int]], outputs: list[list[int]], max_new: int,
+              ignore_eos: bool = False) -> list[list[int]]:
+    """Hugging Face's greedy continuation of each prompt (fp32), checked along ``outputs``.
 
-    Each row is cut after its first eos, as a one-prompt ``generate`` stops there. One batch
-    takes a third of the time of one call per prompt; both give the same tokens here (checked
-    when this replaced the per-prompt loop: all 5 x 40 reference tokens identical).
+    One forward over each prompt + its output (a right-padded batch) gives HF's argmax after
+    every prefix; each row is cut after its first eos (unless ``ignore_eos``) or at ``max_new``
+    tokens. Where ``outputs`` are HF's greedy tokens this is exactly what
+    ``generate(do_sample=False)`` returns (greedy decoding is the argmax after each prefix), in
+    one forward instead of ``max_new`` steps. Where an output first departs from HF (a
+    different token, a missed or early stop), the row holds HF's choice there instead, so
+    ``outputs == hf_greedy(...)`` fails at that token. Shapes: token ids, lists of ints.
     """
     eos = set(hf.generation_config.eos_token_id if isinstance(
         hf.generation_config.eos_token_id, list) else [hf.generation_config.eos_token_id])
-    width = max(map(len, prompts))
-    pad = tokenizer.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    rows = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                          min_new_tokens=min_new, do_sample=False, pad_token_id=pad)
-    rows = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        rows.append(row[:cut])
-    return rows
+        argmax = hf(ids, attention_mask=mask).logits.argmax(-1).tolist()
+    refs = []
+    for p, o, best in zip(prompts, outputs, argmax, strict=True):
+        # best[i] is HF's choice after the first i + 1 tokens: prompt + o[:k] -> best[len(p)-1+k]
+        ref = best[len(p) - 1:len(p) + len(o)][:max_new]
+        if not ignore_eos:
+            ref = ref[:next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
+        refs.append(ref)
+    return refs
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(hf_model, tokenizer, prompt_ids) -> list[list[int]]:
-    outs = hf_greedy(hf_model, tokenizer, prompt_ids, MAX_NEW)
+def hf_outputs(make_llm_engine, hf_model, prompt_ids) -> list[list[int]]:
+    """HF's greedy tokens for PROMPTS (``MAX_NEW``), found along a cold run of our engine and
+    checked by ``hf_greedy``: one HF forward (1.4 s here) instead of ``generate`` (7.5 s)."""
+    engine = make_llm_engine()
+    ours = [r.token_ids for r in run_to_completion(engine, [
+        EngineRequest(f"ref-{i}", tuple(ids), SamplingParams(max_tokens=MAX_NEW, temperature=0),
+                      tenant_id="ref") for i, ids in enumerate(prompt_ids)])]
+    outs = hf_greedy(hf_model, prompt_ids, ours, MAX_NEW)
+    assert ours == outs, "our engine's greedy tokens differ from Hugging Face's"
     assert all(len(o) >= 32 for o in outs), "reference prompts must yield >= 32 new tokens"
     return outs
+
+
+def test_hf_greedy_catches_a_wrong_token_an_early_stop_and_a_missed_stop(hf_model, tokenizer,
+                                                                       prompt_ids, hf_outputs):
+    """The check itself can fail: each kind of departure from HF's greedy tokens shows."""
+    right = hf_outputs[0][:8]
+    eos = tokenizer.eos_token_id
+    wrong = right[:3] + [right[3] + 1] + right[4:]
+    early = right[:7]  # stops before max_new without an eos
+    early_eos = right[:5] + [eos]  # an eos HF would not choose
+    refs = hf_greedy(hf_model, [prompt_ids[0]] * 4, [right, wrong, early, early_eos], 8)
+    assert refs[0] == right
+    assert refs[1][:4] == right[:4] != wrong[:4]  # HF's own token where ours departed
+    assert refs[2] == right != early  # HF goes on past the early stop
+    assert refs[3][5] == right[5] != eos
+    # HF ends this answer (its greedy next token is eos): a run past it shows as a missed stop.
+    done = tokenizer.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+                            "2+2 equals 4.")
+    assert hf_greedy(hf_model, [done, done], [[eos], [right[0], eos]], 8) == [[eos], [eos]]
 
 
 def run(engine, prompt_ids, tag: str, max_new: int = MAX_NEW
@@ -139,14 +171,15 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
                (" Summary:", " Question: which rule is first?", " The most important rule is",
                 " In short,")]
     assert min(map(len, prompts)) > 280
-    expected = hf_greedy(hf_model, tokenizer, prompts, 8, min_new=8)
     engine = make_llm_engine()
     engine.model.fused_decode = fused
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
                                                    tenant_id="t")
                                      for i, ids in enumerate(prompts)])
-    assert [r.token_ids for r in got] == expected
+    outputs = [r.token_ids for r in got]
+    assert outputs == hf_greedy(hf_model, prompts, outputs, 8, ignore_eos=True)
+    assert all(len(o) == 8 for o in outputs)
     if fused:
         assert not calls and len(fused_calls) >= 30 * 6  # fused layers, no cascade split
     else:
