@@ -62,10 +62,7 @@ def hf_greedy(hf, prompts: list[list[int]], outputs: list[list[int]], max_new: i
 def hf_outputs(make_llm_engine, hf_model, prompt_ids) -> list[list[int]]:
     """HF's greedy tokens for PROMPTS (``MAX_NEW``), found along a cold run of our engine and
     checked by ``hf_greedy``: one HF forward (1.4 s here) instead of ``generate`` (7.5 s)."""
-    engine = make_llm_engine()
-    ours = [r.token_ids for r in run_to_completion(engine, [
-        EngineRequest(f"ref-{i}", tuple(ids), SamplingParams(max_tokens=MAX_NEW, temperature=0),
-                      tenant_id="ref") for i, ids in enumerate(prompt_ids)])]
+    ours, _ = run(make_llm_engine(), prompt_ids, "ref")
     outs = hf_greedy(hf_model, prompt_ids, ours, MAX_NEW)
     assert ours == outs, "our engine's greedy tokens differ from Hugging Face's"
     assert all(len(o) >= 32 for o in outs), "reference prompts must yield >= 32 new tokens"
