@@ -155,7 +155,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
         while True:
             await asyncio.sleep(last_used_flush_s)
             try:
-                await run_in_threadpool(repo.flush_last_used)
+                await run_in_threadpool(repo.authenticator.flush_last_used)
             except Exception as e:  # noqa: BLE001 - retried next period, never kills the app
                 logger.error("flushing API-key last_used_at failed: %s", type(e).__name__)
             await run_in_threadpool(app.state.admin_refusals.flush, repo.usage.audit)
@@ -179,7 +179,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
             steps = [app.state.completions.preprocessor.shutdown, engine.shutdown]
             if journal is not None:
                 steps.append(journal.close)
-            steps += [repo.flush_last_used,
+            steps += [repo.authenticator.flush_last_used,
                       lambda: app.state.admin_refusals.flush(repo.usage.audit, everything=True),
                       lambda: app.state.jwt_executor.shutdown(wait=False, cancel_futures=True)]
             for step in steps:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenants.api_keys import generate_api_key
 from tenants.errors import ApiKeyNotFound, TenantNotFound
 from tenants.models import ApiKey, Tenant, require_aware, utcnow
-from tenants.records import ApiKeyInfo
+from tenants.records import ApiKeyInfo, from_row
 from tenants.usage import add_audit
 
 __all__ = ["ApiKeyStore", "key_info"]
@@ -28,17 +28,7 @@ _KEY_ID_ATTEMPTS = 5  # 48-bit random key ids: a collision is already astronomic
 
 def key_info(row: ApiKey) -> ApiKeyInfo:
     """The ``ApiKeyInfo`` of a key row (the one row-to-record copy for keys; no hash)."""
-    return ApiKeyInfo(
-        id=row.id,
-        tenant_id=row.tenant_id,
-        display_prefix=row.display_prefix,
-        last4=row.last4,
-        name=row.name,
-        created_at=row.created_at,
-        expires_at=row.expires_at,
-        revoked_at=row.revoked_at,
-        last_used_at=row.last_used_at,
-    )
+    return from_row(ApiKeyInfo, row)
 
 
 MAX_KEY_NAME_CHARS = 255  # the column's width

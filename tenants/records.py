@@ -6,10 +6,28 @@ derive effective salts but never hand the salt out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
+from typing import Any, TypeVar
 
 from tenants.salts import SealedSalt
+
+R = TypeVar("R")
+
+
+def from_row(record_type: type[R], row: Any, **overrides: Any) -> R:
+    """A record (``TenantInfo``, ``ApiKeyInfo``, ``UsageRecord``, ``AuditEntry``) from an ORM
+    row or another object with the same attribute names: the one row-to-record copy. Only the
+    record's own fields are read (a key row's hash has no field to land in); ``overrides``
+    replace values by name."""
+    values = {f.name: getattr(row, f.name) for f in fields(record_type)}
+    return record_type(**{**values, **overrides})
+
+
+def row_values(record: Any, **overrides: Any) -> dict[str, Any]:
+    """A record's fields by name (with ``overrides``), as ORM row keywords: the one
+    record-to-row copy."""
+    return {**{f.name: getattr(record, f.name) for f in fields(record)}, **overrides}
 
 
 @dataclass(frozen=True)

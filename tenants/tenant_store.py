@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenants.crypto import SaltCipher
 from tenants.errors import DuplicateTenant, TenantNotFound
 from tenants.models import Tenant, TenantSalt, new_tenant_id, utcnow
-from tenants.records import TenantInfo
+from tenants.records import TenantInfo, from_row
 from tenants.salts import SealedSalt, new_salt
 from tenants.usage import add_audit
 
@@ -81,21 +81,7 @@ _LIMIT_NAMES = ("rpm_limit", "tpm_limit", "max_concurrent")
 
 def tenant_info(row: Tenant) -> TenantInfo:
     """The ``TenantInfo`` of a tenant row (the one row-to-record copy for tenants)."""
-    return TenantInfo(
-        id=row.id,
-        name=row.name,
-        disabled=row.disabled,
-        current_salt_version=row.current_salt_version,
-        enable_prefix_caching=row.enable_prefix_caching,
-        created_at=row.created_at,
-        rpm_limit=row.rpm_limit,
-        tpm_limit=row.tpm_limit,
-        max_concurrent=row.max_concurrent,
-        weight=row.weight,
-        min_cache_blocks=row.min_cache_blocks,
-        max_cache_blocks=row.max_cache_blocks,
-        cache_epoch=row.cache_epoch,
-    )
+    return from_row(TenantInfo, row)
 
 
 class SaltObserver(Protocol):

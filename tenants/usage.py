@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenants.models import USAGE_STATUSES, AuditLogRow, UsageRecordRow, require_aware, utcnow
-from tenants.records import AuditEntry, UsageRecord
+from tenants.records import AuditEntry, UsageRecord, from_row, row_values
 from tenants.usage_reports import UsageReportQuery, UsageReportRow, add_to_daily, usage_report
 
 
@@ -45,23 +45,7 @@ def add_usage_record(session: Session, record: UsageRecord) -> datetime:
     check_usage_record(record)
     require_aware(record.created_at, "created_at")
     created_at = record.created_at or utcnow()
-    session.add(
-        UsageRecordRow(
-            request_id=record.request_id,
-            tenant_id=record.tenant_id,
-            key_id=record.key_id,
-            model=record.model,
-            endpoint=record.endpoint,
-            status=record.status,
-            prompt_tokens=record.prompt_tokens,
-            cached_tokens=record.cached_tokens,
-            completion_tokens=record.completion_tokens,
-            ttft_s=record.ttft_s,
-            latency_s=record.latency_s,
-            created_at=created_at,
-            end_user=record.end_user,
-        )
-    )
+    session.add(UsageRecordRow(**row_values(record, created_at=created_at)))
     return created_at
 
 
@@ -100,24 +84,7 @@ def select_usage(
     stmt = stmt.order_by(UsageRecordRow.created_at, UsageRecordRow.id)
     if limit is not None:
         stmt = stmt.limit(limit)
-    return [
-        UsageRecord(
-            request_id=r.request_id,
-            tenant_id=r.tenant_id,
-            key_id=r.key_id,
-            model=r.model,
-            endpoint=r.endpoint,
-            status=r.status,
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            completion_tokens=r.completion_tokens,
-            ttft_s=r.ttft_s,
-            latency_s=r.latency_s,
-            created_at=r.created_at,
-            end_user=r.end_user,
-        )
-        for r in session.scalars(stmt)
-    ]
+    return [from_row(UsageRecord, r) for r in session.scalars(stmt)]
 
 
 # The HTTP request being served (set per request by the app's RequestIdMiddleware): audit rows
@@ -197,19 +164,7 @@ def select_audit(session: Session, query: AuditQuery = AuditQuery(), limit: int 
     if query.before_id is not None:
         stmt = stmt.where(AuditLogRow.id < query.before_id)
     stmt = stmt.order_by(AuditLogRow.id.desc()).limit(limit)
-    return [
-        AuditEntry(
-            id=r.id,
-            time=r.time,
-            actor=r.actor,
-            action=r.action,
-            tenant_id=r.tenant_id,
-            detail=r.detail,
-            request_id=r.request_id,
-            client_request_id=r.client_request_id,
-        )
-        for r in session.scalars(stmt)
-    ]
+    return [from_row(AuditEntry, r) for r in session.scalars(stmt)]
 
 
 class UsageStore:

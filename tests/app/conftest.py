@@ -91,10 +91,10 @@ def build_app_env(make_llm_engine, model_dir: Path, tokenizer, tmp: Path,
         engine_overrides: ``EngineConfig`` fields; default max_model_len 512 and 128 KV blocks.
     """
     repo = make_repo(tmp, database_url)
-    a = repo.create_tenant("tenant-a")
-    b = repo.create_tenant("tenant-b")
-    key_a, _ = repo.create_api_key(a.id)
-    key_b, _ = repo.create_api_key(b.id)
+    a = repo.tenants.create("tenant-a")
+    b = repo.tenants.create("tenant-b")
+    key_a, _ = repo.keys.create(a.id)
+    key_b, _ = repo.keys.create(b.id)
     overrides = {"max_model_len": 512, "num_gpu_blocks_override": 128, **engine_overrides}
     core = (make_llm_engine(**overrides) if real_model
             else make_fake_llm_engine(model_dir, tokenizer, **overrides))

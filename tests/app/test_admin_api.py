@@ -65,7 +65,7 @@ def reset_all(env) -> None:
 def leaks_salt(env, tenant_id: str, text: str) -> bool:
     """Whether ``text`` holds the tenant's current salt (hex, base64, URL-safe base64, repr).
     The salt itself never leaves ``tenants/``: the sealed salt answers the question."""
-    return env.repo.get_auth_context(tenant_id).salt_occurs_in(text)
+    return env.repo.authenticator.context_for_tenant(tenant_id).salt_occurs_in(text)
 
 
 # -- tenants and keys -----------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_rotate_salt_through_the_api(env):
     p = prompt_of(2)
     assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, FULL]
     assert [cached(env, env.key_b, p), cached(env, env.key_b, p)] == [0, FULL]
-    old = env.repo.get_auth_context(env.tenant_a)
+    old = env.repo.authenticator.context_for_tenant(env.tenant_a)
     before = old.salt_version
     r = admin(env, "POST", f"/admin/tenants/{env.tenant_a}/rotate-salt")
     assert r.status_code == 200, r.text
@@ -231,7 +231,7 @@ def test_rotation_out_of_band_is_noticed_on_the_next_request(env):
     assert [cached(env, env.key_a, p), cached(env, env.key_a, p)] == [0, FULL]
     evicted = metric(env, "prefix_cache_evictions_total", tenant=env.tenant_b,
                      reason="salt_rotation")
-    env.repo.rotate_salt(env.tenant_b, actor="cli")            # not through the server
+    env.repo.tenants.rotate_salt(env.tenant_b, actor="cli")            # not through the server
     assert cached(env, env.key_b, p) == 0
     after = metric(env, "prefix_cache_evictions_total", tenant=env.tenant_b,
                    reason="salt_rotation")
@@ -370,7 +370,7 @@ def test_audit_rows_carry_the_servers_request_id_and_the_clients_apart(env):
     r = admin(env, "POST", f"/admin/tenants/{tenant_id}/rotate-salt")
     generated = r.headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated) and generated != server_id
-    rows = {e.action: e for e in env.repo.list_audit(tenant_id)}
+    rows = {e.action: e for e in env.repo.usage.list_audit(tenant_id)}
     created = rows["tenant.create"]
     assert (created.request_id, created.client_request_id) == (server_id, "trace-123")
     assert (rows["tenant.rotate_salt"].request_id,
@@ -378,25 +378,25 @@ def test_audit_rows_carry_the_servers_request_id_and_the_clients_apart(env):
     # A client sending a server's id as its own is only ever recorded as client_request_id.
     h = {**env.headers(env.admin_token), "X-Request-ID": generated}
     env.client.post(f"/admin/tenants/{tenant_id}/cache/reset", headers=h)
-    reset = next(e for e in env.repo.list_audit(tenant_id) if e.action == "cache.reset")
+    reset = next(e for e in env.repo.usage.list_audit(tenant_id) if e.action == "cache.reset")
     assert reset.request_id != generated and reset.client_request_id == generated
     # A header that is not a short safe token is dropped.
     r = env.client.post(f"/admin/tenants/{tenant_id}/cache/reset",
                         headers={**env.headers(env.admin_token), "X-Request-ID": "x" * 65})
-    latest = env.repo.list_audit(tenant_id, limit=1)[0]
+    latest = env.repo.usage.list_audit(tenant_id, limit=1)[0]
     assert latest.client_request_id is None and latest.request_id == r.headers["x-request-id"]
 
 
 def test_an_anonymous_flood_leaves_the_audit_log_alone(env):
     """1,100 refused anonymous calls used to push the real admin rows out of the newest 1,000."""
     admin(env, "POST", f"/admin/tenants/{env.tenant_b}/cache/reset")
-    real = env.repo.list_audit(limit=1)[0]
+    real = env.repo.usage.list_audit(limit=1)[0]
     assert real.action == "cache.reset"
     counted = metric(env, "admin_auth_refusals_total", reason="malformed")
     for _ in range(1100):
         assert env.client.get("/admin/tenants", headers=env.headers("x")).status_code == 401
     env.client.app.state.admin_refusals.flush(env.repo.usage.audit, everything=True)
-    assert env.repo.list_audit(limit=1)[0] == real          # no row was written
+    assert env.repo.usage.list_audit(limit=1)[0] == real          # no row was written
     assert metric(env, "admin_auth_refusals_total", reason="malformed") == counted + 1100
     rows = admin(env, "GET", "/admin/audit", params={"limit": 1000}).json()["data"]
     assert rows[0]["id"] == real.id
@@ -408,7 +408,7 @@ def test_a_forbidden_paths_row_is_truncated_and_escaped(env):
     path = "/admin/tenants/" + "x" * 300 + "%0aFAKE%20ROW%00"
     assert env.client.get(path, headers=env.headers(env.key_b)).status_code == 403
     refusals.flush(env.repo.usage.audit, everything=True)
-    row = env.repo.list_audit(limit=1)[0]
+    row = env.repo.usage.list_audit(limit=1)[0]
     assert row.action == "auth.admin_forbidden"
     first = row.detail.split(" first=", 1)[1]
     assert first.startswith("GET /admin/tenants/xxx") and len(first) == len("GET ") + 128
@@ -421,7 +421,7 @@ def test_audit_pages_and_filters(env):
     for _ in range(5):
         admin(env, "POST", f"/admin/tenants/{t['id']}/cache/reset")
     admin(env, "POST", f"/admin/tenants/{t['id']}/rotate-salt")
-    mine = [e.id for e in env.repo.list_audit(t["id"])]     # newest first
+    mine = [e.id for e in env.repo.usage.list_audit(t["id"])]     # newest first
     assert len(mine) == 7
     seen, cursor = [], None
     while True:

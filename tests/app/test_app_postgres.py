@@ -26,7 +26,7 @@ def test_completions_isolation_and_usage_on_postgresql(app_env_builder, database
         assert r.status_code == 401
         deadline = time.time() + 5
         while time.time() < deadline:
-            rows = env.repo.list_usage(env.tenant_a) + env.repo.list_usage(env.tenant_b)
+            rows = env.repo.usage.list_usage(env.tenant_a) + env.repo.usage.list_usage(env.tenant_b)
             if len(rows) == 4:
                 break
             time.sleep(0.05)

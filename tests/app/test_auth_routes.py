@@ -90,8 +90,8 @@ def bad_credentials(env) -> dict[str, dict[str, str]]:
     kid = key_id(platform.public_key())
     now = int(time.time())
     other = ed25519.Ed25519PrivateKey.generate()
-    revoked, info = env.repo.create_api_key(env.tenant_a, name="to-revoke")
-    env.repo.revoke_api_key(info.id)
+    revoked, info = env.repo.keys.create(env.tenant_a, name="to-revoke")
+    env.repo.keys.revoke(info.id)
 
     def bearer(token: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {token}"}
@@ -206,7 +206,7 @@ def test_tenant_routes_accept_api_keys_and_tenant_jwts(env):
 def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
     token = env.issue("tenant", env.tenant_b)
     named_admin = env.issue("admin", env.tenant_b, subject="support")
-    env.repo.update_tenant(env.tenant_b, disabled=True)
+    env.repo.tenants.update(env.tenant_b, disabled=True)
     try:
         for t in (env.key_b, token, named_admin):
             r = env.client.get("/v1/models", headers=env.headers(t))
@@ -215,7 +215,7 @@ def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
         r = env.client.get(f"/admin/tenants/{env.tenant_b}", headers=env.headers(named_admin))
         assert r.status_code == 200 and r.json()["disabled"] is True
     finally:
-        env.repo.update_tenant(env.tenant_b, disabled=False)
+        env.repo.tenants.update(env.tenant_b, disabled=False)
     assert env.client.get("/v1/models", headers=env.headers(token)).status_code == 200
 
 
@@ -225,17 +225,17 @@ def test_refused_admin_calls_never_flood_the_audit_log(env):
     refusals = env.client.app.state.admin_refusals
     refusals._now = lambda: 1_800_000_000.0  # one fixed minute
     refusals.flush(env.repo.usage.audit, everything=True)
-    before = [a.id for a in env.repo.list_audit(limit=1000)]
+    before = [a.id for a in env.repo.usage.list_audit(limit=1000)]
     expired = jwt.encode(admin_claims(exp=int(time.time()) - 3600, iat=int(time.time()) - 7200),
                          ed25519.Ed25519PrivateKey.generate(), algorithm="EdDSA")
     for headers in ({}, env.headers(expired), env.headers("x")):
         assert env.client.get("/admin/audit", headers=headers).status_code == 401
     for _ in range(5):
         assert env.client.get("/admin/audit", headers=env.headers(env.key_a)).status_code == 403
-    assert [a.id for a in env.repo.list_audit(limit=1000)] == before  # nothing written yet
+    assert [a.id for a in env.repo.usage.list_audit(limit=1000)] == before  # nothing written yet
     refusals._now = lambda: 1_800_000_060.0  # the minute has closed
     assert refusals.flush(env.repo.usage.audit) == 1
-    rows = [a for a in env.repo.list_audit(limit=1000) if a.id not in before]
+    rows = [a for a in env.repo.usage.list_audit(limit=1000) if a.id not in before]
     assert len(rows) == 1 and rows[0].action == "auth.admin_forbidden"
     assert rows[0].actor.startswith("key:") and rows[0].tenant_id is None
     assert rows[0].detail == ("reason=not_admin count=5 minute=2027-01-15T08:00Z "

@@ -64,7 +64,7 @@ def test_rate_limited_tenant_gets_a_fast_429_whatever_the_body(env):
         return await original(*args)
 
     svc.preprocessor.parse = counting_parse
-    env.repo.update_tenant(env.tenant_a, rpm_limit=1)
+    env.repo.tenants.update(env.tenant_a, rpm_limit=1)
     try:
         ok = env.client.post("/v1/completions", headers=env.headers(env.key_a), json={
             "model": env.model, "prompt": "hi", "max_tokens": 1})
@@ -89,7 +89,7 @@ def test_rate_limited_tenant_gets_a_fast_429_whatever_the_body(env):
         assert len(prepared) == 2
     finally:
         svc.preprocessor.parse = original
-        env.repo.update_tenant(env.tenant_a, rpm_limit=None)
+        env.repo.tenants.update(env.tenant_a, rpm_limit=None)
 
 
 def test_health_stays_fast_while_big_bodies_are_processed(env):
@@ -320,8 +320,8 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
 
     engine = make_fake_engine_client(model_dir, tokenizer, max_consecutive_step_failures=2)
     repo = make_repo(tmp_path, None)
-    tenant = repo.create_tenant("t")
-    key, _ = repo.create_api_key(tenant.id)
+    tenant = repo.tenants.create("t")
+    key, _ = repo.keys.create(tenant.id)
     died = threading.Event()
     app = create_app(engine, repo, on_engine_death=died.set)
     with TestClient(app, raise_server_exceptions=False) as client:
@@ -337,7 +337,7 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
 
 def test_tpm_refusal_after_tokenising_counts_one_request_and_no_tokens(env):
     svc = env.client.app.state.completions
-    env.repo.update_tenant(env.tenant_b, tpm_limit=50, rpm_limit=100)
+    env.repo.tenants.update(env.tenant_b, tpm_limit=50, rpm_limit=100)
     try:
         w_before = len(getattr(svc.limiter._tenants.get(env.tenant_b), "requests", []))
         r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
@@ -348,4 +348,4 @@ def test_tpm_refusal_after_tokenising_counts_one_request_and_no_tokens(env):
         # the server tokenise without limit), but reserves no tokens.
         assert (len(w.requests) - w_before, w.tokens_used, w.in_flight) == (1, 0, 0)
     finally:
-        env.repo.update_tenant(env.tenant_b, tpm_limit=None, rpm_limit=None)
+        env.repo.tenants.update(env.tenant_b, tpm_limit=None, rpm_limit=None)

@@ -60,7 +60,7 @@ def test_token_issue(cli, tmp_path):
     r = cli("token", "issue", "--role", "admin", "--ttl", "0", ok=False)
     assert r.exit_code == 2
     # Each issued token is audited (role, subject, lifetime; never the token).
-    issued = [a for a in open_repository(Settings(data_dir=tmp_path)).list_audit()
+    issued = [a for a in open_repository(Settings(data_dir=tmp_path)).usage.list_audit()
               if a.action == "token.issue"]
     assert [re.sub(r" jti=[0-9a-f]{32}$", "", a.detail) for a in issued][::-1] == [
         "role=admin sub='admin' ttl_s=60", f"role=tenant sub='tenant:{cli.tenant_id}' ttl_s=60",
@@ -76,30 +76,30 @@ def test_token_issue(cli, tmp_path):
 
 def test_rotate_salt_disable_enable(cli, tmp_path):
     repo = open_repository(Settings(data_dir=tmp_path))
-    key, _ = repo.create_api_key(cli.tenant_id)
-    old = repo.authenticate_api_key(key)
+    key, _ = repo.keys.create(cli.tenant_id)
+    old = repo.authenticator.authenticate_api_key(key)
     r = cli("tenants", "rotate-salt", "acme")
     assert "salt_version=2" in r.output
-    new = open_repository(Settings(data_dir=tmp_path)).authenticate_api_key(key)
+    new = open_repository(Settings(data_dir=tmp_path)).authenticator.authenticate_api_key(key)
     assert new.salt_version == 2 and new.effective_salt() != old.effective_salt()
     assert not old.salt_occurs_in(r.output) and not new.salt_occurs_in(r.output)
-    audit = repo.list_audit(cli.tenant_id)
+    audit = repo.usage.list_audit(cli.tenant_id)
     assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == _cli_actor()
     assert _cli_actor() == f"cli:{getpass.getuser()}"
     assert audit[0].detail == "salt_version=2"
     assert "disabled" in cli("tenants", "disable", "acme").output
     with pytest.raises(TenantDisabled):
-        repo.authenticate_api_key(key)
+        repo.authenticator.authenticate_api_key(key)
     assert "active" in cli("tenants", "enable", cli.tenant_id).output
-    assert repo.authenticate_api_key(key).salt_version == 2
+    assert repo.authenticator.authenticate_api_key(key).salt_version == 2
     assert cli("tenants", "rotate-salt", "nobody", ok=False).exit_code == 1
 
 
 def test_rotate_master_key(cli, tmp_path):
     repo = open_repository(Settings(data_dir=tmp_path))
-    key, _ = repo.create_api_key(cli.tenant_id)
+    key, _ = repo.keys.create(cli.tenant_id)
     cli("tenants", "rotate-salt", "acme")
-    before = open_repository(Settings(data_dir=tmp_path)).authenticate_api_key(key)
+    before = open_repository(Settings(data_dir=tmp_path)).authenticator.authenticate_api_key(key)
     path = tmp_path / MASTER_KEY_FILENAME
     old_key = path.read_text()
     r = cli("keys", "rotate-master")
@@ -109,10 +109,10 @@ def test_rotate_master_key(cli, tmp_path):
     assert path.read_text() != old_key and path.stat().st_mode & 0o777 == 0o600
     assert not (tmp_path / (MASTER_KEY_FILENAME + ".new")).exists()
     fresh = open_repository(Settings(data_dir=tmp_path))       # decrypts with the new key
-    after = fresh.authenticate_api_key(key)                    # same salt, same version
+    after = fresh.authenticator.authenticate_api_key(key)                    # same salt, same version
     assert after.salt_version == 2 and after.effective_salt("u") == before.effective_salt("u")
-    assert fresh.get_auth_context(cli.tenant_id).salt_version == 2
-    assert fresh.list_audit()[0].action == "master_key.rotate"
+    assert fresh.authenticator.context_for_tenant(cli.tenant_id).salt_version == 2
+    assert fresh.usage.list_audit()[0].action == "master_key.rotate"
 
 
 def test_rotate_master_key_from_env_prints_the_new_key_once(tmp_path):
@@ -128,7 +128,7 @@ def test_rotate_master_key_from_env_prints_the_new_key_once(tmp_path):
     assert decode_master_key(new_key) and new_key != env_key
     assert not (tmp_path / MASTER_KEY_FILENAME).exists()
     repo = open_repository(Settings(data_dir=tmp_path, master_key=new_key))
-    assert repo.get_auth_context(repo.get_tenant_by_name("acme").id).salt_version == 1
+    assert repo.authenticator.context_for_tenant(repo.tenants.get_by_name("acme").id).salt_version == 1
 
 
 def test_jwt_settings_from_the_environment(tmp_path, monkeypatch):
@@ -154,9 +154,9 @@ def test_jwt_settings_from_the_environment(tmp_path, monkeypatch):
 
 def test_keys_create_resolves_ids_first_and_refuses_dead_or_ambiguous(cli, tmp_path):
     repo = open_repository(Settings(data_dir=tmp_path))
-    impostor = repo.create_tenant("impostor")
+    impostor = repo.tenants.create("impostor")
     r = cli("keys", "create", "--tenant", cli.tenant_id)
-    assert repo.authenticate_api_key(r.stdout.strip()).tenant_id == cli.tenant_id
+    assert repo.authenticator.authenticate_api_key(r.stdout.strip()).tenant_id == cli.tenant_id
     r = cli("keys", "create", "--tenant", "acme", "--expires-in-days", "-1", ok=False)
     assert r.exit_code == 1 and "expires_at must be in the future" in r.output
     # A legacy name equal to another tenant's id: refused as ambiguous, not acted upon.
@@ -166,8 +166,8 @@ def test_keys_create_resolves_ids_first_and_refuses_dead_or_ambiguous(cli, tmp_p
                         {"n": cli.tenant_id, "i": impostor.id})
     r = cli("keys", "create", "--tenant", cli.tenant_id, ok=False)
     assert r.exit_code == 1 and "another tenant's name" in r.output
-    assert len(repo.list_api_keys(impostor.id)) == 0
-    assert len(repo.list_api_keys(cli.tenant_id)) == 1
+    assert len(repo.keys.list_for_tenant(impostor.id)) == 0
+    assert len(repo.keys.list_for_tenant(cli.tenant_id)) == 1
 
 
 def test_token_revoke_and_maximum_lifetime(cli, tmp_path):
@@ -180,7 +180,7 @@ def test_token_revoke_and_maximum_lifetime(cli, tmp_path):
     assert cli("token", "revoke", jti).output.strip() == f"revoked jti {jti}"
     assert repo.revocations.is_revoked(jti)
     cli("token", "revoke", jti)  # idempotent: one audit row
-    rows = [a for a in repo.list_audit() if a.action == "token.revoke"]
+    rows = [a for a in repo.usage.list_audit() if a.action == "token.revoke"]
     assert [(a.detail, a.actor) for a in rows] == [(f"jti={jti}", _cli_actor())]
     r = cli("token", "issue", "--role", "admin", "--ttl", str(30 * 86400 + 1), ok=False)
     assert r.exit_code == 2 and "ttl_s must be 1 to 2592000" in r.output

@@ -92,8 +92,8 @@ def cluster(database_url, model_dir, tokenizer, tmp_path) -> Iterator[Cluster]:
                                 SaltCipher(decode_master_key(master)))
 
     repo = new_repo()
-    a, b = repo.create_tenant("tenant-a"), repo.create_tenant("tenant-b")
-    key_a, key_b = repo.create_api_key(a.id)[0], repo.create_api_key(b.id)[0]
+    a, b = repo.tenants.create("tenant-a"), repo.tenants.create("tenant-b")
+    key_a, key_b = repo.keys.create(a.id)[0], repo.keys.create(b.id)[0]
     platform = load_or_create_platform_key(tmp_path)
     verifier = JWTVerifier(JWTConfig(), platform.public_key())
     admin = {"Authorization": "Bearer " + issue_token(platform, JWTConfig(), subject="ops",

@@ -48,14 +48,14 @@ def service(env):
     svc = env.client.app.state.completions
     svc.record_usage = Recorder()
     svc.limiter = RateLimiter()
-    env.repo.update_tenant(env.tenant_a, rpm_limit=100, tpm_limit=100_000, max_concurrent=4)
+    env.repo.tenants.update(env.tenant_a, rpm_limit=100, tpm_limit=100_000, max_concurrent=4)
     yield svc
     env.fake.step_delay_s = 0.0
-    env.repo.update_tenant(env.tenant_a, rpm_limit=None, tpm_limit=None, max_concurrent=None)
+    env.repo.tenants.update(env.tenant_a, rpm_limit=None, tpm_limit=None, max_concurrent=None)
 
 
 def _auth(env):
-    return env.repo.authenticate_api_key(env.key_a)
+    return env.repo.authenticator.authenticate_api_key(env.key_a)
 
 
 def _engine_idle(env) -> tuple[int, int, bool]:

@@ -336,8 +336,8 @@ def test_sessions_end_when_idle_after_max_age_and_at_the_jwt_exp():
 def test_mutations_without_the_csrf_token_or_from_another_origin_change_nothing(env, console):
     assert console.login().status_code == 303
     tenants_before = env.repo.tenants.list_all()
-    salt = env.repo.get_tenant(env.tenant_a).current_salt_version
-    key = env.repo.list_api_keys(env.tenant_a)[0]
+    salt = env.repo.tenants.get(env.tenant_a).current_salt_version
+    key = env.repo.keys.list_for_tenant(env.tenant_a)[0]
     other = Console(env)  # another operator's session: its token is not this one's
     attempts = [("/console/tenants", {"name": "csrf-victim"}),
                 (f"/console/keys/{key.id}/revoke", {}),
@@ -358,9 +358,9 @@ def test_mutations_without_the_csrf_token_or_from_another_origin_change_nothing(
             assert r.status_code == 403, (path, headers)
             assert "CSRF" in r.text
     assert env.repo.tenants.list_all() == tenants_before
-    assert env.repo.get_tenant(env.tenant_a).current_salt_version == salt
-    assert len(env.repo.list_api_keys(env.tenant_a)) == 1
-    assert env.repo.list_api_keys(env.tenant_a)[0].revoked_at is None
+    assert env.repo.tenants.get(env.tenant_a).current_salt_version == salt
+    assert len(env.repo.keys.list_for_tenant(env.tenant_a)) == 1
+    assert env.repo.keys.list_for_tenant(env.tenant_a)[0].revoked_at is None
     assert console.get("/console/overview").status_code == 200  # not logged out
     session_id = console.client.cookies.get(COOKIE)
     other.login(env.issue("admin", subject="other-admin"))
@@ -426,21 +426,21 @@ def test_a_new_key_is_shown_once_and_works_and_revoking_it_stops_it(env, console
     assert r.status_code == 201
     key = re.search(r'id="new-key-value" readonly value="([^"]+)"', r.text).group(1)
     assert key.startswith("ss-") and "shown this once" in r.text
-    info = next(k for k in env.repo.list_api_keys(env.tenant_b) if k.name == "ci")
+    info = next(k for k in env.repo.keys.list_for_tenant(env.tenant_b) if k.name == "ci")
     assert info.expires_at is not None
     ok = env.client.post("/v1/chat/completions", headers=env.headers(key),
                          json={**CHAT, "model": env.model})
     assert ok.status_code == 200
     page = console.get(f"/console/tenants/{env.tenant_b}")
     assert key not in page.text and info.last4 in page.text  # never shown again
-    keys_before = len(env.repo.list_api_keys(env.tenant_b))
+    keys_before = len(env.repo.keys.list_for_tenant(env.tenant_b))
     for form, message in (({"expires_in_days": "-3"}, "expires in days"),
                           ({"expires_in_days": "1" * 5000}, "expires in days"),
                           ({"name": "k" * 1000}, "key name must be at most 255"),
                           ({"name": "nul\x00byte"}, "printable")):
         bad = console.follow(console.post(f"/console/tenants/{env.tenant_b}/keys", form))
         assert message in bad.text, form
-    assert len(env.repo.list_api_keys(env.tenant_b)) == keys_before
+    assert len(env.repo.keys.list_for_tenant(env.tenant_b)) == keys_before
     page = console.follow(console.post(f"/console/keys/{info.id}/revoke"))
     assert "revoked" in page.text
     refused = env.client.post("/v1/chat/completions", headers=env.headers(key),
@@ -462,7 +462,7 @@ def test_rotation_and_reset_confirm_what_they_drop_then_do_it(env, console):
     blocks = int(re.search(r"(\d+) cached blocks of tenant-a are dropped", confirm.text)
                  .group(1))
     assert blocks > 0
-    version = env.repo.get_tenant(env.tenant_a).current_salt_version
+    version = env.repo.tenants.get(env.tenant_a).current_salt_version
     assert f"from version {version} to {version + 1}" in confirm.text  # shown, not done
     page = console.follow(console.post(f"/console/tenants/{env.tenant_a}/rotate-salt"))
     assert f"Salt rotated to version {version + 1}: {blocks} cached blocks dropped" in page.text
@@ -586,7 +586,7 @@ def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
     evil = '<script>alert(1)</script>"><img src=x onerror=alert(2)>\'</canvas>'
     console.post("/console/tenants", {"name": evil, "enable_prefix_caching": "on"})
     tenant = env.repo.tenants.resolve(evil)
-    key, _ = env.repo.create_api_key(tenant.id)
+    key, _ = env.repo.keys.create(tenant.id)
     r = env.client.post("/v1/chat/completions", headers=env.headers(key),
                         json={**CHAT, "model": env.model})
     assert r.status_code == 200, r.text

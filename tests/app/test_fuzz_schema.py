@@ -128,7 +128,7 @@ def _fuzz_operation(env, operation, statuses: Counter) -> None:
 def test_fuzzed_requests_never_break_the_server(env, fuzz_schema):
     """One bounded hypothesis run per operation (schemathesis's pytest plugin is not used: its
     lazy-fixture loader does not run on pytest 9)."""
-    env.salt_ctx = env.repo.authenticate_api_key(env.key_a)
+    env.salt_ctx = env.repo.authenticator.authenticate_api_key(env.key_a)
     statuses: dict[str, Counter] = {}
     for result in fuzz_schema.get_all_operations():
         operation = result.ok()

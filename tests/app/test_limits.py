@@ -169,7 +169,7 @@ def clock(env):
     env.client.app.state.completions.limiter = RateLimiter(clock)
     yield clock
     for tenant in (env.tenant_a, env.tenant_b):
-        env.repo.update_tenant(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
+        env.repo.tenants.update(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
 
 
 def _post(env, key, **kw):
@@ -181,14 +181,14 @@ def _post(env, key, **kw):
 def _error_rows(env, tenant: str, n: int) -> list:
     deadline = time.time() + 5
     while True:  # usage is written off the request path
-        rows = [u for u in env.repo.list_usage(tenant) if u.status == "error"]
+        rows = [u for u in env.repo.usage.list_usage(tenant) if u.status == "error"]
         if len(rows) >= n or time.time() > deadline:
             return rows
         time.sleep(0.05)
 
 
 def test_rpm_429_in_openai_shape_with_headers_and_no_engine_state(env, clock):
-    env.repo.update_tenant(env.tenant_a, rpm_limit=2, tpm_limit=1000)
+    env.repo.tenants.update(env.tenant_a, rpm_limit=2, tpm_limit=1000)
     errors_before = len(_error_rows(env, env.tenant_a, 0))
     ok = _post(env, env.key_a)
     assert ok.status_code == 200, ok.text
@@ -219,7 +219,7 @@ def test_rpm_429_in_openai_shape_with_headers_and_no_engine_state(env, clock):
 
 
 def test_tpm_counts_actual_usage_and_rejects_oversized_max_tokens(env, clock):
-    env.repo.update_tenant(env.tenant_a, tpm_limit=300)
+    env.repo.tenants.update(env.tenant_a, tpm_limit=300)
     r = _post(env, env.key_a, max_tokens=400)  # 4 + 400 can never fit in 300 per minute
     assert r.status_code == 429 and "request too large" in r.json()["error"]["message"]
     # Stop strings end the calls long before max_tokens (and keep the test fast).
@@ -234,7 +234,7 @@ def test_tpm_counts_actual_usage_and_rejects_oversized_max_tokens(env, clock):
 
 
 def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock):
-    env.repo.update_tenant(env.tenant_b, max_concurrent=1)
+    env.repo.tenants.update(env.tenant_b, max_concurrent=1)
     limiter = env.client.app.state.completions.limiter
     body = {"model": env.model, "prompt": [21, 22, 23], "max_tokens": 3, "temperature": 0,
             "stream": True}
@@ -258,7 +258,7 @@ def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock)
 
 
 def test_lease_released_on_engine_rejection_and_bad_request(env, clock):
-    env.repo.update_tenant(env.tenant_b, max_concurrent=1, rpm_limit=100)
+    env.repo.tenants.update(env.tenant_b, max_concurrent=1, rpm_limit=100)
     limiter = env.client.app.state.completions.limiter
     assert _post(env, env.key_b, model="nope").status_code == 404  # before admission
     assert limiter.in_flight(env.tenant_b) == 0
@@ -270,7 +270,7 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     """Drives the ASGI app directly: the client goes away after the first SSE chunk."""
     import asyncio
 
-    env.repo.update_tenant(env.tenant_a, max_concurrent=1, tpm_limit=5000)
+    env.repo.tenants.update(env.tenant_a, max_concurrent=1, tpm_limit=5000)
     limiter = env.client.app.state.completions.limiter
     body = json.dumps({"model": env.model, "prompt": list(range(300, 360)), "max_tokens": 300,
                        "ignore_eos": True, "temperature": 0, "stream": True}).encode()

@@ -328,7 +328,7 @@ def test_preemption_with_unique_prompts_counts_recompute_not_hits(env):
 def wait_for_usage(env, tenant: str, ids: set[str]) -> list:
     deadline = time.time() + 10
     while True:  # usage is written off the request path
-        rows = [u for u in env.repo.list_usage(tenant) if u.request_id in ids]
+        rows = [u for u in env.repo.usage.list_usage(tenant) if u.request_id in ids]
         if len(rows) == len(ids) or time.time() > deadline:
             assert len(rows) == len(ids)
             return rows
@@ -382,23 +382,23 @@ def test_usage_rows_sum_to_the_token_counters_rejected_calls_included(env):
     """Billing matches the work: a call refused before the engine (400 at parsing, 400 after
     tokenising, 429 for tokens per minute) records 0 tokens, so per-tenant usage sums equal
     the Prometheus counters."""
-    t = env.repo.create_tenant("billing")
-    key, _ = env.repo.create_api_key(t.id)
-    env.repo.update_tenant(t.id, tpm_limit=100)
+    t = env.repo.tenants.create("billing")
+    key, _ = env.repo.keys.create(t.id)
+    env.repo.tenants.update(t.id, tpm_limit=100)
     body = {"model": env.model, "max_tokens": 1, "temperature": 0}
 
     def post(**kw):
         return env.client.post("/v1/completions", json={**body, **kw}, headers=env.headers(key))
 
     assert post(prompt=prompt_of(90, 120)).status_code == 429          # after tokenising
-    env.repo.update_tenant(t.id, tpm_limit=None)
+    env.repo.tenants.update(t.id, tpm_limit=None)
     assert post(prompt=prompt_of(91, 200), max_tokens=100).status_code == 400  # context length
     assert post(prompt=prompt_of(92, 10), temperature=-1).status_code == 400   # at parsing
     reset(env)
     ok = [post(prompt=prompt_of(93, n)).json() for n in (40, 40, 23)]
     assert [u["usage"]["prompt_tokens_details"]["cached_tokens"] for u in ok] == [0, 32, 16]
     deadline = time.time() + 10
-    while len(rows := env.repo.list_usage(t.id)) < 6 and time.time() < deadline:
+    while len(rows := env.repo.usage.list_usage(t.id)) < 6 and time.time() < deadline:
         time.sleep(0.02)  # usage rows are written off the request path
     assert len(rows) == 6
     refused = [r for r in rows if r.status == "error"]

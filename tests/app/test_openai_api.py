@@ -157,13 +157,13 @@ def test_bad_completion_requests_get_400_with_param_and_change_nothing(app_env, 
 
 
 def test_rejected_request_is_recorded_as_error_usage(app_env):
-    before = len([u for u in app_env.repo.list_usage(app_env.tenant_b) if u.status == "error"])
+    before = len([u for u in app_env.repo.usage.list_usage(app_env.tenant_b) if u.status == "error"])
     r = app_env.client.post("/v1/completions", headers=app_env.headers(app_env.key_b),
                             json={"model": "not-a-model", "prompt": [1, 2, 3]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     deadline = time.time() + 5
     while time.time() < deadline:
-        errors = [u for u in app_env.repo.list_usage(app_env.tenant_b) if u.status == "error"]
+        errors = [u for u in app_env.repo.usage.list_usage(app_env.tenant_b) if u.status == "error"]
         if len(errors) > before:
             break
         time.sleep(0.05)
@@ -211,7 +211,7 @@ def test_models_health_and_usage_records(app_env):
     resp = _complete(app_env, app_env.key_b, prompt)
     deadline = time.time() + 5
     while time.time() < deadline:  # usage is written off the request path
-        rows = [u for u in app_env.repo.list_usage(app_env.tenant_b)
+        rows = [u for u in app_env.repo.usage.list_usage(app_env.tenant_b)
                 if u.request_id == resp["id"]]
         if rows:
             break
@@ -253,9 +253,9 @@ def test_n_choices_share_one_prefill_even_with_caching_off(app_env):
     partial last block), not 8 times; nothing of it stays cached, no other tenant is touched,
     and the prompt is billed once."""
     env = app_env
-    t = env.repo.create_tenant("no-cache-n")
-    env.repo.update_tenant(t.id, enable_prefix_caching=False)
-    key, _ = env.repo.create_api_key(t.id)
+    t = env.repo.tenants.create("no-cache-n")
+    env.repo.tenants.update(t.id, enable_prefix_caching=False)
+    key, _ = env.repo.keys.create(t.id)
     prompt = [(13 * i) % 30000 + 700 for i in range(100)]   # 6 full blocks + 4 tokens
     body = {"model": env.model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
             "ignore_eos": True}

@@ -77,7 +77,7 @@ def send(app_env, monkeypatch) -> Callable[..., Seen]:
 def _stored_end_user(env, request_id: str) -> str | None:
     deadline = time.time() + 5
     while time.time() < deadline:
-        rows = [u for u in env.repo.list_usage(env.tenant_a) if u.request_id == request_id]
+        rows = [u for u in env.repo.usage.list_usage(env.tenant_a) if u.request_id == request_id]
         if rows:
             return rows[0].end_user
         time.sleep(0.05)

@@ -40,7 +40,7 @@ def _ttft(env, key: str, tenant: str, prompt: list[int]) -> tuple[float, int]:
     body = r.json()
     deadline = time.time() + 10
     while time.time() < deadline:  # usage rows are written off the request path
-        rows = [u for u in env.repo.list_usage(tenant) if u.request_id == body["id"]]
+        rows = [u for u in env.repo.usage.list_usage(tenant) if u.request_id == body["id"]]
         if rows:
             break
         time.sleep(0.02)

@@ -20,8 +20,8 @@ def env(app_env_builder, tmp_path_factory) -> Iterator:
 
 
 def test_calls_while_the_database_is_locked_are_all_billed_once_it_unlocks(env):
-    t = env.repo.create_tenant("durable")
-    key, _ = env.repo.create_api_key(t.id)
+    t = env.repo.tenants.create("durable")
+    key, _ = env.repo.keys.create(t.id)
     body = {"model": env.model, "prompt": [500, 501, 502], "max_tokens": 2, "temperature": 0}
     assert env.client.post("/v1/completions", json=body, headers=env.headers(key)
                            ).status_code == 200     # warm: the key is cached, its row stored
@@ -42,10 +42,10 @@ def test_calls_while_the_database_is_locked_are_all_billed_once_it_unlocks(env):
         locker.rollback()
         locker.close()
     assert journal.wait_stored(timeout_s=30)
-    rows = [r for r in env.repo.list_usage(t.id) if r.request_id in ids]
+    rows = [r for r in env.repo.usage.list_usage(t.id) if r.request_id in ids]
     assert sorted(r.request_id for r in rows) == sorted(ids)
     assert all((r.status, r.prompt_tokens, r.completion_tokens) == ("ok", 3, 2) for r in rows)
-    assert len(env.repo.list_usage(t.id)) == 9
+    assert len(env.repo.usage.list_usage(t.id)) == 9
 
 
 def test_an_admin_write_while_the_database_is_locked_is_a_503_that_changes_nothing(env):

@@ -484,12 +484,12 @@ def _usage(env, tenant: str, n: int, timeout: float = 5.0) -> list:
     """The tenant's usage rows once there are ``n`` (usage is written off the request path),
     after a short wait for any extra row."""
     deadline = time.monotonic() + timeout
-    rows = env.repo.list_usage(tenant)
+    rows = env.repo.usage.list_usage(tenant)
     while len(rows) < n and time.monotonic() < deadline:
         time.sleep(0.02)
-        rows = env.repo.list_usage(tenant)
+        rows = env.repo.usage.list_usage(tenant)
     time.sleep(0.2)
-    return env.repo.list_usage(tenant)
+    return env.repo.usage.list_usage(tenant)
 
 
 def _sse_events(text: str) -> list:

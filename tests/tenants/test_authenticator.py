@@ -21,11 +21,11 @@ def test_facade_exposes_one_part_per_concern(repo: TenantRepository) -> None:
     assert isinstance(repo.usage, UsageStore)
     t = repo.tenants.create("acme")
     token, info = repo.keys.create(t.id)
-    assert repo.keys.list_for_tenant(t.id) == repo.list_api_keys(t.id) == [info]
+    assert repo.keys.list_for_tenant(t.id) == repo.keys.list_for_tenant(t.id) == [info]
     assert repo.tenants.resolve("acme") == repo.tenants.resolve(t.id) == t
     ctx = repo.authenticator.authenticate_api_key(token)
-    assert ctx == repo.authenticate_api_key(token)  # equality ignores the sealed salt
-    assert hash(ctx) == hash(repo.authenticate_api_key(token))
+    assert ctx == repo.authenticator.authenticate_api_key(token)  # equality ignores the sealed salt
+    assert hash(ctx) == hash(repo.authenticator.authenticate_api_key(token))
     assert repo.authenticator.flush_last_used() == 1
     for part in (repo, repo.tenants, repo.keys, repo.authenticator, repo.usage):
         assert "cipher" not in repr(part).lower()
@@ -56,12 +56,12 @@ def test_rotation_by_another_process_replaces_the_cached_salt(
 ) -> None:
     t = repo.tenants.create("acme")
     token, _ = repo.keys.create(t.id)
-    before = repo.authenticate_api_key(token)
+    before = repo.authenticator.authenticate_api_key(token)
     other = TenantRepository(make_session_factory(engine), cipher)  # e.g. the CLI
     assert other.authenticator.cached_salt_version(t.id) is None
     assert other.tenants.rotate_salt(t.id) == 2
     assert repo.authenticator.cached_salt_version(t.id) == 1  # this process cannot know yet
-    after = repo.authenticate_api_key(token)  # ...until the database says version 2
+    after = repo.authenticator.authenticate_api_key(token)  # ...until the database says version 2
     assert after.salt_version == 2 and repo.authenticator.cached_salt_version(t.id) == 2
     assert after.effective_salt() == effective_salt(known_salts[1], 2, None)
     assert after.effective_salt() != before.effective_salt()
@@ -80,11 +80,11 @@ def test_master_key_rotation_reaches_the_authenticator(
 ) -> None:
     t = repo.tenants.create("acme")
     token, _ = repo.keys.create(t.id)
-    repo.authenticate_api_key(token)
+    repo.authenticator.authenticate_api_key(token)
     new_cipher = SaltCipher(b"\x09" * 32)
     assert repo.tenants.reencrypt_salts(new_cipher) == 1
     other = TenantRepository(make_session_factory(engine), new_cipher)
     assert other.tenants.rotate_salt(t.id) == 2  # stored under the new master key only
-    ctx = repo.authenticate_api_key(token)  # cache miss: must decrypt with the new key
+    ctx = repo.authenticator.authenticate_api_key(token)  # cache miss: must decrypt with the new key
     assert ctx.salt_version == 2
     assert ctx.effective_salt() == effective_salt(known_salts[1], 2, None)

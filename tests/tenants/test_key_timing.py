@@ -12,8 +12,8 @@ from tenants.repository import TenantRepository
 
 
 def test_unknown_and_wrong_secret_keys_are_rejected_in_the_same_time(repo: TenantRepository):
-    tenant = repo.create_tenant("timing")
-    key, info = repo.create_api_key(tenant.id)
+    tenant = repo.tenants.create("timing")
+    key, info = repo.keys.create(tenant.id)
     secret = key.split("-", 2)[2]
     wrong_secret = f"ss-{info.id}-" + ("A" if secret[0] != "A" else "B") + secret[1:]
     unknown_id = "ss-000000000000-" + secret
@@ -21,7 +21,7 @@ def test_unknown_and_wrong_secret_keys_are_rejected_in_the_same_time(repo: Tenan
     def reject(token: str) -> float:
         t0 = time.perf_counter()
         with pytest.raises(InvalidToken):
-            repo.authenticate_api_key(token)
+            repo.authenticator.authenticate_api_key(token)
         return time.perf_counter() - t0
 
     for token in (wrong_secret, unknown_id):  # warm caches and connections

@@ -23,8 +23,8 @@ def _rec(i: int, tenant: str, at: datetime, **kw) -> UsageRecord:
 
 @pytest.fixture
 def loaded(repo):
-    a = repo.create_tenant("acme")
-    b = repo.create_tenant("globex")
+    a = repo.tenants.create("acme")
+    b = repo.tenants.create("globex")
     recs = [
         # acme: day 1, two minutes of hour 10; one error, one hit, one other key, one end user
         _rec(1, a.id, T0, cached_tokens=64, ttft_s=0.04),
@@ -111,7 +111,7 @@ def test_bad_queries_are_refused(loaded, kw, message):
 
 
 def test_end_users_read_the_raw_rows_and_none_equals_empty(repo):
-    a = repo.create_tenant("acme")
+    a = repo.tenants.create("acme")
     recs = [_rec(i, a.id, T0 + timedelta(minutes=i), end_user=u)
             for i, u in enumerate(["alice", "alice", "", None, "bob"])]
     recs += [_rec(100 + i, a.id, T0, end_user=f"user-{i}") for i in range(50)]
