@@ -12,6 +12,10 @@ M = 1..64 activation rows (M = running sequences in a decode step):
   one ``--quantization gguf`` runs below ``engine.quantization.q4_own_kernel_below_tokens()``
   rows: its time and its speed-up over torch's int4 kernel (with the fp32 <-> bf16 conversions a
   fp32 model pays). ``ATEN_CPU_CAPABILITY=avx2`` shows torch's kernels as on an AVX2-only CPU.
+- the bf16 dense copy a quantized layer holds on CPUs with native bf16 (``F.linear`` in bf16,
+  with the conversions a fp32 model pays), which runs from
+  ``engine.quantization.DENSE_FROM_TOKENS_NATIVE_BF16`` rows there: its time and its speed-up
+  over the int4 kernel (both with conversions) and over fp32 ``F.linear``.
 Also the effective read bandwidth of our kernels at M=1 (weight bytes / time).
 
 Usage: ``python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64]``.
@@ -67,9 +71,11 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; kernel used up to "
           f"{cpu_linear.MAX_ROWS} rows")
     print(f"{'shape':>8} {'M':>3} {'F.linear us':>12} {'ours us':>9} {'speed-up':>9} "
-          f"{'int8 us':>8} {'int4 us':>8} {'our q4 us':>10} {'vs int4':>8}")
+          f"{'int8 us':>8} {'int4 us':>8} {'our q4 us':>10} {'vs int4':>8} {'bf16 us':>8} "
+          f"{'vs int4':>8} {'vs fp32':>8}")
     for name, n, k in SHAPES:
         w = torch.randn(n, k) / k ** 0.5
+        wb = w.bfloat16()
         q8 = Int8Linear.quantize(w, None, torch.bfloat16)
         g = GroupedInt4(torch.randint(0, 16, (n, k), dtype=torch.uint8),
                         torch.rand(n, k // 32) / 100, -torch.rand(n, k // 32) / 100)
@@ -92,8 +98,10 @@ def main() -> None:
             i4_fp32 = per_call_us(lambda q4=q4, x=x: q4._kernel(x.bfloat16()).float())
             oq4 = per_call_us(lambda x=x, c=codes, s=scale16, mn=minimum16:
                               cpu_linear.q4_linear(x, c, s, mn))
+            bf16 = per_call_us(lambda x=x, wb=wb: F.linear(x.bfloat16(), wb).float())
             print(f"{name:>8} {m:3d} {ref:12.1f} {ours_s} {ratio} {i8:8.1f} {i4:8.1f} "
-                  f"{oq4:10.1f} {i4_fp32 / oq4:7.2f}x")
+                  f"{oq4:10.1f} {i4_fp32 / oq4:7.2f}x {bf16:8.1f} {i4_fp32 / bf16:7.2f}x "
+                  f"{ref / bf16:7.2f}x")
             if m == 1:
                 gbs = n * k * 4 / (float(ours_s) * 1e-6) / 1e9
                 q4_gbs = (codes.numel() + 4 * g.scale.numel()) / (oq4 * 1e-6) / 1e9

@@ -15,9 +15,12 @@ For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), 
      hide the agreement of the rest; plus whole outputs identical when it generates freely;
    - perplexity on ``benchmarks/data/perplexity.txt`` (public-domain prose and two plain
      technical paragraphs, 577 tokens).
-   Fidelity runs with ``--max-num-batched-tokens 16`` and the fp32 switch-over at
-   ``DENSE_FROM_TOKENS`` rows, so every forward goes through the quantized kernels (with fp32
-   activations, longer forwards run on the exact fp32 dequantization and would measure that).
+   Fidelity runs twice. "kernels": ``--max-num-batched-tokens 16`` and the dense switch-over
+   at ``DENSE_FROM_TOKENS`` rows, so every forward goes through the quantized kernels (with fp32
+   activations, longer forwards run on the layer's dense copy and would measure that).
+   "served": the engine as served (default chunk size and thresholds), so prefill chunks run
+   on the dense copy: the exact fp32 dequantization, or its bf16 rounding in bf16 GEMM on CPUs
+   with native bf16 (``engine.quantization.dense_copy_dtype``).
 
 Usage: ``python benchmarks/bench_quantization.py [--formats fp32,bf16,int8,gguf]
 [--data-dir .saltserve]``. Numbers in docs/benchmarks.md.
@@ -116,6 +119,37 @@ def prompt_logprobs(engine: LLMEngine, ids: list[int]):
     return run_to_completion(engine, [_request(0, ids, 1, prompt_logprobs=0)])[0].prompt_logprobs
 
 
+def fidelity(model_dir: Path, fmt: dict, reference: dict, kernels_only: bool
+             ) -> tuple[list, float, int, float]:
+    """(outputs, teacher-forced agreement with ``reference``, identical outputs, perplexity);
+    ``kernels_only``: every forward through the quantized kernels (see the docstring)."""
+    saved = (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16)
+    extra = {}
+    if kernels_only:  # forwards of at most 16 rows, below every dense switch-over
+        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = quantization.DENSE_FROM_TOKENS
+        quantization.DENSE_FROM_TOKENS_NATIVE_BF16 = quantization.DENSE_FROM_TOKENS
+        extra = {"max_num_batched_tokens": 16}
+    try:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), **extra, **fmt))
+        prompts = [chat_ids(engine, p) for p in PROMPTS]
+        text_ids = engine.tokenizer.encode(TEXT.read_text())
+        outputs = greedy(engine, prompts)
+        ref_outputs = reference.get("outputs", outputs)
+        agree = total = 0
+        for p, ref_out in zip(prompts, ref_outputs):
+            lps = prompt_logprobs(engine, p + ref_out)
+            ranks = [lp.rank for lp in lps[len(p):]]
+            agree += sum(r == 1 for r in ranks)
+            total += len(ranks)
+        identical = sum(o == r for o, r in zip(outputs, ref_outputs))
+        lps = prompt_logprobs(engine, text_ids)[1:]
+        ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
+        del engine
+    finally:
+        quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16 = saved
+    return outputs, agree / total, identical, ppl
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default=",".join(FORMATS))
@@ -127,48 +161,33 @@ def main() -> None:
           f"threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s")
     reference: dict[str, list] = {}
     rows = []
-    own_kernel_rows = quantization.DENSE_FROM_TOKENS_OWN_KERNEL
     for name in args.formats.split(","):
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)
         weight_mb = engine.model.weight_bytes() / 1e6
         del engine
-        # Fidelity of the decode kernels: forwards of at most 16 rows (see the docstring), all
-        # through the quantized kernels (with our CPU kernel loaded, 4+ rows would run fp32).
-        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = quantization.DENSE_FROM_TOKENS
-        engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=16,
-                                        **FORMATS[name]))
-        prompts = [chat_ids(engine, p) for p in PROMPTS]
-        text_ids = engine.tokenizer.encode(TEXT.read_text())
-        outputs = greedy(engine, prompts)
+        outputs, agreement, identical, ppl = fidelity(model_dir, FORMATS[name], reference, True)
         if not reference:  # the first format is the reference (fp32 by default)
             reference = {"format": name, "outputs": outputs}
-        agree = total = 0
-        for p, ref_out in zip(prompts, reference["outputs"]):
-            lps = prompt_logprobs(engine, p + ref_out)
-            ranks = [lp.rank for lp in lps[len(p):]]
-            agree += sum(r == 1 for r in ranks)
-            total += len(ranks)
-        identical = sum(o == r for o, r in zip(outputs, reference["outputs"]))
-        lps = prompt_logprobs(engine, text_ids)[1:]
-        ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
+        served = fidelity(model_dir, FORMATS[name], reference, False)[1:]
         limit = bw * 1e3 / weight_mb
-        rows.append((name, one, many, weight_mb, limit, agree / total, identical, ppl))
-        del engine
-        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = own_kernel_rows
+        rows.append((name, one, many, weight_mb, limit, agreement, identical, ppl, served))
     ref = rows[0]
     print(f"\nfidelity against {reference['format']}: greedy agreement teacher-forced over "
-          f"{len(PROMPTS)} prompts x 32 tokens; perplexity over {len(lps) + 1} tokens\n")
+          f"{len(PROMPTS)} prompts x 32 tokens, perplexity over {TEXT.name}; first through the "
+          f"quantized kernels only, then as served (prefill on the dense copy: "
+          f"{quantization.dense_copy_dtype()})\n")
     print(f"{'format':6} {'1 stream':>9} {'step ms':>8} {'model':>6} {'engine':>6} "
           f"{'16 streams':>10} {'vs ' + ref[0]:>8} {'weights':>8} {'limit':>7} {'of limit':>8} "
-          f"{'agree':>6} {'same':>5} {'ppl':>6}")
-    for name, one, many, mb, limit, agreement, identical, ppl in rows:
+          f"{'agree':>6} {'same':>5} {'ppl':>6} | served: {'agree':>6} {'same':>5} {'ppl':>6}")
+    for name, one, many, mb, limit, agreement, identical, ppl, served in rows:
         print(f"{name:6} {one['tok_s']:6.1f}/s {one['step_ms']:8.1f} {one['model_ms']:6.1f} "
               f"{one['engine_ms']:6.2f} {many['tok_s']:8.1f}/s "
               f"{one['tok_s'] / ref[1]['tok_s']:7.2f}x {mb:6.0f}MB {limit:5.0f}/s "
               f"{100 * one['tok_s'] / limit:7.0f}% {100 * agreement:5.1f}% "
-              f"{identical}/{len(PROMPTS)} {ppl:6.2f}")
+              f"{identical}/{len(PROMPTS)} {ppl:6.2f} |         {100 * served[0]:5.1f}% "
+              f"{served[1]}/{len(PROMPTS)} {served[2]:6.2f}")
 
 
 if __name__ == "__main__":

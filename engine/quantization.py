@@ -15,13 +15,14 @@ out_features] in ``x``'s dtype; the model calls it and never looks inside. Three
 Both quantized kernels are fast only with bf16 inputs (fp32 inputs run 5-10x slower than fp32
 dense: measured in issue 15), so they run in bf16 whatever the model's dtype: with fp32
 activations (the CPU default) each call converts its input to bf16 and its output back, which
-costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of
-``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step; 4 rows once our
-CPU kernel is loaded, see ``dense_from_tokens``) are compute-bound, and there fp32 beats the
-kernels, so with fp32 activations a quantized layer
-also holds the weight as loaded, in fp32, for them: for ``gguf`` the exact dequantization of its
-4-bit blocks, for ``int8`` the unquantized weight. Decode steps of fewer sequences read only the
-quantized weights. The kernels exist on CPU
+costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of many
+rows (prefill chunks, or many decodes in one step: ``dense_from_tokens()``) are compute-bound,
+and there dense GEMM beats the kernels, so with fp32 activations a quantized layer also holds
+the weight as loaded for them (for ``gguf`` the dequantization of its 4-bit blocks, for
+``int8`` the unquantized weight): in fp32 (exact; from 32 rows, or 4 once our CPU kernel is
+loaded), or, on CPUs with native bf16, in bf16 from 24 rows, where torch's bf16 GEMM runs
+3.5-4.5x its fp32 one (``DENSE_FROM_TOKENS_NATIVE_BF16``). Decode steps of fewer sequences
+read only the quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
 The quantized matmuls are torch's, except one-row 4-bit forwards on CPUs without native bf16,
 which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``); the small-batch fp32 one is ours
@@ -33,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import QUANTIZATIONS
 from kernels import cpu_linear
@@ -44,11 +46,18 @@ KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with b
 # what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows (benchmarks/bench_cpu_linear.py).
 DENSE_FROM_TOKENS = 32
 DENSE_FROM_TOKENS_OWN_KERNEL = 4
-# With native bf16 (AVX512-BF16) torch's quantized kernels beat our fp32 kernel on the dense
-# copy up to 32 rows: gguf decode, one engine, alternating, 3 rounds (2026-12-02, AMD EPYC):
-# 4 streams 402 against 181 tok/s, 8: 439 against 332, 16: 562 against 410; a warm prefill of
-# 13 new tokens after a cached 1,744: 41-46 against 56-60 ms.
-DENSE_FROM_TOKENS_NATIVE_BF16 = 32
+# With native bf16 (AVX512-BF16, and AMX) the dense copy is held in bf16 and runs torch's bf16
+# GEMM (oneDNN): 3.5-4.5x fp32 GEMM from 32 rows. Per layer's four projections of the bundled
+# model, weights in cache, 2 threads, us, best of 3 interleaved rounds (2026-12-03, AMD EPYC
+# with avx512_bf16; per shape: the bf16 column of benchmarks/bench_cpu_linear.py): 16 rows:
+# int4 577, bf16 364-399, fp32 1,328; 32: int4 1,098, bf16 564-597, fp32 2,625; 60: bf16 1,049,
+# fp32 3,726; 512: bf16 5,813-6,163, fp32 23,208. In the engine, where a step streams every
+# weight from memory (4x the bytes in bf16), torch's 4-bit kernels still win at 16 decode rows
+# and tie at 24 (gguf, one engine, 5 alternating rounds, medians: 16 streams 681 against 564
+# tok/s, 24 streams 716 against 722), so the bf16 copy runs from 24 rows. Prefill is where it
+# pays: 4 warm requests of 15 new tokens after a cached 1,550, 1.75x; a cold 1,755-token prompt,
+# 1.47x (benchmarks in docs/benchmarks.md, "A bf16 dense copy").
+DENSE_FROM_TOKENS_NATIVE_BF16 = 24
 # Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
 # (kernels/cpu/q4_linear.cpp) when it is loaded. Measured on an AVX-512/AMX Xeon, with torch
 # dispatching its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU): ours is
@@ -60,21 +69,33 @@ Q4_OWN_KERNEL_BELOW_TOKENS = 2
 Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16; AMX CPUs have it too)."""
+    return "avx512_bf16" in cpu_linear.cpu_flags()
+
+
+def dense_copy_dtype() -> torch.dtype:
+    """The dtype of a quantized layer's dense copy under fp32 activations: ``KERNEL_DTYPE``
+    (bf16) on CPUs with native bf16, where torch's bf16 GEMM is 3.5-4.5x its fp32 one from 32
+    rows (see ``DENSE_FROM_TOKENS_NATIVE_BF16``), else fp32 (the exact dequantization)."""
+    return KERNEL_DTYPE if native_bf16() else torch.float32
+
+
 def q4_own_kernel_below_tokens() -> int:
     """Rows below which ``Int4Linear`` runs our Q4 kernel (see the constants above)."""
-    if "avx512_bf16" in cpu_linear.cpu_flags():
+    if native_bf16():
         return Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16
     return Q4_OWN_KERNEL_BELOW_TOKENS
 
 
 def dense_from_tokens() -> int:
-    """Rows from which a quantized layer runs its fp32 copy: ``DENSE_FROM_TOKENS_OWN_KERNEL``
-    once our CPU kernel is loaded on a CPU without native bf16, else ``DENSE_FROM_TOKENS``
-    (``DENSE_FROM_TOKENS_NATIVE_BF16`` with it; see the constants above)."""
+    """Rows from which a quantized layer runs its dense copy: ``DENSE_FROM_TOKENS_NATIVE_BF16``
+    (a bf16 copy) on CPUs with native bf16; elsewhere ``DENSE_FROM_TOKENS_OWN_KERNEL`` once our
+    CPU kernel is loaded, else ``DENSE_FROM_TOKENS`` (see the constants above)."""
+    if native_bf16():
+        return DENSE_FROM_TOKENS_NATIVE_BF16
     if not cpu_linear.loaded():
         return DENSE_FROM_TOKENS
-    if "avx512_bf16" in cpu_linear.cpu_flags():
-        return DENSE_FROM_TOKENS_NATIVE_BF16
     return DENSE_FROM_TOKENS_OWN_KERNEL
 
 
@@ -98,7 +119,7 @@ class LinearMethod:
 
 
 # Projection kinds of kernels/cpu/decode_layer.cpp.
-SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR = 0, 1, 2, 3, 4
+SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -110,7 +131,8 @@ class DecodeSpec:
         kind: ``SPEC_DENSE`` (weight [out, in] fp32, our kernel: up to
             ``kernels.cpu_linear.MAX_ROWS`` rows), ``SPEC_LINEAR`` (the same, ``F.linear``:
             more rows), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
-            ``SPEC_Q4`` (our codes, scale, minimum) or ``SPEC_INT8`` (qweight, scales; bf16).
+            ``SPEC_Q4`` (our codes, scale, minimum), ``SPEC_INT8`` (qweight, scales; bf16)
+            or ``SPEC_LINEAR_BF16`` (weight [out, in] bf16: ``F.linear`` in bf16).
         tensors: the kind's operands.
         bias: [out] fp32 or None.
         group: inputs per 4-bit group (``SPEC_INT4``), else 0.
@@ -160,9 +182,11 @@ class DenseLinear(LinearMethod):
 
 class QuantizedLinear(LinearMethod):
     """A torch weight-only kernel (``_kernel``, bf16 in and out) behind one call for any
-    activation dtype, and an optional fp32 ``dense`` copy of the weight for forwards of
-    ``DENSE_FROM_TOKENS`` rows or more (prefill chunks, or 32+ decodes in one step), where fp32
-    GEMM is faster on CPU. ``bias`` [out] is in the activation dtype."""
+    activation dtype, and an optional ``dense`` copy of the weight for forwards of
+    ``dense_from_tokens()`` rows or more (prefill chunks, or many decodes in one step), where
+    dense GEMM is faster on CPU: fp32, or bf16 on CPUs with native bf16 (``dense_copy_dtype``;
+    its product then runs in bf16 like the kernels'). ``bias`` [out] is in the activation
+    dtype."""
 
     bias: torch.Tensor | None
     dense: torch.Tensor | None
@@ -172,9 +196,12 @@ class QuantizedLinear(LinearMethod):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= dense_from_tokens():
-            return cpu_linear.linear(x, self.dense, self.bias)
-        y = self._kernel(x) if x.dtype == KERNEL_DTYPE else \
-            self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+            if self.dense.dtype == torch.float32:
+                return cpu_linear.linear(x, self.dense, self.bias)
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)  # the bf16 copy
+        else:
+            y = self._kernel(x) if x.dtype == KERNEL_DTYPE else \
+                self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def _kernel_spec(self) -> DecodeSpec | None:
@@ -184,6 +211,8 @@ class QuantizedLinear(LinearMethod):
         if not _fp32_cpu(self.bias):
             return None
         if self.dense is not None and num_tokens >= dense_from_tokens():
+            if self.dense.dtype == KERNEL_DTYPE and self.dense.device.type == "cpu":
+                return DecodeSpec(SPEC_LINEAR_BF16, (self.dense,), self.bias)
             return _dense_spec(self.dense, self.bias, num_tokens) if _fp32_cpu(
                 self.dense) else None
         return self._kernel_spec()
@@ -196,7 +225,8 @@ class Int8Linear(QuantizedLinear):
         qweight: [out, in] int8, contiguous.
         scales: [out] in ``KERNEL_DTYPE`` (bf16).
         bias: [out] in the activation dtype, or None.
-        dense: [out, in] fp32 or None (see ``QuantizedLinear``).
+        dense: [out, in] fp32 or bf16 (``dense_copy_dtype()``), or None (see
+            ``QuantizedLinear``).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -209,14 +239,15 @@ class Int8Linear(QuantizedLinear):
                  keep_dense: bool = False) -> Int8Linear:
         """Round-to-nearest from a float ``weight`` [out, in]: scale = max |w| of the row / 127
         (a zero row gets scale 1), rounded to ``KERNEL_DTYPE`` before the codes are taken;
-        ``bias`` in the activation ``dtype``. ``keep_dense``: ``weight`` itself (fp32, not
-        copied when it already is) serves the forwards of ``DENSE_FROM_TOKENS`` rows or more."""
+        ``bias`` in the activation ``dtype``. ``keep_dense``: ``weight`` in ``dense_copy_dtype()``
+        (fp32: not copied when it already is) serves the forwards of ``dense_from_tokens()``
+        rows or more."""
         w = weight.float()
         scales = w.abs().amax(dim=1) / 127.0
         scales = torch.where(scales == 0, torch.ones_like(scales), scales).to(KERNEL_DTYPE)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q.contiguous(), scales, None if bias is None else bias.to(dtype),
-                   w.contiguous() if keep_dense else None)
+                   w.to(dense_copy_dtype()).contiguous() if keep_dense else None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -294,7 +325,8 @@ class Int4Linear(QuantizedLinear):
         scales_and_zeros: [in / group_size, out, 2] in ``KERNEL_DTYPE`` (bf16):
             ``w = (code - 8) * scale + zero``.
         bias: [out] in the activation dtype, or None.
-        dense: [out, in] fp32 or None (see ``QuantizedLinear``).
+        dense: [out, in] fp32 or bf16 (``dense_copy_dtype()``), or None (see
+            ``QuantizedLinear``).
         own: the same weights for our Q4 kernel (fp32 activations only), or None; it runs
             below ``own_below`` rows (``q4_own_kernel_below_tokens()``).
     """
@@ -329,8 +361,9 @@ class Int4Linear(QuantizedLinear):
     def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
                      keep_dense: bool = False) -> Int4Linear:
         """Packs ``w`` for the CPU kernel (scales and zeros in ``KERNEL_DTYPE``, ``bias`` in the
-        activation ``dtype``). ``keep_dense``: also keep its exact fp32 dequantization for the
-        forwards of ``DENSE_FROM_TOKENS`` rows or more.
+        activation ``dtype``). ``keep_dense``: also keep its dequantization (exact in fp32; in
+        bf16 on CPUs with native bf16, ``dense_copy_dtype()``) for the forwards of
+        ``dense_from_tokens()`` rows or more.
 
         Raises:
             ValueError: a shape the kernel cannot take.
@@ -348,7 +381,7 @@ class Int4Linear(QuantizedLinear):
             own = GroupedQ4(cpu_linear.pack_q4(w.codes), w.scale.half().contiguous(),
                             w.minimum.half().contiguous())
         return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype),
-                   w.dequantize() if keep_dense else None, own)
+                   w.dequantize().to(dense_copy_dtype()) if keep_dense else None, own)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
@@ -381,9 +414,10 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
     quantization it becomes dense in ``dtype`` on ``device``; ``int8`` quantizes a float weight
     per channel; ``gguf`` keeps 4-bit groups as they are and quantizes float weights (a GGUF's
     F16/F32/Q8_0 tensors, dequantized) per channel to int8. Quantized kernels run in bf16
-    (``KERNEL_DTYPE``); with fp32 activations they also keep the fp32 weight for forwards of
-    ``DENSE_FROM_TOKENS`` rows or more, where fp32 GEMM is faster (an fp32 ``weight`` is kept
-    as it is, not copied: pass a tied embedding's own parameter).
+    (``KERNEL_DTYPE``); with fp32 activations they also keep a dense copy for forwards of
+    ``dense_from_tokens()`` rows or more, where dense GEMM is faster: in ``dense_copy_dtype()``
+    (an fp32 ``weight`` is kept as it is when that is fp32, not copied: pass a tied embedding's
+    own parameter).
     """
     if isinstance(weight, GroupedInt4) and quantization != "gguf":
         weight = weight.dequantize()
@@ -409,5 +443,8 @@ __all__ = [
     "LinearMethod",
     "QuantizedLinear",
     "check_quantization",
+    "dense_copy_dtype",
+    "dense_from_tokens",
     "make_linear",
+    "native_bf16",
 ]

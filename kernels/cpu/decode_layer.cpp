@@ -21,6 +21,7 @@
 //   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
 //   kQ4     (codes, scale, minimum)    our q4_linear
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
+//   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
 // plus an optional bias (added after the product, as QuantizedLinear does).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,7 +31,7 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4 };
+enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5 };
 constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -65,11 +66,12 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
     case kQ4:
       return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
     case kInt4:
-    case kInt8: {
+    case kInt8:
+    case kLinearBf16: {
       const at::Tensor xb = x.to(at::kBFloat16);
-      at::Tensor y = kind == kInt4
-                         ? at::_weight_int4pack_mm_for_cpu(xb, slot(0), group, slot(1))
-                         : at::_weight_int8pack_mm(xb, slot(0), slot(1));
+      at::Tensor y = kind == kInt4   ? at::_weight_int4pack_mm_for_cpu(xb, slot(0), group, slot(1))
+                     : kind == kInt8 ? at::_weight_int8pack_mm(xb, slot(0), slot(1))
+                                     : at::linear(xb, slot(0));
       y = y.to(x.scalar_type());
       return has_bias ? y + *bias : y;
     }

@@ -22,6 +22,7 @@ from engine.quantization import (
     SPEC_INT4,
     SPEC_INT8,
     SPEC_LINEAR,
+    SPEC_LINEAR_BF16,
     SPEC_Q4,
     GroupedInt4,
     Int4Linear,
@@ -112,15 +113,24 @@ def _caches(num_seqs: int) -> torch.Tensor:
     return torch.randn(2, 2, 4 * num_seqs, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
 
 
+@pytest.fixture(params=[False, True], ids=["fp32-copy", "bf16-copy"])
+def native_bf16(request, monkeypatch) -> bool:
+    """Runs a test as on a CPU without native bf16 (quantized layers' dense copy in fp32) and
+    as on one with it (the copy in bf16, from 24 rows), whatever this CPU is."""
+    monkeypatch.setattr(quantization, "native_bf16", lambda: request.param)
+    return request.param
+
+
 # Row counts on both sides of the kernels' thresholds: our fp32 kernel up to 32 rows, the
-# quantized layers' fp32 copy from 4 or 32 (``dense_from_tokens``).
+# quantized layers' dense copy from 4 or 32 (fp32) or 24 (bf16) rows (``dense_from_tokens``).
 CASES = [(None, False, 1), (None, True, 3), (None, False, 32), (None, False, 33),
-         ("int8", True, 1), ("int8", False, 5), ("int8", True, 33), ("gguf", True, 1),
-         ("gguf", False, 3), ("gguf", True, 5), ("gguf", False, 32)]
+         ("int8", True, 1), ("int8", False, 5), ("int8", True, 24), ("int8", True, 33),
+         ("gguf", True, 1), ("gguf", False, 3), ("gguf", True, 5), ("gguf", True, 24),
+         ("gguf", False, 32)]
 
 
 @pytest.mark.parametrize(("quantization", "bias", "rows"), CASES)
-def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, rows):
+def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, rows, native_bf16):
     model = _model(quantization, bias)
     seq_lens = [3 + 7 * s for s in range(rows)]  # 3 .. 227: one to four blocks deep
     seq_lens = [1 + (n - 1) % 60 for n in seq_lens]
@@ -146,15 +156,20 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
         assert not torch.equal(fused_caches, caches)  # this step's K/V were written
 
 
-def test_each_linear_method_names_the_kernel_its_call_runs():
+def test_each_linear_method_names_the_kernel_its_call_runs(native_bf16):
     gguf = _model("gguf", bias=False).layers[0]
     gguf.qkv.own_below = 0  # torch's int4 kernel from 1 row (CPUs with native bf16)
     assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
     assert gguf.qkv.decode_spec(1).group == 32
-    dense_from = quantization.dense_from_tokens()  # the fp32 copy from there (4 or 32 rows)
+    dense_from = quantization.dense_from_tokens()  # the dense copy from there (4, 16 or 32)
+    assert dense_from == 24 if native_bf16 else dense_from in (4, 32)
     assert gguf.qkv.decode_spec(dense_from - 1).kind == SPEC_INT4
-    assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
-    assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
+    if native_bf16:  # the bf16 copy at every row count from there
+        assert gguf.qkv.dense.dtype == torch.bfloat16
+        assert {gguf.qkv.decode_spec(n).kind for n in (dense_from, 33, 512)} == {SPEC_LINEAR_BF16}
+    else:
+        assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
+        assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
     assert gguf.qkv.decode_spec(dense_from).tensors[0] is gguf.qkv.dense
     assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
     gguf.qkv.own_below = 2  # as on CPUs without native bf16
@@ -168,7 +183,7 @@ def test_each_linear_method_names_the_kernel_its_call_runs():
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "gguf"])
-def test_every_row_count_runs_the_kernel_the_projection_would(quantization):
+def test_every_row_count_runs_the_kernel_the_projection_would(quantization, native_bf16):
     """Each projection's ``decode_spec``, run as the fused layer runs it, equals its own call
     bit for bit at 1-40 rows (the Q4 kernel included: own_below 2)."""
     model = _model(quantization, bias=True)
@@ -191,9 +206,15 @@ def _run_spec(spec, x: torch.Tensor) -> torch.Tensor:
     if spec.kind == SPEC_Q4:
         return torch.ops.saltserve_cpu.q4_linear(x, *spec.tensors, spec.bias)
     xb = x.to(torch.bfloat16)
-    y = (torch.ops.aten._weight_int4pack_mm_for_cpu(xb, spec.tensors[0], spec.group,
-                                                    spec.tensors[1])
-         if spec.kind == SPEC_INT4 else torch._weight_int8pack_mm(xb, *spec.tensors)).float()
+    if spec.kind == SPEC_INT4:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, spec.tensors[0], spec.group,
+                                                       spec.tensors[1])
+    elif spec.kind == SPEC_INT8:
+        y = torch._weight_int8pack_mm(xb, *spec.tensors)
+    else:
+        assert spec.kind == SPEC_LINEAR_BF16 and spec.tensors[0].dtype == torch.bfloat16
+        y = torch.nn.functional.linear(xb, spec.tensors[0])
+    y = y.float()
     return y if spec.bias is None else y + spec.bias
 
 

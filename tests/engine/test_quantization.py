@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine import quantization as quantization_module
@@ -113,26 +114,45 @@ def test_quantization_runs_on_cpu_only():
         EngineConfig(model="m", quantization="int4")
 
 
-def test_fp32_activations_run_the_bf16_kernel_for_decode_and_fp32_gemm_for_prefill():
+@pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
+def test_fp32_activations_run_the_bf16_kernel_for_decode_and_a_dense_copy_for_prefill(
+        native, monkeypatch):
     """With fp32 activations a quantized layer converts decode rows to bf16 for torch's kernel,
-    and runs prefill chunks (DENSE_FROM_TOKENS rows or more; fewer once our CPU kernel is
-    loaded) through the exact fp32 dequantization of the same weights."""
+    and runs forwards of ``dense_from_tokens()`` rows or more through a dense copy of the same
+    weights: their exact fp32 dequantization, or on CPUs with native bf16 its bf16 rounding
+    under torch's bf16 GEMM (from 24 rows)."""
+    monkeypatch.setattr(quantization_module, "native_bf16", lambda: native)
     w = _grouped(64, 128)
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
     assert isinstance(lin, Int4Linear) and lin.scales_and_zeros.dtype == torch.bfloat16
-    assert torch.equal(lin.dense, w.dequantize())
-    decode, prefill = torch.randn(3, 128), torch.randn(DENSE_FROM_TOKENS, 128)
+    assert torch.equal(lin.dense, w.dequantize().to(lin.dense.dtype))
+    assert lin.dense.dtype == (torch.bfloat16 if native else torch.float32)
+    rows = quantization_module.dense_from_tokens()
+    if native:
+        assert rows == quantization_module.DENSE_FROM_TOKENS_NATIVE_BF16 == 24
+    decode, prefill = torch.randn(3, 128), torch.randn(rows, 128)
     y = lin(decode)
     assert y.dtype == torch.float32
     expected = decode @ w.dequantize().t() + bias
     assert 0 < (y - expected).abs().max() < 0.02 * expected.abs().max()  # bf16 kernel
-    assert torch.equal(lin(prefill), cpu_linear.linear(prefill, w.dequantize(), bias))
-    # bf16 activations: no fp32 copy, the kernel at every size.
+    if native:
+        bf16 = F.linear(prefill.bfloat16(), w.dequantize().bfloat16()).float() + bias
+        assert torch.equal(lin(prefill), bf16)
+        exact = prefill @ w.dequantize().t() + bias
+        assert 0 < (bf16 - exact).abs().max() < 0.02 * exact.abs().max()
+        # One row fewer: torch's int4 kernel, not the dense copy.
+        below = prefill[:rows - 1]
+        assert not torch.equal(lin(below), bf16[:rows - 1])
+    else:
+        assert torch.equal(lin(prefill), cpu_linear.linear(prefill, w.dequantize(), bias))
+    # bf16 activations: no dense copy, the kernel at every size.
     assert make_linear(w, None, "gguf", torch.bfloat16, CPU).dense is None
-    int8 = make_linear(torch.randn(64, 128), None, "int8", torch.float32, CPU)
+    weight = torch.randn(64, 128)
+    int8 = make_linear(weight, None, "int8", torch.float32, CPU)
     assert int8.dense is not None and int8(decode).dtype == torch.float32
-
+    assert torch.equal(int8.dense, weight.to(int8.dense.dtype))
+    assert (int8.dense is weight) == (not native)  # an fp32 weight is kept, not copied
 
 
 def test_fp32_decode_rows_run_our_q4_kernel_below_its_threshold(monkeypatch):
@@ -232,11 +252,16 @@ def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weig
         _build(cfg, quantized, "gguf")
 
 
-def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy():
+@pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
+def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy(native, monkeypatch):
+    monkeypatch.setattr(quantization_module, "native_bf16", lambda: native)
     cfg, state = _tiny_llama(tie=True)
     model = _build(cfg, state, "gguf")
     assert isinstance(model.lm_head, Int8Linear)
-    assert model.lm_head.dense is model.embed_tokens.weight  # 32+ rows: the embedding itself
+    if native:  # its dense rows: a bf16 copy of the embedding
+        assert torch.equal(model.lm_head.dense, model.embed_tokens.weight.bfloat16())
+    else:  # the embedding itself
+        assert model.lm_head.dense is model.embed_tokens.weight
 
 
 def test_gguf_q_k_rows_and_biases_are_permuted_back_for_llama(tmp_path):
@@ -331,9 +356,10 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
         fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
     del fp32
     # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
-    # prefill chunks would run on the fp32 copy under fp32 activations: DENSE_FROM_TOKENS; with
-    # our CPU kernel loaded, chunks of 4 rows already would).
+    # prefill chunks would run on the dense copy under fp32 activations: DENSE_FROM_TOKENS; with
+    # our CPU kernel loaded, chunks of 4 rows already would, and 16 with native bf16).
     monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
+    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_NATIVE_BF16", DENSE_FROM_TOKENS)
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6
