@@ -361,7 +361,10 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
     with serve(model_dir, tmp_path, "--quantization", "gguf") as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        # Not "What is the capital of France?": fp32's first two tokens there are 0.09 apart
+        # (25.33 and 25.24), and 4-bit weights under bf16 GEMM (CPUs with native bf16) or
+        # 16-token chunks under AVX2 kernels take the second, which starts "L'Étoile, ...".
+        messages = [{"role": "user", "content": "Name the capital of France."}]
         first = client.chat.completions.create(model="SmolLM2-135M-Instruct",
                                                messages=messages, temperature=0, max_tokens=16)
         assert "Paris" in first.choices[0].message.content
