@@ -146,7 +146,8 @@ def fidelity(model_dir: Path, fmt: dict, reference: dict, kernels_only: bool
         ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
         del engine
     finally:
-        quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16 = saved
+        (quantization.DENSE_FROM_TOKENS_OWN_KERNEL,
+         quantization.DENSE_FROM_TOKENS_NATIVE_BF16) = saved
     return outputs, agree / total, identical, ppl
 
 

@@ -114,7 +114,8 @@ class EngineConfig:
                 "--quantization): int8 = per-channel int8 of the safetensors weights; gguf = "
                 "the model's GGUF 4-bit blocks (Q4_1/Q4_0) as they are, other GGUF types as "
                 "int8. Their kernels run in bfloat16; with float32 activations (--dtype auto "
-                "on CPU) forwards of 32+ tokens use an fp32 copy. Not token-identical to "
+                "on CPU) longer forwards use a dense copy: fp32 from 32 tokens (4 with our CPU "
+                "kernels), or bf16 from 24 on CPUs with avx512_bf16. Not token-identical to "
                 "float32 (docs/benchmarks.md).",
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     device: str = field(default="auto", metadata={

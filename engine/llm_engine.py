@@ -164,13 +164,14 @@ class LLMEngine:
                         self.model_info.default_sampling)
         weights = (f"{self.model.weight_bytes() / 1e6:.0f} MB of weights read per token"
                    if self.model is not None and hasattr(self.model, "weight_bytes") else "")
+        dense_note = getattr(executor, "dense_note", "")
         logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
-                    "prefix caching %s (%s), attention %s, %s %s, quantization %s%s",
+                    "prefix caching %s (%s), attention %s, %s %s, quantization %s%s%s",
                     num_blocks, bs, num_blocks * per_block / 2**20, max_model_len,
                     "on" if config.enable_prefix_caching else "off",
                     config.prefix_caching_hash_algo, executor.attention_backend,
                     executor.device, executor.dtype, config.quantization or "none",
-                    f" ({weights})" if weights else "")
+                    f" ({weights})" if weights else "", f", {dense_note}" if dense_note else "")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

@@ -13,7 +13,7 @@ from engine.executor import ExecuteOutput
 from engine.faults import fire
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.quantization import check_quantization
+from engine.quantization import check_quantization, dense_copy_note
 from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -70,6 +70,9 @@ class ModelRunner:
         self.dtype = str(dtype).removeprefix("torch.")
         self.attn = model.attn
         self.attention_backend = self.attn.name
+        # Which dense copy quantized layers hold, for the start-up log (engine.quantization).
+        self.dense_note = dense_copy_note(config.quantization, dtype) if device.type == "cpu" \
+            else ""
         self.block_size = config.block_size
         self.kv_caches: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}

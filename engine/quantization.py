@@ -18,7 +18,7 @@ activations (the CPU default) each call converts its input to bf16 and its outpu
 costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of many
 rows (prefill chunks, or many decodes in one step: ``dense_from_tokens()``) are compute-bound,
 and there dense GEMM beats the kernels, so with fp32 activations a quantized layer also holds
-the weight as loaded for them (for ``gguf`` the dequantization of its 4-bit blocks, for
+a dense copy of the weight for them (for ``gguf`` the dequantization of its 4-bit blocks, for
 ``int8`` the unquantized weight): in fp32 (exact; from 32 rows, or 4 once our CPU kernel is
 loaded), or, on CPUs with native bf16, in bf16 from 24 rows, where torch's bf16 GEMM runs
 3.5-4.5x its fp32 one (``DENSE_FROM_TOKENS_NATIVE_BF16``). Decode steps of fewer sequences
@@ -395,6 +395,15 @@ class Int4Linear(QuantizedLinear):
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
+def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
+    """For the start-up log: which dense copy the quantized layers hold and from how many rows
+    it runs ("" without one: no quantization, or activations other than fp32)."""
+    if quantization is None or dtype != torch.float32:
+        return ""
+    name = "bf16" if dense_copy_dtype() == KERNEL_DTYPE else "fp32"
+    return f"{name} dense copy from {dense_from_tokens()} rows"
+
+
 def check_quantization(quantization: str | None, device: torch.device) -> None:
     """Raises ValueError unless the kernels of ``quantization`` (one of ``QUANTIZATIONS``) run
     on ``device``: CPU only."""
@@ -444,6 +453,7 @@ __all__ = [
     "QuantizedLinear",
     "check_quantization",
     "dense_copy_dtype",
+    "dense_copy_note",
     "dense_from_tokens",
     "make_linear",
     "native_bf16",

@@ -21,7 +21,7 @@ Salt encryption
         u32be version
 
 Master-key rotation: decrypt with the old ``SaltCipher`` and encrypt with the new one
-(``TenantRepository.reencrypt_salts``).
+(``TenantStore.reencrypt_salts``, ``TenantRepository.tenants``).
 """
 
 from __future__ import annotations

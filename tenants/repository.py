@@ -11,8 +11,9 @@ It composes one object per concern, sharing one session factory and cipher:
 
 Callers use those attributes (``repo.tenants.create(...)``, ``repo.keys.revoke(...)``); the
 facade adds no methods of its own. Everything returns plain frozen dataclasses
-(``tenants.records``, re-exported here), never ORM objects. Salts leave ``tenants`` only sealed inside ``AuthContext``; logs and audit
-rows record salt versions only. Thread-safe (see each part).
+(``tenants.records``, re-exported here), never ORM objects. Salts leave ``tenants`` only sealed
+inside ``AuthContext``; logs and audit rows record salt versions only. Thread-safe (see each
+part).
 """
 
 from __future__ import annotations

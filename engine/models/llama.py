@@ -283,8 +283,10 @@ class LlamaForCausalLM(nn.Module):
             self.norm.weight.copy_(tensor("model.norm.weight"))
             if self.config.tie_word_embeddings or "lm_head.weight" not in state:
                 # The head is the embedding: quantized from the parameter itself, which an fp32
-                # model's head then uses for 32+ rows with no second copy (bf16 activations:
-                # from the checkpoint's values, not their bf16 rounding).
+                # model's head then uses for its dense rows with no second copy, unless the
+                # dense copy is bf16 (CPUs with native bf16: a 57 MB copy for SmolLM2; its
+                # logits from 24 rows are bf16-rounded, as the int8 kernel's are below that).
+                # bf16 activations: from the checkpoint's values, not their bf16 rounding.
                 embedding = (self.embed_tokens.weight if dtype == torch.float32
                              else tensor("model.embed_tokens.weight"))
                 self.lm_head = (DenseLinear(self.embed_tokens.weight) if quantization is None

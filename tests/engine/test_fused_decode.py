@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import quantization
+from engine import quantization as quantization_module
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import FUSED_OVER_CASCADE_BELOW_SEQS
@@ -122,7 +123,7 @@ def native_bf16(request, monkeypatch) -> bool:
 
 
 # Row counts on both sides of the kernels' thresholds: our fp32 kernel up to 32 rows, the
-# quantized layers' dense copy from 4 or 32 (fp32) or 24 (bf16) rows (``dense_from_tokens``).
+# quantized layers' dense copy from 4 (fp32; this module needs our kernels) or 24 (bf16) rows.
 CASES = [(None, False, 1), (None, True, 3), (None, False, 32), (None, False, 33),
          ("int8", True, 1), ("int8", False, 5), ("int8", True, 24), ("int8", True, 33),
          ("gguf", True, 1), ("gguf", False, 3), ("gguf", True, 5), ("gguf", True, 24),
@@ -143,6 +144,9 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
     layer = model.layers[1]
     args = layer.decode_args(rows)
     assert args is not None
+    # The bf16 copy's kind is taken exactly where the layer's own call would use that copy.
+    assert (SPEC_LINEAR_BF16 in args[1]) == (native_bf16 and quantization is not None
+                                              and rows >= quantization_module.dense_from_tokens())
     for first in (True, False):
         plain_caches, fused_caches = caches.clone(), caches.clone()
         h, r = hidden.clone(), None if first else residual.clone()
@@ -161,8 +165,9 @@ def test_each_linear_method_names_the_kernel_its_call_runs(native_bf16):
     gguf.qkv.own_below = 0  # torch's int4 kernel from 1 row (CPUs with native bf16)
     assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
     assert gguf.qkv.decode_spec(1).group == 32
-    dense_from = quantization.dense_from_tokens()  # the dense copy from there (4, 16 or 32)
-    assert dense_from == 24 if native_bf16 else dense_from in (4, 32)
+    dense_from = quantization.dense_from_tokens()  # the dense copy from there (24 or 4 rows)
+    assert dense_from == (quantization.DENSE_FROM_TOKENS_NATIVE_BF16 if native_bf16
+                          else quantization.DENSE_FROM_TOKENS_OWN_KERNEL)
     assert gguf.qkv.decode_spec(dense_from - 1).kind == SPEC_INT4
     if native_bf16:  # the bf16 copy at every row count from there
         assert gguf.qkv.dense.dtype == torch.bfloat16

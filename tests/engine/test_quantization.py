@@ -165,7 +165,7 @@ def test_fp32_decode_rows_run_our_q4_kernel_below_its_threshold(monkeypatch):
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
     assert lin.own is not None and lin.own.scale.dtype == lin.own.minimum.dtype == torch.float16
-    native = "avx512_bf16" in cpu_linear.cpu_flags()
+    native = quantization_module.native_bf16()
     assert lin.own_below == (quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 if native
                              else quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS)
     own = cpu_linear.q4_linear
@@ -357,7 +357,7 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     del fp32
     # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
     # prefill chunks would run on the dense copy under fp32 activations: DENSE_FROM_TOKENS; with
-    # our CPU kernel loaded, chunks of 4 rows already would, and 16 with native bf16).
+    # our CPU kernel loaded, chunks of 4 rows already would, and 24 with native bf16).
     monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
     monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_NATIVE_BF16", DENSE_FROM_TOKENS)
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
@@ -385,3 +385,36 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     stats = engine.stats_snapshot()
     stats.check_integrity()
     assert stats.num_blocks_used == 0
+
+
+def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, tokenizer,
+                                                              monkeypatch):
+    """As served on a CPU with native bf16 (forced here on any CPU): prefill chunks run the
+    bf16 dense copy through torch's bf16 GEMM, decode the 4-bit kernels; teacher-forced on
+    fp32's greedy output, the most likely token is fp32's at (nearly) every position."""
+    monkeypatch.setattr(quantization_module, "native_bf16", lambda: True)
+    prompts = [_chat(tokenizer, t) for t in ("Name the capital of France.",
+                                             "Why is the sky blue?")]
+    fp32 = make_llm_engine()
+    reference = [r.token_ids for r in run_to_completion(
+        fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
+    del fp32
+    engine = make_llm_engine(quantization="gguf")
+    qkv = engine.model.layers[0].qkv
+    assert qkv.dense.dtype == torch.bfloat16 and quantization_module.dense_from_tokens() == 24
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(quantization_module.F, "linear",
+                        lambda x, w, *a: calls.append(w.dtype) or real(x, w, *a))
+    agree = total = 0
+    for i, (p, out) in enumerate(zip(prompts, reference)):
+        assert len(p) + len(out) >= 24  # one prefill chunk through the bf16 copy
+        (res,) = run_to_completion(engine, [_req(f"t{i}", p + out, 1, prompt_logprobs=0)])
+        ranks = [lp.rank for lp in res.prompt_logprobs[len(p):]]
+        agree += sum(r == 1 for r in ranks)
+        total += len(ranks)
+    assert calls and set(calls) == {torch.bfloat16}  # 30 layers x 4 projections + the head
+    assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
+    # Free generation decodes through the 4-bit kernels after the bf16 prefill.
+    (res,) = run_to_completion(engine, [_req("free", prompts[0], 8)])
+    assert "Paris" in tokenizer.decode(res.token_ids)

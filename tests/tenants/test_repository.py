@@ -21,7 +21,7 @@ from tenants.errors import (
     TenantNotFound,
 )
 from tenants.models import ApiKey, TenantSalt
-from tenants.records import ApiKeyInfo, from_row, row_values
+from tenants.records import ApiKeyInfo, AuditEntry, TenantInfo, from_row, row_values
 from tenants.repository import AuthContext, TenantRepository, UsageRecord
 from tenants.salts import effective_salt
 
@@ -244,7 +244,8 @@ def test_stored_salt_is_encrypted_and_bound(
     b = repo.tenants.create("b")
     token, _ = repo.keys.create(a.id)
     salt = known_salts[0]  # tenant a's version 1
-    assert repo.authenticator.authenticate_api_key(token).effective_salt() == effective_salt(salt, 1, None)
+    ctx = repo.authenticator.authenticate_api_key(token)
+    assert ctx.effective_salt() == effective_salt(salt, 1, None)
     with make_session_factory(engine)() as session:
         blob_a = session.scalars(
             select(TenantSalt.encrypted_salt).where(TenantSalt.tenant_id == a.id)
@@ -283,7 +284,8 @@ def test_salt_is_stable_across_repository_instances(
     ctx2 = fresh.authenticator.authenticate_api_key(token)
     assert ctx2.effective_salt(None) == ctx1.effective_salt(None)  # same salt, same version
     assert ctx2.effective_salt("u") == ctx1.effective_salt("u")
-    assert fresh.authenticator.context_for_tenant(t.id).effective_salt("u") == ctx1.effective_salt("u")
+    ctx = fresh.authenticator.context_for_tenant(t.id)
+    assert ctx.effective_salt("u") == ctx1.effective_salt("u")
     wrong_key = TenantRepository(make_session_factory(engine), SaltCipher(b"\x00" * 32))
     with pytest.raises(SaltDecryptionError):
         wrong_key.authenticator.authenticate_api_key(token)
@@ -300,7 +302,8 @@ def test_rotate_salt(repo: TenantRepository, engine: Engine, cipher: SaltCipher)
     assert after.effective_salt("u") != before.effective_salt("u")
     # other processes (fresh cache) see the new version too
     fresh = TenantRepository(make_session_factory(engine), cipher)
-    assert fresh.authenticator.authenticate_api_key(token).effective_salt("u") == after.effective_salt("u")
+    ctx = fresh.authenticator.authenticate_api_key(token)
+    assert ctx.effective_salt("u") == after.effective_salt("u")
     assert repo.tenants.rotate_salt(t.id) == 3
     with pytest.raises(TenantNotFound):
         repo.tenants.rotate_salt("0" * 32)
@@ -337,7 +340,8 @@ def test_last_used_is_buffered_and_flushed(repo: TenantRepository, engine: Engin
     assert repo.authenticator.flush_last_used() == 1
     assert stored() == t1
     assert repo.authenticator.flush_last_used() == 0
-    repo.authenticator.authenticate_api_key(token, now=t1 - timedelta(minutes=5))  # never moves backwards
+    # never moves backwards:
+    repo.authenticator.authenticate_api_key(token, now=t1 - timedelta(minutes=5))
     repo.authenticator.flush_last_used()
     assert stored() == t1
     t2 = t1 + timedelta(minutes=1)
@@ -405,6 +409,10 @@ def test_from_row_copies_exactly_the_record_fields() -> None:
     del row.last_used_at
     with pytest.raises(AttributeError):
         from_row(ApiKeyInfo, row)
+    # No record has a field named like a secret column, so none can be copied out.
+    secrets_ = {"key_hash", "secret", "salt", "encrypted_salt"}
+    for record in (ApiKeyInfo, TenantInfo, UsageRecord, AuditEntry):
+        assert secrets_.isdisjoint(f.name for f in fields(record)), record
     assert row_values(info, name="x") == {**info.__dict__, "name": "x"}
 
 
@@ -419,7 +427,8 @@ def test_audit_rows_contain_no_salt(
     salts = list(known_salts)
     assert len(salts) == 2
     repo.keys.revoke(info.id)
-    repo.usage.audit("admin:bob", "cache.reset", tenant_id=t.id, detail="blocks=3", request_id="r-1")
+    repo.usage.audit("admin:bob", "cache.reset", tenant_id=t.id, detail="blocks=3",
+                     request_id="r-1")
 
     entries = repo.usage.list_audit(tenant_id=t.id)
     actions = [e.action for e in reversed(entries)]
