@@ -71,10 +71,19 @@ def test_linear_dispatches_small_fp32_batches_and_falls_back_otherwise():
     torch.testing.assert_close(cpu_linear.linear(wide[:, 10:106], w, b),
                                F.linear(wide[:, 10:106], w, b))
     big = torch.randn(cpu_linear.MAX_ROWS + 1, 96, generator=gen)
-    for x, weight in [(big, w), (small.double(), w.double()), (small.bfloat16(), w.bfloat16()),
+    for x, weight in [(small.double(), w.double()), (small.bfloat16(), w.bfloat16()),
                       (small[None], w), (small[:0], w)]:
         assert not cpu_linear.usable(x, weight)
         assert torch.equal(cpu_linear.linear(x, weight), F.linear(x, weight))
+    # Above MAX_ROWS fp32 rows: oneDNN's GEMM (faster than MKL's sgemm on AMD), equal to
+    # F.linear to fp32 rounding; switched off, F.linear itself.
+    assert not cpu_linear.usable(big, w)
+    onednn = torch.ops.mkldnn._linear_pointwise(big, w, b, "none", [], "")
+    assert torch.equal(cpu_linear.linear(big, w, b), onednn)
+    torch.testing.assert_close(onednn, F.linear(big, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_linear, "ONEDNN_LARGE_M", False)
+        assert torch.equal(cpu_linear.linear(big, w, b), F.linear(big, w, b))
 
 
 def test_the_op_refuses_what_it_cannot_compute():
