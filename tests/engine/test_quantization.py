@@ -341,6 +341,27 @@ def _req(rid: str, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
                                                          **kw))
 
 
+def _fp32_greedy(make_llm_engine, prompts: list[list[int]], max_tokens: int = 16
+                 ) -> list[list[int]]:
+    """fp32's greedy output for each prompt (the reference quantized formats are held to)."""
+    fp32 = make_llm_engine()
+    return [r.token_ids for r in run_to_completion(
+        fp32, [_req(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)])]
+
+
+def _teacher_forced_agreement(engine, prompts: list[list[int]], reference: list[list[int]]
+                              ) -> tuple[int, int]:
+    """(positions where ``engine``'s most likely token is the reference's, positions), reading
+    each prompt + its reference output in one request (``prompt_logprobs``)."""
+    agree = total = 0
+    for i, (p, out) in enumerate(zip(prompts, reference)):
+        (res,) = run_to_completion(engine, [_req(f"t{i}", p + out, 1, prompt_logprobs=0)])
+        ranks = [lp.rank for lp in res.prompt_logprobs[len(p):]]
+        agree += sum(r == 1 for r in ranks)
+        total += len(ranks)
+    return agree, total
+
+
 @pytest.mark.parametrize("quantization,dtype,max_mb", [("gguf", "auto", 100),
                                                       ("int8", "bfloat16", 140)])
 def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, dtype,
@@ -351,10 +372,7 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     others."""
     prompts = [_chat(tokenizer, t) for t in ("What is the capital of France?",
                                              "Why is the sky blue?")]
-    fp32 = make_llm_engine()
-    reference = [r.token_ids for r in run_to_completion(
-        fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
-    del fp32
+    reference = _fp32_greedy(make_llm_engine, prompts)
     # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
     # prefill chunks would run on the dense copy under fp32 activations: DENSE_FROM_TOKENS; with
     # our CPU kernel loaded, chunks of 4 rows already would, and 24 with native bf16).
@@ -363,12 +381,7 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6
-    agree = total = 0
-    for i, (p, out) in enumerate(zip(prompts, reference)):
-        (res,) = run_to_completion(engine, [_req(f"t{i}", p + out, 1, prompt_logprobs=0)])
-        ranks = [lp.rank for lp in res.prompt_logprobs[len(p):]]
-        agree += sum(r == 1 for r in ranks)
-        total += len(ranks)
+    agree, total = _teacher_forced_agreement(engine, prompts, reference)
     # A broken kernel agrees on almost nothing; near-ties flip a few of these ~24 tokens
     # (bench_quantization.py: 98-100% over 256 tokens).
     assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
@@ -395,10 +408,7 @@ def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, 
     monkeypatch.setattr(quantization_module, "native_bf16", lambda: True)
     prompts = [_chat(tokenizer, t) for t in ("Name the capital of France.",
                                              "Why is the sky blue?")]
-    fp32 = make_llm_engine()
-    reference = [r.token_ids for r in run_to_completion(
-        fp32, [_req(f"r{i}", p, 16) for i, p in enumerate(prompts)])]
-    del fp32
+    reference = _fp32_greedy(make_llm_engine, prompts)
     engine = make_llm_engine(quantization="gguf")
     qkv = engine.model.layers[0].qkv
     assert qkv.dense.dtype == torch.bfloat16 and quantization_module.dense_from_tokens() == 24
@@ -406,13 +416,9 @@ def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, 
     real = F.linear
     monkeypatch.setattr(quantization_module.F, "linear",
                         lambda x, w, *a: calls.append(w.dtype) or real(x, w, *a))
-    agree = total = 0
-    for i, (p, out) in enumerate(zip(prompts, reference)):
-        assert len(p) + len(out) >= 24  # one prefill chunk through the bf16 copy
-        (res,) = run_to_completion(engine, [_req(f"t{i}", p + out, 1, prompt_logprobs=0)])
-        ranks = [lp.rank for lp in res.prompt_logprobs[len(p):]]
-        agree += sum(r == 1 for r in ranks)
-        total += len(ranks)
+    # Each prompt + output is one prefill chunk through the bf16 copy.
+    assert all(len(p) + len(out) >= 24 for p, out in zip(prompts, reference))
+    agree, total = _teacher_forced_agreement(engine, prompts, reference)
     assert calls and set(calls) == {torch.bfloat16}  # 30 layers x 4 projections + the head
     assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
     # Free generation decodes through the 4-bit kernels after the bf16 prefill.
