@@ -119,7 +119,8 @@ class LinearMethod:
 
 
 # Projection kinds of kernels/cpu/decode_layer.cpp.
-SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16 = 0, 1, 2, 3, 4, 5
+(SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16,
+ SPEC_LINEAR_ONEDNN) = range(7)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class DecodeSpec:
     Attributes:
         kind: ``SPEC_DENSE`` (weight [out, in] fp32, our kernel: up to
             ``kernels.cpu_linear.MAX_ROWS`` rows), ``SPEC_LINEAR`` (the same, ``F.linear``:
-            more rows), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
+            more rows), ``SPEC_LINEAR_ONEDNN`` (the same, oneDNN's GEMM: more rows where
+            ``cpu_linear.large_m_onednn``), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
             ``SPEC_Q4`` (our codes, scale, minimum), ``SPEC_INT8`` (qweight, scales; bf16)
             or ``SPEC_LINEAR_BF16`` (weight [out, in] bf16: ``F.linear`` in bf16).
         tensors: the kind's operands.
@@ -147,7 +149,10 @@ class DecodeSpec:
 def _dense_spec(weight: torch.Tensor, bias: torch.Tensor | None, num_tokens: int
                 ) -> DecodeSpec:
     """``cpu_linear.linear``'s choice for ``num_tokens`` fp32 rows (kernels loaded)."""
-    kind = SPEC_DENSE if 0 < num_tokens <= cpu_linear.MAX_ROWS else SPEC_LINEAR
+    if 0 < num_tokens <= cpu_linear.MAX_ROWS:
+        kind = SPEC_DENSE
+    else:
+        kind = SPEC_LINEAR_ONEDNN if cpu_linear.large_m_onednn(weight) else SPEC_LINEAR
     return DecodeSpec(kind, (weight,), bias)
 
 

@@ -145,16 +145,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if usable(x, weight):
         return torch.ops.saltserve_cpu.linear_small_m(x.contiguous(), weight, bias)
-    if (ONEDNN_LARGE_M and loaded() and x.dim() == 2 and x.shape[0] > MAX_ROWS
-            and _onednn_usable(x, weight)):
+    if (x.dim() == 2 and x.shape[0] > MAX_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.float32 and not x.requires_grad and large_m_onednn(weight)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-
-def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not x.requires_grad and torch.backends.mkldnn.is_available())
+def large_m_onednn(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` runs fp32 CPU forwards of more than ``MAX_ROWS`` rows with ``weight``
+    through oneDNN (``ONEDNN_LARGE_M``, kernels loaded, torch built with oneDNN); else
+    ``F.linear``. The fused decode layer asks the same (``engine.quantization``)."""
+    return (ONEDNN_LARGE_M and loaded() and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and torch.backends.mkldnn.is_available())
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,21 @@
 //   kQ4     (codes, scale, minimum)    our q4_linear
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
 //   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
+//   kLinearOneDnn (w)                  mkldnn::_linear_pointwise (kernels.cpu_linear.linear's
+//                                      fp32 GEMM above MAX_ROWS rows, ONEDNN_LARGE_M)
 // plus an optional bias (added after the product, as QuantizedLinear does).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cstdint>
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5 };
+enum Kind : int64_t {
+  kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6
+};
 constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -63,6 +68,15 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
       return linear_small_m.call(x.contiguous(), slot(0), bias);
     case kLinear:
       return at::linear(x, slot(0), bias);
+    case kLinearOneDnn: {  // boxed: the op belongs to torch's mkldnn library, not to ATen's API
+      static const auto handle =
+          c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      torch::jit::Stack stack{x, slot(0), bias, std::string("none"),
+                              c10::List<std::optional<c10::Scalar>>(),
+                              std::optional<std::string>(std::string(""))};
+      handle.callBoxed(&stack);
+      return stack[0].toTensor();
+    }
     case kQ4:
       return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
     case kInt4:

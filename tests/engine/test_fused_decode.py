@@ -24,6 +24,7 @@ from engine.quantization import (
     SPEC_INT8,
     SPEC_LINEAR,
     SPEC_LINEAR_BF16,
+    SPEC_LINEAR_ONEDNN,
     SPEC_Q4,
     GroupedInt4,
     Int4Linear,
@@ -147,6 +148,9 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
     # The bf16 copy's kind is taken exactly where the layer's own call would use that copy.
     assert (SPEC_LINEAR_BF16 in args[1]) == (native_bf16 and quantization is not None
                                               and rows >= quantization_module.dense_from_tokens())
+    # fp32 weights above our kernel's rows: oneDNN, in both paths.
+    assert (SPEC_LINEAR_ONEDNN in args[1]) == (rows > cpu_linear.MAX_ROWS and not (
+        native_bf16 and quantization is not None))
     for first in (True, False):
         plain_caches, fused_caches = caches.clone(), caches.clone()
         h, r = hidden.clone(), None if first else residual.clone()
@@ -174,7 +178,11 @@ def test_each_linear_method_names_the_kernel_its_call_runs(native_bf16):
         assert {gguf.qkv.decode_spec(n).kind for n in (dense_from, 33, 512)} == {SPEC_LINEAR_BF16}
     else:
         assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
-        assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
+        # Above our kernel's rows, oneDNN's GEMM, as cpu_linear.linear runs it.
+        assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR_ONEDNN
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_linear, "ONEDNN_LARGE_M", False)
+            assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
     assert gguf.qkv.decode_spec(dense_from).tensors[0] is gguf.qkv.dense
     assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
     gguf.qkv.own_below = 2  # as on CPUs without native bf16
@@ -208,6 +216,8 @@ def _run_spec(spec, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.saltserve_cpu.linear_small_m(x, spec.tensors[0], spec.bias)
     if spec.kind == SPEC_LINEAR:
         return torch.nn.functional.linear(x, spec.tensors[0], spec.bias)
+    if spec.kind == SPEC_LINEAR_ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, spec.tensors[0], spec.bias, "none", [], "")
     if spec.kind == SPEC_Q4:
         return torch.ops.saltserve_cpu.q4_linear(x, *spec.tensors, spec.bias)
     xb = x.to(torch.bfloat16)
