@@ -4,8 +4,9 @@ Prefill chunks run through ``scaled_dot_product_attention`` one sequence at a ti
 one padded batch, split at a shared prefix into cascade attention when enough sequences share
 enough blocks (vLLM's cascade attention, merged by log-sum-exp). Context is read through per-token
 cache slots expanded once per step (``AttentionMetadata.token_slots``). On CPU in fp32, where our
-CPU kernels are built (``kernels.cpu_ops``), decode rows outside a cascade run our paged decode
-kernel instead, and the K/V write is our ``reshape_and_cache``.
+CPU kernels are built (``kernels.cpu_ops``), decode rows run our paged decode kernel instead
+(which reads chunks shared by several sequences once, itself: no cascade split needed), and the
+K/V write is our ``reshape_and_cache``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context, with GQA.
 
-    Decode sequences (query_len 1) run as one padded batch (or, fp32 on CPU with our kernels
-    built and no cascade, through ``kernels.cpu_ops.decode_attention``); prefill chunks run one
-    by one.
+    Decode sequences (query_len 1) run as one padded batch, cascade-split when ``meta`` says so
+    (or, fp32 on CPU with our kernels built, through ``kernels.cpu_ops.decode_attention``, which
+    shares the reads of common chunks itself); prefill chunks run one by one.
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -63,9 +64,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     starts = meta.query_start_loc.tolist()
     decode_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    if (decode_ids and not meta.cascade_prefix_len
-            and cpu_ops.decode_attention_usable(query, key_cache, value_cache, meta)):
-        # Our CPU kernel reads every decode row's context in place (kernels/cpu_ops.py).
+    if decode_ids and cpu_ops.decode_attention_usable(query, key_cache, value_cache, meta):
+        # Our CPU kernel reads every decode row's context in place, and the chunks that several
+        # rows share once for all of them (kernels/cpu/decode_attention.cpp).
         cpu_ops.decode_attention(out, query, key_cache, value_cache, meta.query_start_loc,
                                  meta.seq_lens, meta.block_tables, scale)
         prefill_ids = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
@@ -97,12 +98,10 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     return out
 
 
-# Below this many shared tokens (or decode sequences) the one-pass batched decode is cheaper.
+# Below this many shared tokens (or decode sequences) the one-pass batched decode is cheaper
+# (the torch path; our CPU decode kernel finds shared chunks itself).
 CASCADE_MIN_PREFIX_TOKENS = 256
 CASCADE_MIN_SEQS = 4
-# Below this many decode sequences the fused CPU layers run instead of a cascade split
-# (``fused_cpu_decode_usable``); from here on the shared prefix read once per step pays.
-FUSED_OVER_CASCADE_BELOW_SEQS = 32
 
 
 def shared_prefix_blocks(tables: list[tuple[int, ...]], seq_lens: list[int],
@@ -246,13 +245,9 @@ class TorchAttentionBackend(AttentionBackend):
     def fused_cpu_decode_usable(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 meta: AttentionMetadata, num_heads: int) -> bool:
         """Yes when every row is a decode (query_len 1) and our CPU decode kernels take the
-        operands: then, outside a cascade, ``write_kv`` and ``forward`` run exactly
-        ``reshape_and_cache`` and ``decode_attention``, as the fused layer does. Below
-        ``FUSED_OVER_CASCADE_BELOW_SEQS`` sequences a cascade split in ``meta`` is not taken
-        there: the fused layers with our decode kernel beat the cascade's per-op path on CPU
-        (gguf, a shared 1,550-token prefix, ms a step: 4 streams 40.1 against 64.5, 16: 102.5
-        against 124.5, 32: 123.8 against 126.7, 64: 231.8 against 218.5; docs/benchmarks.md)."""
-        if meta.cascade_prefix_len and meta.num_seqs >= FUSED_OVER_CASCADE_BELOW_SEQS:
-            return False
+        operands: then ``write_kv`` and ``forward`` run exactly ``reshape_and_cache`` and
+        ``decode_attention``, as the fused layer does. A cascade split in ``meta`` is not needed
+        there: the kernel reads chunks shared by several sequences once, bit-identically to
+        reading them per sequence (kernels/cpu/decode_attention.cpp)."""
         return (all(q == 1 for q in meta.query_lens_cpu)
                 and cpu_ops.decode_layer_usable(key_cache, value_cache, meta, num_heads))

@@ -146,14 +146,17 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
     assert out == hf_outputs
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["cascade", "fused"])
+@pytest.mark.parametrize("path", ["cascade", "kernel", "fused"])
 def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
-                                                             hf_model, monkeypatch, fused):
-    """Decodes sharing a long prefix: the per-op layers split attention at it (cascade); the
-    fused CPU layers (kernels/cpu/decode_layer.cpp) read each whole block table instead."""
+                                                             hf_model, monkeypatch, path):
+    """Decodes sharing a long prefix: without our CPU kernels the per-op layers split attention
+    at it (cascade); with them our decode kernel reads the shared chunks once itself, from the
+    per-op layers and from the fused ones (kernels/cpu/decode_layer.cpp)."""
     from engine.attention import torch_backend as attention
 
-    if fused and not cpu_linear.load():
+    if path == "cascade":
+        monkeypatch.setitem(cpu_linear._state, "ok", False)
+    elif not cpu_linear.load():
         pytest.skip("our CPU kernels are not built")
     calls = []
     real = attention._decode_cascade
@@ -163,13 +166,17 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     real_fused = cpu_ops.decode_layer
     monkeypatch.setattr(cpu_ops, "decode_layer",
                         lambda *a, **k: fused_calls.append(1) or real_fused(*a, **k))
+    kernel_calls = []
+    real_kernel = cpu_ops.decode_attention
+    monkeypatch.setattr(cpu_ops, "decode_attention",
+                        lambda *a, **k: kernel_calls.append(1) or real_kernel(*a, **k))
     system = " ".join(f"Rule {i}: keep bridge {i} inspected and painted." for i in range(24))
     prompts = [tokenizer.encode(system + q) for q in
                (" Summary:", " Question: which rule is first?", " The most important rule is",
                 " In short,")]
     assert min(map(len, prompts)) > 280
     engine = make_llm_engine()
-    engine.model.fused_decode = fused
+    engine.model.fused_decode = path == "fused"
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
                                                    tenant_id="t")
@@ -177,7 +184,9 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     outputs = [r.token_ids for r in got]
     assert outputs == hf_greedy(hf_model, prompts, outputs, 8, ignore_eos=True)
     assert all(len(o) == 8 for o in outputs)
-    if fused:
+    if path == "fused":
         assert not calls and len(fused_calls) >= 30 * 6  # fused layers, no cascade split
+    elif path == "kernel":
+        assert not calls and not fused_calls and len(kernel_calls) >= 30 * 6
     else:
         assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step: cascade

@@ -14,7 +14,6 @@ from engine import quantization
 from engine import quantization as quantization_module
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import FUSED_OVER_CASCADE_BELOW_SEQS
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -272,24 +271,21 @@ def test_the_model_fuses_decode_steps_only(monkeypatch):
     assert len(calls) == 2 and torch.equal(got, want) and torch.equal(got_caches, want_caches)
     forward([9, 30], query_lens=[1, 4])  # a prefill chunk in the step: per-op layers
     assert len(calls) == 2
-    # Below 32 sequences a cascade split (decodes sharing a long prefix) is not taken by the
-    # fused layers: the same result as the per-op layers without it.
-    meta, positions = _decode_step([40, 40, 40, 40])
-    ids = torch.arange(4)
-    outs = []
-    for fused, cascade in ((True, 32), (False, 0)):
-        model.fused_decode = fused
-        caches = _caches(4)
-        outs.append((model.forward(ids, positions, caches,
-                                   replace(meta, cascade_prefix_len=cascade)), caches))
-    assert len(calls) == 4
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    # From 32 sequences on the cascade split is kept (its shared-prefix read pays there).
-    many, _ = _decode_step([40] * FUSED_OVER_CASCADE_BELOW_SEQS)
-    caches = _caches(FUSED_OVER_CASCADE_BELOW_SEQS)
-    assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], many, HEADS)
-    assert not model.attn.fused_cpu_decode_usable(
-        caches[0, 0], caches[0, 1], replace(many, cascade_prefix_len=32), HEADS)
+    # A cascade split in the metadata (decodes sharing a long prefix) is not needed by the
+    # fused layers, at any batch: the decode kernel reads shared chunks once itself, with the
+    # same bits as the per-op layers without the split.
+    for n in (4, 40):
+        meta, positions = _decode_step([40] * n)
+        ids = torch.arange(n)
+        outs = []
+        for fused, cascade in ((True, 32), (False, 0)):
+            model.fused_decode = fused
+            caches = _caches(n)
+            split = replace(meta, cascade_prefix_len=cascade)
+            assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], split, HEADS)
+            outs.append((model.forward(ids, positions, caches, split), caches))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert len(calls) == 2 + 2 * 2
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"])

@@ -125,6 +125,66 @@ def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h
         assert torch.equal(alone[0], out[i])  # the same bits alone as in the batch
 
 
+def _shared_tables(block_size, shared, own, seed):
+    """Block tables of sequences that share the first ``shared[i]`` blocks of one common prefix
+    table, each followed by ``own[i]`` blocks of its own; a shuffled cache over all of them."""
+    gen = torch.Generator().manual_seed(seed)
+    need = max(shared) + sum(own) + 2
+    order = torch.randperm(need, generator=gen).tolist()
+    common, rest = order[:max(shared)], order[max(shared):]
+    tables = []
+    for n_shared, n_own in zip(shared, own):
+        tables.append(common[:n_shared] + rest[:n_own])
+        rest = rest[n_own:]
+    return tables, need
+
+
+@pytest.mark.parametrize("block_size", [16, 24, 128])
+def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size):
+    """Sequences sharing a prefix's blocks (a cached system prompt): the kernel attends each
+    chunk of 64 positions that several sequences hold in the same blocks once for all of their
+    heads (kernels/cpu/decode_attention.cpp). Whole shared prefixes, ones that end inside a
+    chunk, two tables that are equal but for their lengths, a sequence that shares nothing, and
+    a prefill row in between: each decode row's output is the same bits as the sequence alone,
+    and SDPA's to fp32 rounding. Block sizes that divide the chunk, that do not (24), and that
+    are larger than it (128)."""
+    tokens = 700
+    per = -(-tokens // block_size)
+    shared = [per - 1, per - 1, per // 2, per - 1, 0, per - 1]
+    own = [1, 1, per - per // 2, 1, per, 1]
+    tables, num_blocks = _shared_tables(block_size, shared, own, seed=block_size)
+    seq_lens = [tokens - 20, tokens - 3, tokens - 5, tokens - 40, tokens - 1, tokens - 3]
+    query_lens = [1, 1, 1, 1, 1, 3]  # the last one is a prefill chunk: skipped
+    gen = torch.Generator().manual_seed(7)
+    kc = torch.randn(num_blocks, block_size, 3, 64, generator=gen)
+    vc = torch.randn(num_blocks, block_size, 3, 64, generator=gen)
+    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 9, 64, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.decode_attention(out, q, kc, vc, qsl, lens, bt, 0.125)
+    assert torch.isnan(out[int(qsl[5]):]).all()  # the prefill rows are not written
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i in range(5):
+        row = int(qsl[i])
+        alone = torch.empty(1, 9, 64)
+        cpu_ops.decode_attention(alone, q[row:row + 1], kc, vc, one, lens[i:i + 1],
+                                 bt[i:i + 1].contiguous(), 0.125)
+        assert torch.equal(alone[0], out[row]), i
+        torch.testing.assert_close(out[row], _sdpa_decode(q[row], kc, vc, tables[i],
+                                                          seq_lens[i], block_size, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+    # The same query in two sequences over the same blocks and length: the same output.
+    twin = torch.tensor([0, 1, 2], dtype=torch.int32)
+    pair = torch.empty(2, 9, 64)
+    cpu_ops.decode_attention(pair, q[1:2].expand(2, 9, 64).contiguous(), kc, vc, twin,
+                             lens[1:2].repeat(2), bt[1:2].repeat(2, 1).contiguous(), 0.125)
+    assert torch.equal(pair[0], pair[1]) and torch.equal(pair[0], out[1])
+
+
 def test_the_torch_backend_runs_it_for_decode_rows_beside_a_prefill_chunk():
     """A batch of a prefill chunk (query_len 5) between two decodes: the decodes through our
     kernel, the chunk through SDPA, and the whole equal to the torch-only path."""
