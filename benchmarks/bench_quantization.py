@@ -5,7 +5,9 @@ For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), 
 
 1. Decode: one stream and 16 concurrent streams, 64 tokens each (``ignore_eos``), tokens/s and
    the mean step time split into model time (``ModelRunner.execute``: inputs, forward,
-   sampling) and engine time (scheduling, block bookkeeping, detokenisation, outputs).
+   sampling) and engine time (scheduling, block bookkeeping, detokenisation, outputs); then
+   16 streams on one cached 1,750-token system prompt (issue 15's "16 concurrent requests
+   sharing a system prompt", decode steps only), and its ratio to the first format's.
 2. The single-stream limit: read bandwidth (measured here, summing a 1 GiB tensor) / bytes of
    weights read per token (every projection and the LM head), and the share of it reached.
 3. Fidelity, against fp32 (the reference, token-identical to Hugging Face):
@@ -52,6 +54,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "How do I boil an egg?", "What is 17 times 3?",
            "Give me a name for a grey cat.", "Why is the sky blue?"]
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+SHARED_PREFIX_TOKENS = 1750  # the issue's 16 concurrent requests on one system prompt
 
 
 def read_bandwidth_gbs() -> float:
@@ -65,20 +68,42 @@ def read_bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def _request(i: int, ids: list[int], max_tokens: int, **kw) -> EngineRequest:
+def _request(i: int, ids: list[int], max_tokens: int, salt: bytes | None = None,
+             **kw) -> EngineRequest:
     return EngineRequest(f"q{i}-{time.monotonic_ns()}", tuple(ids),
                          SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
-                         cache_salt=os.urandom(16))
+                         cache_salt=salt or os.urandom(16))
 
 
-def decode(engine: LLMEngine, streams: int, tokens: int = 64) -> dict[str, float]:
-    """``streams`` requests decoding ``tokens`` each; tok/s and ms per decode step split."""
+def shared_system_ids(engine: LLMEngine, tokens: int = SHARED_PREFIX_TOKENS) -> list[int]:
+    """A system prompt of about ``tokens`` tokens (bench_servers' shape: rules to follow)."""
+    ids: list[int] = []
+    i = 0
+    while len(ids) < tokens:
+        ids += engine.tokenizer.encode(f" Rule {i}: keep bridge {i} inspected, painted and lit.")
+        i += 1
+    return ids[:tokens]
+
+
+def decode(engine: LLMEngine, streams: int, tokens: int = 64,
+           shared_prefix: list[int] | None = None) -> dict[str, float]:
+    """``streams`` requests decoding ``tokens`` each; tok/s and ms per decode step split.
+
+    ``shared_prefix``: every request starts with these tokens, in one tenant, and one request
+    over them runs first, so the others hit its cached blocks and decode over a shared context
+    (the issue's 16 concurrent requests on one system prompt)."""
     tok = engine.tokenizer
-    reqs = [_request(i, tok.encode(f"Tell me story number {i} about a lighthouse."), tokens,
-                     ignore_eos=True) for i in range(streams)]
-    for r in reqs:
-        engine.add_request(r)
-    engine.step()  # the prefills
+    salt = os.urandom(16)  # one tenant: the shared prefix's blocks are shared
+    head = list(shared_prefix or [])
+    if head:
+        run_to_completion(engine, [_request(-1, head + tok.encode(" Warm up."), 1, salt)])
+    for i in range(streams):
+        engine.add_request(_request(i, head + tok.encode(f"Tell me story number {i} about a "
+                                                         "lighthouse."), tokens, salt,
+                                    ignore_eos=True))
+    while engine.scheduler.waiting or any(not r.output_token_ids
+                                          for r in engine.scheduler.running):
+        engine.step()  # the prefills: time decode steps only
     runner = engine.runner
     model_s = 0.0
     execute = runner.execute
@@ -166,6 +191,7 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)
+        shared = decode(engine, 16, 32, shared_system_ids(engine))
         weight_mb = engine.model.weight_bytes() / 1e6
         del engine
         outputs, agreement, identical, ppl = fidelity(model_dir, FORMATS[name], reference, True)
@@ -173,19 +199,22 @@ def main() -> None:
             reference = {"format": name, "outputs": outputs}
         served = fidelity(model_dir, FORMATS[name], reference, False)[1:]
         limit = bw * 1e3 / weight_mb
-        rows.append((name, one, many, weight_mb, limit, agreement, identical, ppl, served))
+        rows.append((name, one, many, weight_mb, limit, agreement, identical, ppl, served,
+                     shared))
     ref = rows[0]
     print(f"\nfidelity against {reference['format']}: greedy agreement teacher-forced over "
           f"{len(PROMPTS)} prompts x 32 tokens, perplexity over {TEXT.name}; first through the "
           f"quantized kernels only, then as served (prefill on the dense copy: "
           f"{quantization.dense_copy_dtype()})\n")
     print(f"{'format':6} {'1 stream':>9} {'step ms':>8} {'model':>6} {'engine':>6} "
-          f"{'16 streams':>10} {'vs ' + ref[0]:>8} {'weights':>8} {'limit':>7} {'of limit':>8} "
+          f"{'16 streams':>10} {'vs ' + ref[0]:>8} {'16 shared':>9} {'vs ' + ref[0]:>8} "
+          f"{'weights':>8} {'limit':>7} {'of limit':>8} "
           f"{'agree':>6} {'same':>5} {'ppl':>6} | served: {'agree':>6} {'same':>5} {'ppl':>6}")
-    for name, one, many, mb, limit, agreement, identical, ppl, served in rows:
+    for name, one, many, mb, limit, agreement, identical, ppl, served, shared in rows:
         print(f"{name:6} {one['tok_s']:6.1f}/s {one['step_ms']:8.1f} {one['model_ms']:6.1f} "
               f"{one['engine_ms']:6.2f} {many['tok_s']:8.1f}/s "
-              f"{one['tok_s'] / ref[1]['tok_s']:7.2f}x {mb:6.0f}MB {limit:5.0f}/s "
+              f"{one['tok_s'] / ref[1]['tok_s']:7.2f}x {shared['tok_s']:7.1f}/s "
+              f"{shared['tok_s'] / ref[9]['tok_s']:7.2f}x {mb:6.0f}MB {limit:5.0f}/s "
               f"{100 * one['tok_s'] / limit:7.0f}% {100 * agreement:5.1f}% "
               f"{identical}/{len(PROMPTS)} {ppl:6.2f} |         {100 * served[0]:5.1f}% "
               f"{served[1]}/{len(PROMPTS)} {served[2]:6.2f}")

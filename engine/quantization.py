@@ -58,6 +58,13 @@ DENSE_FROM_TOKENS_OWN_KERNEL = 4
 # pays: 4 warm requests of 15 new tokens after a cached 1,550, 1.75x; a cold 1,755-token prompt,
 # 1.47x (benchmarks in docs/benchmarks.md, "A bf16 dense copy").
 DENSE_FROM_TOKENS_NATIVE_BF16 = 24
+# torch's int8 kernel (``Int8Linear``: the GGUF's Q8_0 LM head under gguf, every layer under
+# int8) loses to its bf16 copy from fewer rows. The bundled model's tied head (49,152 x 576),
+# 2 threads, ms, int8 against bf16 (2026-12-03, AMD EPYC with avx512_bf16): 4 rows 3.5 / 5.3,
+# 8 rows 5.9 / 5.6, 12 rows 10.1 / 6.5, 16 rows 12.1 / 6.9; the layers' shapes tie at 8-12
+# rows and lose from 16 (576 x 3,072: 433 against 261 us). So on such CPUs an int8 layer runs
+# its bf16 copy from 12 rows.
+DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = 12
 # Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
 # (kernels/cpu/q4_linear.cpp) when it is loaded. Measured on an AVX-512/AMX Xeon, with torch
 # dispatching its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU): ours is
@@ -199,8 +206,12 @@ class QuantizedLinear(LinearMethod):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def dense_from(self) -> int:
+        """Rows from which this layer runs its dense copy (``dense_from_tokens()``)."""
+        return dense_from_tokens()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= dense_from_tokens():
+        if self.dense is not None and x.shape[0] >= self.dense_from():
             if self.dense.dtype == torch.float32:
                 return cpu_linear.linear(x, self.dense, self.bias)
             y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)  # the bf16 copy
@@ -215,7 +226,7 @@ class QuantizedLinear(LinearMethod):
     def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
         if not _fp32_cpu(self.bias):
             return None
-        if self.dense is not None and num_tokens >= dense_from_tokens():
+        if self.dense is not None and num_tokens >= self.dense_from():
             if self.dense.dtype == KERNEL_DTYPE and self.dense.device.type == "cpu":
                 return DecodeSpec(SPEC_LINEAR_BF16, (self.dense,), self.bias)
             return _dense_spec(self.dense, self.bias, num_tokens) if _fp32_cpu(
@@ -253,6 +264,13 @@ class Int8Linear(QuantizedLinear):
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q.contiguous(), scales, None if bias is None else bias.to(dtype),
                    w.to(dense_copy_dtype()).contiguous() if keep_dense else None)
+
+    def dense_from(self) -> int:
+        """``DENSE_FROM_TOKENS_INT8_NATIVE_BF16`` with a bf16 copy (CPUs with native bf16),
+        else ``dense_from_tokens()``."""
+        if self.dense is not None and self.dense.dtype == KERNEL_DTYPE:
+            return min(dense_from_tokens(), DENSE_FROM_TOKENS_INT8_NATIVE_BF16)
+        return dense_from_tokens()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -446,6 +464,7 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
 
 __all__ = [
     "DENSE_FROM_TOKENS",
+    "DENSE_FROM_TOKENS_INT8_NATIVE_BF16",
     "INT4_GROUP_SIZE",
     "KERNEL_DTYPE",
     "QUANTIZATIONS",

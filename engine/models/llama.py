@@ -102,7 +102,8 @@ class LlamaDecoderLayer(nn.Module):
         after replacing a projection)."""
         projections = self._w[1], self._w[2], self._w[4], self._w[5]
         key = (num_tokens, dense_from_tokens(),
-               *(getattr(m, "own_below", None) for m in projections))
+               *(getattr(m, "own_below", None) for m in projections),
+               *(m.dense_from() if hasattr(m, "dense_from") else None for m in projections))
         if key not in self._decode_args:
             specs = [m.decode_spec(num_tokens) for m in projections]
             args = None

@@ -274,6 +274,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         kr[j] = kc + off;
         vr[j] = vc + off;
       }
+      // The chunk's K and V rows come from memory in short strided runs (a block's rows of one
+      // KV head): ask for all of them now, so the misses overlap instead of one run at a time.
+      for (int64_t j = 0; j < grp.n; ++j)
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(kr[j] + d), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vr[j] + d), _MM_HINT_T1);
+        }
       qr.clear(), mr.clear(), lr.clear(), ar.clear();
       for (const int64_t i : grp.members) {
         const int64_t row = qsl[seqs[i]];

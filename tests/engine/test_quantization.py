@@ -424,3 +424,28 @@ def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, 
     # Free generation decodes through the 4-bit kernels after the bf16 prefill.
     (res,) = run_to_completion(engine, [_req("free", prompts[0], 8)])
     assert "Paris" in tokenizer.decode(res.token_ids)
+
+
+def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
+    """torch's int8 kernel loses to bf16 GEMM from about 12 rows (the tied LM head of gguf,
+    every layer of --quantization int8): with a bf16 copy an int8 layer switches there, while
+    the 4-bit layers keep theirs to ``dense_from_tokens()``; without a copy nothing changes."""
+    monkeypatch.setattr(quantization_module, "native_bf16", lambda: True)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=gen)
+    layer = Int8Linear.quantize(w, None, torch.float32, keep_dense=True)
+    assert layer.dense.dtype == torch.bfloat16
+    rows = quantization_module.DENSE_FROM_TOKENS_INT8_NATIVE_BF16
+    assert layer.dense_from() == rows == 12 < quantization_module.dense_from_tokens()
+    kinds = {n: layer.decode_spec(n).kind for n in (1, rows - 1, rows, 24)}
+    assert kinds == {1: quantization_module.SPEC_INT8, rows - 1: quantization_module.SPEC_INT8,
+                     rows: quantization_module.SPEC_LINEAR_BF16,
+                     24: quantization_module.SPEC_LINEAR_BF16}
+    x = torch.randn(rows, 32, generator=gen)
+    assert torch.equal(layer(x), F.linear(x.bfloat16(), layer.dense).float())  # the copy
+    below = x[:rows - 1]
+    assert torch.equal(layer(below), torch._weight_int8pack_mm(
+        below.bfloat16(), layer.qweight, layer.scales).float())  # the int8 kernel
+    plain = Int8Linear.quantize(w, None, torch.float32)
+    assert plain.dense is None and plain.dense_from() == quantization_module.dense_from_tokens()
+    assert plain.decode_spec(rows).kind == quantization_module.SPEC_INT8
