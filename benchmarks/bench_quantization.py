@@ -148,11 +148,13 @@ def fidelity(model_dir: Path, fmt: dict, reference: dict, kernels_only: bool
              ) -> tuple[list, float, int, float]:
     """(outputs, teacher-forced agreement with ``reference``, identical outputs, perplexity);
     ``kernels_only``: every forward through the quantized kernels (see the docstring)."""
-    saved = (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16)
+    saved = (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16,
+             quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16)
     extra = {}
     if kernels_only:  # forwards of at most 16 rows, below every dense switch-over
         quantization.DENSE_FROM_TOKENS_OWN_KERNEL = quantization.DENSE_FROM_TOKENS
         quantization.DENSE_FROM_TOKENS_NATIVE_BF16 = quantization.DENSE_FROM_TOKENS
+        quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = quantization.DENSE_FROM_TOKENS
         extra = {"max_num_batched_tokens": 16}
     try:
         engine = LLMEngine(EngineConfig(model=str(model_dir), **extra, **fmt))
@@ -171,8 +173,8 @@ def fidelity(model_dir: Path, fmt: dict, reference: dict, kernels_only: bool
         ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
         del engine
     finally:
-        (quantization.DENSE_FROM_TOKENS_OWN_KERNEL,
-         quantization.DENSE_FROM_TOKENS_NATIVE_BF16) = saved
+        (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16,
+         quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16) = saved
     return outputs, agree / total, identical, ppl
 
 

@@ -423,8 +423,10 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
     it runs ("" without one: no quantization, or activations other than fp32)."""
     if quantization is None or dtype != torch.float32:
         return ""
-    name = "bf16" if dense_copy_dtype() == KERNEL_DTYPE else "fp32"
-    return f"{name} dense copy from {dense_from_tokens()} rows"
+    if dense_copy_dtype() != KERNEL_DTYPE:
+        return f"fp32 dense copy from {dense_from_tokens()} rows"
+    return (f"bf16 dense copy from {dense_from_tokens()} rows "
+            f"(int8 layers from {min(dense_from_tokens(), DENSE_FROM_TOKENS_INT8_NATIVE_BF16)})")
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:

@@ -116,9 +116,9 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
                  intermediate_size: int, scale: float) -> torch.Tensor:
     """One Llama decoder layer for a step of decodes only, in one call
     (``kernels/cpu/decode_layer.cpp``): the same kernels in the same order as
-    ``LlamaDecoderLayer.forward`` outside a cascade, so bit-identical to it.
-    ``decode_layer_usable`` must hold and every row must be a sequence's one new token (a
-    cascade split in ``meta`` is not used: attention reads each sequence's whole block table).
+    ``LlamaDecoderLayer.forward``, so bit-identical to it. ``decode_layer_usable`` must hold
+    and every row must be a sequence's one new token (a cascade split in ``meta`` is not
+    needed: ``decode_attention`` reads chunks shared by several sequences once itself).
 
     Args:
         hidden, residual: [num_tokens, hidden_size] fp32; ``residual`` is updated in place to

@@ -223,8 +223,7 @@ class LlamaForCausalLM(nn.Module):
                            meta: AttentionMetadata) -> list[tuple] | None:
         """Per layer ``decode_args`` when this step can run fused, else None (checked once
         per step): no autograd (``ModelRunner.execute`` runs in inference mode), fp32 CPU
-        activations, and the backend (every row a decode; below 32 sequences even with a
-        cascade split) and every projection supporting it."""
+        activations, and the backend (every row a decode) and every projection supporting it."""
         if (not self.fused_decode or torch.is_grad_enabled() or hidden.dtype != torch.float32
                 or hidden.device.type != "cpu" or not self.layers
                 or not self.attn.fused_cpu_decode_usable(kv_caches[0, 0], kv_caches[0, 1], meta,

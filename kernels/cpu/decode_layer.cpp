@@ -7,7 +7,7 @@
 // same operands, so its output is bit-identical to the Python layer's (engine/models/llama.py,
 // LlamaDecoderLayer.forward; a test compares them with torch.equal).
 //
-// The layer, for T rows that are each a sequence's one new token (query_len 1, no cascade):
+// The layer, for T rows that are each a sequence's one new token (query_len 1):
 //   x = first ? rms_norm(hidden) : add_rms_norm(residual += hidden)
 //   y = qkv(x); rotate q and k in place (neox); write k, v to the paged cache at slot_mapping
 //   attn = decode_attention(q over each sequence's block table)

@@ -190,3 +190,51 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
         assert not calls and not fused_calls and len(kernel_calls) >= 30 * 6
     else:
         assert len(calls) >= 30 * 6  # every layer of (nearly) every decode step: cascade
+
+
+def test_shared_chunk_decode_keeps_tenants_apart_and_matches_hf(make_llm_engine, tokenizer,
+                                                                hf_model, monkeypatch):
+    """Two tenants send the same long system prompt in one batch. Our decode kernel attends a
+    chunk once for every sequence that holds it in the same blocks; salted hashes give tenant
+    B its own blocks, so within a step A's three decodes share their prefix blocks and B's
+    never share one with A's. Every output is HF's greedy one; B's first request gets 0 cached
+    tokens on the prompt A has cached, and B's own repeat does hit."""
+    if not cpu_linear.load():
+        pytest.skip("our CPU kernels are not built")
+    tables = []
+    real = cpu_ops.decode_layer
+
+    def spy(*args, **kw):
+        meta = args[13]
+        if meta.num_seqs == 6 and not tables:
+            tables.append([meta.block_tables[i, :meta.seq_lens_cpu[i] // 16].tolist()
+                           for i in range(6)])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_ops, "decode_layer", spy)
+    system = " ".join(f"Rule {i}: keep bridge {i} inspected and painted." for i in range(24))
+    questions = (" Summary:", " The first rule is", " In short,")
+    prompts = [tokenizer.encode(system + q) for q in questions]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    salt_a, salt_b = b"a" * 16, b"b" * 16
+    engine = make_llm_engine()
+    run_to_completion(engine, [EngineRequest("warm-a", tuple(prompts[0]), params,
+                                             tenant_id="a", cache_salt=salt_a)])
+    batch = [EngineRequest(f"{t}-{i}", tuple(p), params, tenant_id=t, cache_salt=salt)
+             for t, salt in (("a", salt_a), ("b", salt_b)) for i, p in enumerate(prompts)]
+    got = run_to_completion(engine, batch)
+    outputs = [r.token_ids for r in got]
+    assert outputs == hf_greedy(hf_model, prompts * 2, outputs, 6, ignore_eos=True)
+    assert all(r.num_cached_tokens > 256 for r in got[:3])
+    assert got[3].num_cached_tokens == 0  # B's first: none of A's cached blocks
+    (seen,) = tables  # the six decode rows of one step, in the scheduler's order
+    shared = len(prompts[0]) // 16 - 1
+    classes: dict[tuple, list[list[int]]] = {}
+    for t in seen:
+        classes.setdefault(tuple(t[:shared]), []).append(t)
+    assert max(map(len, classes.values())) >= 3  # A's three decodes hold one prefix's blocks
+    sets = [{b for t in rows for b in t} for rows in classes.values()]
+    assert all(not (x & y) for i, x in enumerate(sets) for y in sets[i + 1:])  # none across
+    (again,) = run_to_completion(engine, [EngineRequest("b-again", tuple(prompts[1]), params,
+                                                        tenant_id="b", cache_salt=salt_b)])
+    assert again.num_cached_tokens > 256 and again.token_ids == outputs[4]

@@ -117,15 +117,17 @@ def _caches(num_seqs: int) -> torch.Tensor:
 @pytest.fixture(params=[False, True], ids=["fp32-copy", "bf16-copy"])
 def native_bf16(request, monkeypatch) -> bool:
     """Runs a test as on a CPU without native bf16 (quantized layers' dense copy in fp32) and
-    as on one with it (the copy in bf16, from 24 rows), whatever this CPU is."""
+    as on one with it (the copy in bf16, from 24 rows; int8 layers from 12), whatever this CPU is."""
     monkeypatch.setattr(quantization, "native_bf16", lambda: request.param)
     return request.param
 
 
 # Row counts on both sides of the kernels' thresholds: our fp32 kernel up to 32 rows, the
-# quantized layers' dense copy from 4 (fp32; this module needs our kernels) or 24 (bf16) rows.
+# quantized layers' dense copy from 4 (fp32; this module needs our kernels) or 24 (bf16; int8
+# layers from 12) rows.
 CASES = [(None, False, 1), (None, True, 3), (None, False, 32), (None, False, 33),
-         ("int8", True, 1), ("int8", False, 5), ("int8", True, 24), ("int8", True, 33),
+         ("int8", True, 1), ("int8", False, 5), ("int8", True, 16), ("int8", True, 24),
+         ("int8", True, 33),
          ("gguf", True, 1), ("gguf", False, 3), ("gguf", True, 5), ("gguf", True, 24),
          ("gguf", False, 32)]
 
@@ -145,8 +147,10 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
     args = layer.decode_args(rows)
     assert args is not None
     # The bf16 copy's kind is taken exactly where the layer's own call would use that copy.
+    dense_from = (quantization_module.DENSE_FROM_TOKENS_INT8_NATIVE_BF16 if quantization == "int8"
+                  else quantization_module.dense_from_tokens())
     assert (SPEC_LINEAR_BF16 in args[1]) == (native_bf16 and quantization is not None
-                                              and rows >= quantization_module.dense_from_tokens())
+                                              and rows >= dense_from)
     # fp32 weights above our kernel's rows: oneDNN, in both paths.
     assert (SPEC_LINEAR_ONEDNN in args[1]) == (rows > cpu_linear.MAX_ROWS and not (
         native_bf16 and quantization is not None))

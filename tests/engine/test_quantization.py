@@ -375,9 +375,12 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     reference = _fp32_greedy(make_llm_engine, prompts)
     # Forwards of at most 16 rows: every one goes through the quantized kernels (longer
     # prefill chunks would run on the dense copy under fp32 activations: DENSE_FROM_TOKENS; with
-    # our CPU kernel loaded, chunks of 4 rows already would, and 24 with native bf16).
+    # our CPU kernel loaded, chunks of 4 rows already would, and 24 with native bf16, 12 for
+    # int8 layers there).
     monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
     monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_NATIVE_BF16", DENSE_FROM_TOKENS)
+    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_INT8_NATIVE_BF16",
+                        DENSE_FROM_TOKENS)
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
     assert engine.model.weight_bytes() < max_mb * 1e6

@@ -185,6 +185,27 @@ def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size
     assert torch.equal(pair[0], pair[1]) and torch.equal(pair[0], out[1])
 
 
+@pytest.mark.parametrize("block_size,tables", [(64, [[5, 6], [7, 5]]), (16, [[0, 1, 2, 3, 4],
+                                                                           [5, 0, 1, 2, 3]])])
+def test_decode_attention_keeps_a_block_at_two_places_apart(block_size, tables):
+    """Tables that hold the same blocks at other logical places (the engine never builds them:
+    block hashes chain to their parent) are accepted, so each row must still get its own
+    chunks' partials: every row equals SDPA over its own table and the sequence alone."""
+    gen = torch.Generator().manual_seed(11)
+    kc = torch.randn(8, block_size, 3, 64, generator=gen)
+    vc = torch.randn(8, block_size, 3, 64, generator=gen)
+    lens = [len(t) * block_size for t in tables]
+    bt = torch.tensor(tables, dtype=torch.int32)
+    q = torch.randn(2, 9, 64, generator=gen)
+    out = torch.empty_like(q)
+    cpu_ops.decode_attention(out, q, kc, vc, torch.arange(3, dtype=torch.int32),
+                             torch.tensor(lens, dtype=torch.int32), bt, 0.125)
+    for i in range(2):
+        torch.testing.assert_close(out[i], _sdpa_decode(q[i], kc, vc, tables[i], lens[i],
+                                                        block_size, 0.125), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_the_torch_backend_runs_it_for_decode_rows_beside_a_prefill_chunk():
     """A batch of a prefill chunk (query_len 5) between two decodes: the decodes through our
     kernel, the chunk through SDPA, and the whole equal to the torch-only path."""
