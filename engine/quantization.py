@@ -81,6 +81,11 @@ def native_bf16() -> bool:
     return "avx512_bf16" in cpu_linear.cpu_flags()
 
 
+def int8_dense_from_tokens() -> int:
+    """Rows from which an int8 layer with a bf16 copy runs it (``Int8Linear.dense_from``)."""
+    return min(dense_from_tokens(), DENSE_FROM_TOKENS_INT8_NATIVE_BF16)
+
+
 def dense_copy_dtype() -> torch.dtype:
     """The dtype of a quantized layer's dense copy under fp32 activations: ``KERNEL_DTYPE``
     (bf16) on CPUs with native bf16, where torch's bf16 GEMM is 3.5-4.5x its fp32 one from 32
@@ -269,7 +274,7 @@ class Int8Linear(QuantizedLinear):
         """``DENSE_FROM_TOKENS_INT8_NATIVE_BF16`` with a bf16 copy (CPUs with native bf16),
         else ``dense_from_tokens()``."""
         if self.dense is not None and self.dense.dtype == KERNEL_DTYPE:
-            return min(dense_from_tokens(), DENSE_FROM_TOKENS_INT8_NATIVE_BF16)
+            return int8_dense_from_tokens()
         return dense_from_tokens()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -426,7 +431,7 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
     if dense_copy_dtype() != KERNEL_DTYPE:
         return f"fp32 dense copy from {dense_from_tokens()} rows"
     return (f"bf16 dense copy from {dense_from_tokens()} rows "
-            f"(int8 layers from {min(dense_from_tokens(), DENSE_FROM_TOKENS_INT8_NATIVE_BF16)})")
+            f"(int8 layers from {int8_dense_from_tokens()})")
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:
@@ -481,6 +486,7 @@ __all__ = [
     "dense_copy_dtype",
     "dense_copy_note",
     "dense_from_tokens",
+    "int8_dense_from_tokens",
     "make_linear",
     "native_bf16",
 ]

@@ -20,7 +20,6 @@ from engine.quantization import (
     DenseLinear,
     GroupedInt4,
     LinearMethod,
-    dense_from_tokens,
     make_linear,
 )
 from kernels import cpu_ops
@@ -98,11 +97,10 @@ class LlamaDecoderLayer(nn.Module):
         """The projections as ``kernels.cpu_ops.decode_layer`` takes them for ``num_tokens``
         fp32 rows (weights, kinds, groups), or None where one of them cannot run there.
         Cached per row count and the kernel thresholds the specs depend on (the quantized
-        layers' ``own_below``, ``dense_from_tokens()``); ``bind_weights`` clears it (call it
+        layers' ``own_below`` and ``dense_from()``); ``bind_weights`` clears it (call it
         after replacing a projection)."""
         projections = self._w[1], self._w[2], self._w[4], self._w[5]
-        key = (num_tokens, dense_from_tokens(),
-               *(getattr(m, "own_below", None) for m in projections),
+        key = (num_tokens, *(getattr(m, "own_below", None) for m in projections),
                *(m.dense_from() if hasattr(m, "dense_from") else None for m in projections))
         if key not in self._decode_args:
             specs = [m.decode_spec(num_tokens) for m in projections]

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -254,8 +255,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       groups[it->second].members.push_back(i);
     }
   }
-  // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk.
-  std::vector<float> pm(slots * KVH * G), pl(slots * KVH * G), pacc(slots * KVH * G * D);
+  // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk. Not zeroed: each
+  // (slot, kvh, g) is written by exactly one work item before the merge reads it.
+  const std::unique_ptr<float[]> pm(new float[slots * KVH * G]), pl(new float[slots * KVH * G]),
+      pacc(new float[slots * KVH * G * D]);
   // Work items (group, kv head), the largest first, taken in turn by each thread.
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t u = 0; u < static_cast<int64_t>(groups.size()); ++u)
@@ -287,9 +290,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
           qr.push_back(q + (row * H + kvh * G + g) * D);
-          mr.push_back(pm.data() + slot + g);
-          lr.push_back(pl.data() + slot + g);
-          ar.push_back(pacc.data() + (slot + g) * D);
+          mr.push_back(pm.get() + slot + g);
+          lr.push_back(pl.get() + slot + g);
+          ar.push_back(pacc.get() + (slot + g) * D);
         }
       }
       sbuf.resize(qr.size() * kChunk);
@@ -314,7 +317,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           const float f = std::exp(pm[at(c)] - mx);
           den += f * pl[at(c)];
           const __m256 fv = _mm256_set1_ps(f);
-          const float* a = pacc.data() + at(c) * D;
+          const float* a = pacc.get() + at(c) * D;
           for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(num.data() + d, _mm256_fmadd_ps(fv, _mm256_loadu_ps(a + d),
                                                              _mm256_loadu_ps(num.data() + d)));
