@@ -222,3 +222,33 @@ def test_hash_prompt_blocks_continuation(salt: bytes | None) -> None:
     # Continuing from block 0 only (salt must not be re-applied past block 0).
     rest1 = hash_prompt_blocks(h, tokens, 16, salt, start=1, parent=whole[0])
     assert [whole[0]] + rest1 == whole
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+def test_whole_chain_path_equals_block_by_block(algo: str, block_size: int) -> None:
+    """``hash_blocks`` (one pack for the whole chain) hashes the same bytes as ``HashFn`` per block,
+    for ids needing all four bytes, salted or not, from any start block."""
+    h = get_hash_fn(algo)
+    assert hasattr(h, "hash_blocks")
+    tokens = [(2**32 - 1) if i % 7 == 0 else (i * 40503) % 70000 for i in range(5 * block_size + block_size // 2)]
+    for salt in (None, SALT):
+        chain, parent = [], None
+        for i in range(5):
+            parent = h(parent, tokens[i * block_size:(i + 1) * block_size],
+                       (salt,) if (i == 0 and salt is not None) else ())
+            chain.append(parent)
+        assert hash_prompt_blocks(h, tokens, block_size, salt) == chain
+        for start in range(1, 6):
+            assert hash_prompt_blocks(h, tokens, block_size, salt, start=start,
+                                      parent=chain[start - 1]) == chain[start:]
+    assert hash_prompt_blocks(h, tokens[:block_size - 1], block_size, SALT) == []
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_whole_chain_path_rejects_ids_outside_u32(bad: int) -> None:
+    h = get_hash_fn("sha256")
+    with pytest.raises(struct.error):
+        hash_prompt_blocks(h, BLOCK0 + [bad] + BLOCK1[1:], 16, SALT)
+    # A bad id in the trailing partial block is not hashed, so it is not an error here.
+    assert len(hash_prompt_blocks(h, BLOCK0 + [bad], 16, SALT)) == 1
