@@ -740,6 +740,15 @@ def _bench_in_process(fn):  # --in-process, --model-dir and --data-dir: ours wit
                              "SALTSERVE_QUANTIZATION=gguf); --url and the keys are unused.")(fn)
 
 
+def _bench_seeded(fn):  # --seed and --run-nonce: a prompt set a later run can replay
+    fn = click.option("--run-nonce", default=None,
+                      help="Opens every prompt, so none is cached from an earlier run; give a "
+                           "report's nonce and --seed to send the same prompts again. [random; "
+                           "the report records it]")(fn)
+    return click.option("--seed", type=int, default=0, show_default=True,
+                        help="Draws the prompt texts (with --run-nonce: the same prompts).")(fn)
+
+
 def _model_dir(model_dir: Path | None, data_dir: Path | None) -> Path:
     from engine.weights import ensure_default_model
 
@@ -785,23 +794,24 @@ def _need_keys(in_process: bool, **keys: str | None) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="Cold / warm / negative triples, each on a new prefix.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="With --run-nonce, makes the prompts reproducible.")
-@click.option("--run-nonce", default=None,
-              help="Opens every prefix (so the cold ones are new to the server). [random; "
-                   "the report records it]")
+@_bench_seeded
 @click.option("--min-warm-drop", type=float, default=0.30, show_default=True,
               help="Gate: warm TTFT at least this much below cold.")
 @click.option("--min-hit-rate", type=float, default=0.60, show_default=True,
               help="Gate: warm cached_tokens / prompt tokens.")
 @click.option("--neg-min-ratio", type=float, default=0.70, show_default=True,
               help="Gate: negative-control TTFT at least this share of cold.")
+@click.option("--max-p99-ratio", type=float, default=1.0, show_default=True,
+              help="Gate: warm TTFT p99 at most this multiple of cold p99 (no regression).")
+@click.option("--require-cold/--no-require-cold", default=True, show_default=True,
+              help="Gate: the cold requests get cached_tokens 0 (a prefix new to the server).")
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Reads block size, pool size and device from /metrics. "
                    "[$SALTSERVE_METRICS_TOKEN]")
 def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int,
                    rounds: int, max_tokens: int, seed: int, min_warm_drop: float,
-                   min_hit_rate: float, neg_min_ratio: float, metrics_token: str | None,
+                   min_hit_rate: float, neg_min_ratio: float, max_p99_ratio: float,
+                   require_cold: bool, metrics_token: str | None,
                    out: Path | None, run_nonce: str | None, in_process: bool,
                    model_dir: Path | None, data_dir: Path | None) -> None:
     """The seed's cold / warm / negative-control test of prefix caching, with gates; exits 1
@@ -817,7 +827,8 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
                                    model, metrics_token)
             with click.progressbar(length=rounds, label="rounds", file=sys.stderr) as bar:
                 return run_validate(endpoint, prefix_tokens, rounds, seed, max_tokens,
-                                    Gates(min_warm_drop, min_hit_rate, neg_min_ratio),
+                                    Gates(min_warm_drop, min_hit_rate, neg_min_ratio, max_p99_ratio,
+                                          require_cold),
                                     progress=lambda done, total: bar.update(1),
                                     run_nonce=run_nonce)
 
@@ -842,7 +853,7 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
               help="Requests per run.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@_bench_seeded
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Interleaved rounds per profile: each sends a new prompt set to caching off "
                    "and on (in alternating order) and to each peer, and the report pools them "
@@ -861,8 +872,9 @@ def bench_validate(url: str, api_key: str, model: str | None, prefix_tokens: int
 @_bench_plot
 def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | None,
                    profiles: tuple[str, ...], requests: int, concurrency: int,
-                   max_tokens: int, seed: int, rounds: int, metrics_token: str | None,
-                   out: Path | None, peer_specs: tuple[str, ...], hf_baseline: bool,
+                   max_tokens: int, seed: int, run_nonce: str | None, rounds: int,
+                   metrics_token: str | None, out: Path | None, peer_specs: tuple[str, ...],
+                   hf_baseline: bool,
                    hf_model: Path | None, data_dir: Path | None, plot: Path | None,
                    in_process: bool, model_dir: Path | None) -> None:
     """The seed's four workload profiles (shared system prompt, RAG document, few-shot,
@@ -906,7 +918,7 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
             with click.progressbar(length=len(chosen), label="profiles", file=sys.stderr) as bar:
                 return run_profiles(on, off, requests, concurrency, max_tokens, seed, chosen,
                                     progress=lambda name: bar.update(1), peers=peer_eps, hf=hf,
-                                    probe=probe, rounds=rounds)
+                                    probe=probe, rounds=rounds, nonce=run_nonce)
 
     _bench_report(IN_PROCESS_URL if in_process else url, out, run, format_profiles, plot,
                   plot_profiles)
@@ -925,20 +937,25 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
               help="Unique prompts the flooding tenant sends meanwhile.")
 @click.option("--flood-concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@_bench_seeded
 @_bench_plot
 def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
                   flood_requests: int, flood_concurrency: int, max_tokens: int, seed: int,
-                  out: Path | None, plot: Path | None) -> None:
+                  run_nonce: str | None, out: Path | None, plot: Path | None) -> None:
     """N tenants share the pool while one floods unique prompts: per-tenant hit rate, TTFT and
     the blocks the flood evicted from each."""
 
     from app.bench.plots import plot_tenants
     from app.bench.tenants import format_tenants, run_tenants
 
-    _bench_report(url, out, lambda: run_tenants(
-        url, admin_token, n_tenants, requests, flood_requests, flood_concurrency, max_tokens,
-        seed), format_tenants, plot, plot_tenants)
+    def run() -> dict:
+        total = n_tenants * (requests + 1) + flood_requests
+        with click.progressbar(length=total, label="requests", file=sys.stderr) as bar:
+            return run_tenants(url, admin_token, n_tenants, requests, flood_requests,
+                               flood_concurrency, max_tokens, seed, nonce=run_nonce,
+                               progress=lambda: bar.update(1))
+
+    _bench_report(url, out, run, format_tenants, plot, plot_tenants)
 
 
 @bench.command("sweep")
@@ -966,14 +983,15 @@ def bench_tenants(url: str, admin_token: str, n_tenants: int, requests: int,
 @click.option("--documents", type=click.IntRange(min=1), default=3, show_default=True,
               help="pool_size: documents asked about in turn.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@_bench_seeded
 @click.option("--metrics-token", envvar="SALTSERVE_METRICS_TOKEN", default=None,
               help="Adds block size, pool and device to the report.")
 @_bench_plot
 def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axis: str,
                 values: str | None, rounds: int, requests: int, concurrency: int,
                 prefix_tokens: int, documents: int, max_tokens: int, seed: int,
-                metrics_token: str | None, model_dir: Path | None, data_dir: Path | None,
+                run_nonce: str | None, metrics_token: str | None, model_dir: Path | None,
+                data_dir: Path | None,
                 out: Path | None, plot: Path | None, in_process: bool) -> None:
     """One axis at a time (prefix length, match rate, concurrency, output length, pool size),
     caching on and off; pool_size starts its own servers and needs no --url."""
@@ -993,7 +1011,7 @@ def bench_sweep(url: str, api_key: str | None, api_key_no_cache: str | None, axi
             kwargs = {"rounds": rounds, "max_tokens": max_tokens, "seed": seed,
                       "requests": requests, "concurrency": concurrency,
                       "prefix_tokens": prefix_tokens, "documents": documents,
-                      "progress": lambda _: bar.update(1)}
+                      "progress": lambda _: bar.update(1), "nonce": run_nonce}
             if axis == "pool_size":  # its own servers, one per size
                 return run_sweep(axis, chosen, model_dir=_model_dir(model_dir, data_dir),
                                  **kwargs)

@@ -60,9 +60,13 @@ def parse_peer(spec: str) -> Peer:
     return Peer(name, url, key, model)
 
 
-def summarise(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+def summarise(samples: list[Sample], wall_s: float, block_size: int | None = None
+              ) -> dict[str, Any]:
     """The figures every run reports (``bench profiles``' columns) from its samples and its
-    wall time (seconds)."""
+    wall time (seconds). ``hit_rate`` counts tokens (cached / prompt); with the server's
+    ``block_size`` (tokens), ``block_hit_rate`` counts blocks: blocks reused (cached tokens /
+    block size) over blocks requested (each prompt's tokens in blocks, rounded up), the seed's
+    "effective hit rate"; None without it."""
     ttfts = [s.ttft_s for s in samples]
     prompt = sum(s.prompt_tokens for s in samples)
     cached = sum(s.cached_tokens for s in samples)
@@ -78,7 +82,16 @@ def summarise(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "prefill_tokens_per_s": (prompt - cached) / wall_s,
         "prompt_tokens": prompt, "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,
+        "block_size": block_size,
+        "block_hit_rate": _block_hit_rate(samples, block_size),
     }
+
+
+def _block_hit_rate(samples: list[Sample], block_size: int | None) -> float | None:
+    if not block_size:
+        return None
+    requested = sum(-(-s.prompt_tokens // block_size) for s in samples)
+    return sum(s.cached_tokens // block_size for s in samples) / requested if requested else 0.0
 
 
 class HFGenerate:

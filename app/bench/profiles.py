@@ -140,11 +140,12 @@ def measure(endpoint: Endpoint, prompts: list[str], concurrency: int, max_tokens
     return Measured(samples, wall, counters, list(probe.samples) if probe else [])
 
 
-def pooled(runs: list[Measured]) -> dict[str, Any]:
+def pooled(runs: list[Measured], block_size: int | None = None) -> dict[str, Any]:
     """The report's figures (see the module docstring) over one or more runs of the same
-    workload: samples pooled, wall times summed, cache counters summed."""
+    workload: samples pooled, wall times summed, cache counters summed; ``block_size`` (the
+    server's, tokens) adds the block-level hit rate."""
     samples = [s for m in runs for s in m.samples]
-    out = summarise(samples, sum(m.wall_s for m in runs))
+    out = summarise(samples, sum(m.wall_s for m in runs), block_size)
     if all(m.counters is not None for m in runs):
         queried = sum(m.counters["queries"] for m in runs)  # type: ignore[index]
         hits = sum(m.counters["hits"] for m in runs)  # type: ignore[index]
@@ -191,6 +192,9 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
         raise ValueError("rounds must be at least 1")
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     peers = peers or {}
+    cache_config = on.cache_config()
+    peer_configs = {n: p.cache_config() for n, p in peers.items()}
+    ours_block = _block_size(cache_config)
     on.complete("Warm-up: say hello.", 2)
     for peer in peers.values():
         peer.complete("Warm-up: say hello.", 2)
@@ -212,9 +216,11 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
             for peer_name, peer in peers.items():
                 theirs[peer_name].append(measure(peer, prompts, concurrency, max_tokens,
                                                  MetricsProbe(peer.url, peer.metrics_token)))
-        results[name] = {"off": pooled(ours["off"]), "on": pooled(ours["on"])}
+        results[name] = {"off": pooled(ours["off"], ours_block),
+                         "on": pooled(ours["on"], ours_block)}
         r = results[name]
-        r["peers"] = {peer_name: pooled(runs) for peer_name, runs in theirs.items()}
+        r["peers"] = {peer_name: pooled(runs, _block_size(peer_configs[peer_name]))
+                      for peer_name, runs in theirs.items()}
         if rounds > 1:
             r["rounds_on_vs_off"] = [(len(b.samples) / b.wall_s) / (len(a.samples) / a.wall_s)
                                      for a, b in zip(ours["off"], ours["on"])]
@@ -233,12 +239,19 @@ def run_profiles(on: Endpoint, off: Endpoint, requests: int = 16, concurrency: i
             progress(name)
     return {"test": "profiles", "url": on.url, "model": on.model, "seed": seed,
             "nonce": nonce, "requests": requests, "concurrency": concurrency,
-            "max_tokens": max_tokens, "rounds": rounds, "cache_config": on.cache_config(),
-            "peers": {n: {"url": p.url, "model": p.model, "cache_config": p.cache_config()}
+            "max_tokens": max_tokens, "rounds": rounds, "cache_config": cache_config,
+            "peers": {n: {"url": p.url, "model": p.model, "cache_config": peer_configs[n]}
                       for n, p in peers.items()},
             "hf_generate": ({"model_dir": str(hf.model_dir), "device": "cpu", "dtype": "float32"}
                             if hf is not None else None),
             "profiles": results}
+
+
+def _block_size(cache_config: dict[str, str]) -> int | None:
+    try:
+        return int(cache_config["block_size"])
+    except (KeyError, ValueError):
+        return None
 
 
 def profile_runs(profile: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -265,14 +278,25 @@ def format_profiles(report: dict[str, Any]) -> str:
         lines.append("hf_generate: transformers generate, one prompt at a time, fp32, greedy")
     lines.append(f"{'profile':14} {'run':16} {'TTFT p50':>9} {'p95':>7} {'p99':>7} "
                  f"{'ITL ms':>7} {'req/s':>6} {'out tok/s':>9} {'prefill tok/s':>13} "
-                 f"{'hit rate':>8}")
+                 f"{'hit rate':>8} {'blk hit':>7} {'KV peak':>7} {'evict/req':>9}")
+
+    def pct(v: float | None, width: int) -> str:
+        return f"{100 * v:{width - 1}.1f}%" if v is not None else " " * (width - 1) + "-"
+
     for name, r in report["profiles"].items():
         for run, x in profile_runs(r).items():
             itl = f"{1000 * x['itl_mean_s']:7.1f}" if x["itl_mean_s"] is not None else "      -"
+            m = x.get("metrics") or {}
+            evict = m.get("evicted_blocks_per_request")
             lines.append(f"{name:14} {run:16} {x['ttft_p50_s']:8.3f}s {x['ttft_p95_s']:6.2f}s "
                          f"{x['ttft_p99_s']:6.2f}s {itl} {x['requests_per_s']:6.2f} "
                          f"{x['output_tokens_per_s']:9.1f} {x['prefill_tokens_per_s']:13.0f} "
-                         f"{100 * x['hit_rate']:7.1f}%")
+                         f"{pct(x['hit_rate'], 8)} {pct(x.get('block_hit_rate'), 7)} "
+                         f"{pct(m.get('kv_usage_peak'), 7)} "
+                         f"{'-' if evict is None else format(evict, '.2f'):>9}")
+            if m and not m.get("hit_rate_agrees", True):
+                lines.append(f"{'':14} {run}: /metrics hit rate {pct(m.get('hit_rate'), 7)} "
+                             "disagrees with cached_tokens (other traffic on the server?)")
         if r.get("rounds_on_vs_off"):
             each = ", ".join(f"{x:.2f}" for x in r["rounds_on_vs_off"])
             lines.append(f"{'':14} throughput on/off per round: {each} (median "

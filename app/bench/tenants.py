@@ -40,9 +40,19 @@ def _evictions(url: str, admin: dict[str, str]) -> dict[tuple[str, str], float]:
 
 def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
                 flood_requests: int = 32, flood_concurrency: int = 4, max_tokens: int = 8,
-                seed: int = 0, nonce: str | None = None, model: str | None = None
-                ) -> dict[str, Any]:
-    """Runs the flood; the report. Raises httpx.HTTPError / RuntimeError on a refused call."""
+                seed: int = 0, nonce: str | None = None, model: str | None = None,
+                progress: Any = None) -> dict[str, Any]:
+    """Runs the flood; the report. ``progress()`` is called after each completion (warm-ups,
+    the tenants' requests and the flood's). Raises httpx.HTTPError / RuntimeError on a refused
+    call."""
+    progress_lock = threading.Lock()  # the tenants' threads and the flood's report in turn
+
+    def done(sample: Sample) -> Sample:
+        if progress is not None:
+            with progress_lock:
+                progress()
+        return sample
+
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     admin = {"Authorization": f"Bearer {admin_token}"}
     url = url.rstrip("/")
@@ -61,7 +71,7 @@ def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
                    for i in range(tenants)]
         endpoints = [Endpoint(url, v["key"], model) for v in victims]
         for ep, system in zip(endpoints, systems, strict=True):  # each tenant's cache, warm
-            ep.complete(system + "\nQuestion: warm-up?", max_tokens)
+            done(ep.complete(system + "\nQuestion: warm-up?", max_tokens))
         before = _evictions(url, admin)
         flood_ep = Endpoint(url, flooder["key"], endpoints[0].model)
         flood_prompts = [f"Run {nonce}. Flood {j}: {random_text(rng, 700)}"
@@ -70,14 +80,16 @@ def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
 
         def victim(i: int) -> None:
             for r in range(requests):
-                results[victims[i]["name"]].append(endpoints[i].complete(
-                    f"{systems[i]}\nQuestion {r}: {random_text(random.Random(r), 6)}?", max_tokens))
+                results[victims[i]["name"]].append(done(endpoints[i].complete(
+                    f"{systems[i]}\nQuestion {r}: {random_text(random.Random(r), 6)}?",
+                    max_tokens)))
 
         threads = [threading.Thread(target=victim, args=(i,)) for i in range(tenants)]
         for t in threads:
             t.start()
         with ThreadPoolExecutor(flood_concurrency) as pool:
-            flood = list(pool.map(lambda p: flood_ep.complete(p, max_tokens), flood_prompts))
+            flood = list(pool.map(lambda p: done(flood_ep.complete(p, max_tokens)),
+                                  flood_prompts))
         for t in threads:
             t.join()
         after = _evictions(url, admin)

@@ -11,10 +11,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from app.bench.baselines import Peer, parse_peer
+from app.bench.baselines import Peer, parse_peer, summarise
 from app.bench.profiles import format_profiles, profile_prompts, run_profiles
 from app.bench.sweep import match_rate_prompts, parse_values, run_sweep
-from app.bench.validate import Sample
+from app.bench.validate import Gates, Sample, run_validate
 from app.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -101,7 +101,65 @@ def test_profiles_run_peers_and_the_generate_baseline_on_the_same_prompts():
     text = format_profiles(report)
     assert "block size: ours 16, peer 32 (differs" in text
     assert "ours (cache on) vs hf_generate: throughput" in text
+    # Blocks reused over blocks requested, each at its own server's block size.
+    assert 0.6 < shared["on"]["block_hit_rate"] <= shared["on"]["hit_rate"]
+    assert shared["peers"]["peer"]["block_size"] == 32 and shared["on"]["block_size"] == 16
+    assert shared["off"]["block_hit_rate"] == 0
+    assert "blk hit" in text and "evict/req" in text
 
+
+def test_block_hit_rate_counts_whole_blocks_reused_over_blocks_requested():
+    # 40 tokens = 3 blocks of 16 (the last one partial), 32 cached = 2 reused; 16 tokens = 1
+    # block, none cached; 20 tokens = 2 blocks, 17 cached = 1 whole block: (2 + 0 + 1) / 6.
+    samples = [Sample(0.1, 0.2, 40, 32, 4), Sample(0.1, 0.2, 16, 0, 4),
+               Sample(0.1, 0.2, 20, 17, 4)]
+    out = summarise(samples, 1.0, block_size=16)
+    assert out["block_hit_rate"] == pytest.approx(3 / 6)
+    assert out["hit_rate"] == pytest.approx(49 / 76)  # tokens, not blocks
+    assert summarise(samples, 1.0)["block_hit_rate"] is None  # no block size, no figure
+
+
+def test_seed_and_nonce_replay_the_same_prompts():
+    """``--seed`` with ``--run-nonce``: a later run sends exactly the earlier run's prompts, so
+    on the same server they hit the cache it left; another nonce or seed sends new ones."""
+    for name in ("shared_system", "rag_document", "few_shot", "unique"):
+        assert profile_prompts(name, 4, 7, "n") == profile_prompts(name, 4, 7, "n")
+        assert profile_prompts(name, 4, 7, "n") != profile_prompts(name, 4, 8, "n")
+        assert profile_prompts(name, 4, 7, "n") != profile_prompts(name, 4, 7, "m")
+    server = FakeServer()
+    first = run_profiles(server, FakeServer(caching=False), requests=3, concurrency=1,
+                         max_tokens=1, seed=5, profiles=("unique",), nonce="again")
+    again = run_profiles(server, FakeServer(caching=False), requests=3, concurrency=1,
+                         max_tokens=1, seed=5, profiles=("unique",), nonce="again")
+    other = run_profiles(server, FakeServer(caching=False), requests=3, concurrency=1,
+                         max_tokens=1, seed=5, profiles=("unique",), nonce="other")
+    assert first["profiles"]["unique"]["on"]["hit_rate"] < 0.05
+    assert again["profiles"]["unique"]["on"]["hit_rate"] > 0.9  # the very same prompts
+    assert other["profiles"]["unique"]["on"]["hit_rate"] < 0.05
+    assert first["nonce"] == again["nonce"] == "again" and first["seed"] == 5
+
+
+def test_validate_gates_are_configurable():
+    """The seed's gates on a server double: the defaults pass; a stricter p99 gate fails; a
+    replayed run (same seed and nonce) finds its cold prefixes cached, which ``require_cold``
+    flags and ``--no-require-cold`` lets through."""
+    server = FakeServer()
+    report = run_validate(server, rounds=2, seed=1, run_nonce="v")
+    assert report["passed"], report["gates"]
+    g = report["gates"]
+    assert g["warm_drop"]["percent"] == pytest.approx(100 * g["warm_drop"]["value"])
+    assert g["warm_drop"]["value"] > 0.9 and g["p99"]["gate"] == "warm p99 <= 1 x cold p99"
+    strict = run_validate(FakeServer(), rounds=2, seed=1, run_nonce="v",
+                          gates=Gates(max_p99_ratio=0.0))
+    assert not strict["passed"] and not strict["gates"]["p99"]["passed"]
+    assert strict["gates"]["warm_drop"]["passed"] and strict["gates"]["cold_is_cold"]["passed"]
+    replay = run_validate(server, rounds=2, seed=1, run_nonce="v")
+    assert min(replay["cached_tokens"]["cold"]) > 700  # the same prefixes, cached before
+    assert not replay["gates"]["cold_is_cold"]["passed"] and not replay["passed"]
+    lax = run_validate(server, rounds=2, seed=1, run_nonce="v", gates=Gates(require_cold=False))
+    assert lax["gates"]["cold_is_cold"]["passed"] and lax["gates"]["cold_is_cold"]["gate"] == "off"
+    fresh = run_validate(server, rounds=2, seed=1, run_nonce="w")
+    assert fresh["cached_tokens"]["cold"] == [0, 0] and fresh["passed"]
 
 
 def test_rag_profile_reuses_each_of_its_three_documents():

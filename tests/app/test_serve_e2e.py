@@ -244,10 +244,12 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
         (data_dir / "demo-api-key").read_text().strip(), "--api-key-no-cache", off["key"],
         "--profile", "shared_system", "--requests", "3",
         "--concurrency", "1", "--max-tokens", "4", "--metrics-token", admin_jwt,
+        "--seed", "3", "--run-nonce", "prof1",
         "--peer", f"self={base}/v1,{peer['key']}", "--hf-baseline", "--hf-model",
         str(model_dir), "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
+    assert (report["seed"], report["nonce"]) == (3, "prof1")  # the prompts, replayable
     shared = report["profiles"]["shared_system"]
     assert shared["on"]["prompt_tokens"] // 3 >= 1500  # the seed's >= 1,500-token prompt
     # The first of the three is cold, the other two hit all but their question's blocks
@@ -269,7 +271,8 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path):
+def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path, monkeypatch):
+    import click
     from click.testing import CliRunner
 
     from app.cli import main
@@ -279,13 +282,33 @@ def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path
     admin_jwt = issue_token(load_or_create_platform_key(data_dir), JWTConfig(),
                             subject="bench-test", role="admin", tenant_id=None, ttl_s=600)
     out = tmp_path / "tenants.json"
+    bars: list[list[int]] = []  # [length, updates] of each progress bar drawn
+    real_bar = click.progressbar
+
+    def counted(*args, **kwargs):
+        bar = real_bar(*args, **kwargs)
+        seen = [kwargs["length"], 0]
+        bars.append(seen)
+        update = bar.update
+
+        def counting(n, *rest):
+            seen[1] += n
+            return update(n, *rest)
+
+        bar.update = counting
+        return bar
+
+    monkeypatch.setattr(click, "progressbar", counted)
     r = CliRunner().invoke(main, ["bench", "tenants", "--url", base, "--admin-token",
                                   admin_jwt, "--tenants", "2", "--requests", "3",
                                   "--flood-requests", "6", "--flood-concurrency", "2",
-                                  "--max-tokens", "2", "--out", str(out), "--plot",
-                                  str(tmp_path / "tenants.png")])
+                                  "--max-tokens", "2", "--run-nonce", "fl00d", "--out",
+                                  str(out), "--plot", str(tmp_path / "tenants.png")])
     assert r.exit_code == 0, r.output
+    # One tick per completion: each tenant's warm-up and 3 requests, and the flood's 6.
+    assert bars == [[2 * (1 + 3) + 6, 2 * (1 + 3) + 6]]
     report = json.loads(out.read_text())
+    assert report["nonce"] == "fl00d"
     assert len(report["per_tenant"]) == 2
     assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
     for name, t in report["per_tenant"].items():
