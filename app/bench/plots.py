@@ -82,8 +82,9 @@ def plot_profiles(report: dict[str, Any], path: Path) -> None:
         ax.bar(xs, [value(report["profiles"][p], run) for p in profiles], width, label=run)
     ax.set_xticks(range(len(profiles)), [p.replace("_", " ") for p in profiles])
     ax.set_ylabel("requests / s")
-    ax.set_title(f"Throughput per profile: {report['model']}, concurrency "
-                 f"{report['concurrency']}, max_tokens {report['max_tokens']}")
+    ax.set_title(f"Throughput per profile: {report['model']}\nconcurrency "
+                 f"{report['concurrency']}, max_tokens {report['max_tokens']}, "
+                 f"{report.get('rounds', 1)} round(s) of {report['requests']} requests")
     _save(fig, ax, path)
 
 

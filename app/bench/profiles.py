@@ -302,6 +302,8 @@ def format_profiles(report: dict[str, Any]) -> str:
             lines.append(f"{'':14} throughput on/off per round: {each} (median "
                          f"{statistics.median(r['rounds_on_vs_off']):.2f}x)")
         for other, v in r["ours_vs"].items():
+            lower = v["ttft_p50_lower"]
+            ttft = f"{lower:.2f}x lower" if lower >= 1 else f"{1 / lower:.2f}x higher"
             lines.append(f"{'':14} ours (cache on) vs {other}: throughput "
-                         f"{v['throughput']:.2f}x, TTFT p50 {v['ttft_p50_lower']:.2f}x lower")
+                         f"{v['throughput']:.2f}x, TTFT p50 {ttft}")
     return "\n".join(lines)
