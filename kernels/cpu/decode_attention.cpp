@@ -22,10 +22,11 @@
 // here any chunk, any number of groups. Every score, partial and merge is summed in an order fixed
 // by the row's own positions, so a sequence's output is bit-identical whether or not another
 // sequence shares its chunks, and does not depend on its batch.
-// Per (chunk, kv head): scores of 2 query rows x 4 positions (or 1 x 8) at a time in eight
-// independent FMA chains over head_dim, reduced by one add tree; softmax in fp32 (exp: Cephes'
-// polynomial, about 1 ulp; weights below exp(-88) count as 0); then the weighted sum of V with
-// 2 rows x 32 columns held in registers. (Prefetching a chunk's K/V rows before reading them
+// Per (chunk, kv head): scores of 3 query rows x 4 positions (one sequence's query heads of a
+// KV head for SmolLM2's 9 / 3 heads; then 2 x 4, or 1 x 8) at a time in independent FMA chains
+// over head_dim, each reduced by the same add tree; softmax in fp32 (the row max 8 lanes at a
+// time; exp: Cephes' polynomial, about 1 ulp; weights below exp(-88) count as 0); then the
+// weighted sum of V with 3 (or 2, or 1) rows x 32 columns held in registers. (Prefetching a chunk's K/V rows before reading them
 // was tried: no faster over a step's 30 layers, 5-15% slower for 16 unshared 300-token rows.)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,7 +37,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <map>
+#include <unordered_map>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -82,12 +83,16 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Scores of R query rows against NP positions (R * NP <= 8): s[r * ld + p] = (q_r . k_p) * sc.
+// Scores of R query rows against NP positions (R * NP <= 12): s[r * ld + p] = (q_r . k_p) * sc.
+// Each score is the same chain of FMAs over head_dim and the same reduce8 tree whatever the tile,
+// so a row's scores do not depend on the rows it is tiled with.
 template <int R, int NP>
 inline void score_tile(const float* const* q, const float* const* k, int64_t D, float sc,
                        float* s, int64_t ld) {
-  __m256 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  constexpr int A = R * NP;
+  static_assert(A <= 12, "16 ymm registers: 12 accumulators, R query rows and one key row");
+  __m256 a[A > 8 ? 16 : 8];
+  for (int i = 0; i < A; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     __m256 qv[R];
     for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q[r] + d);
@@ -96,8 +101,11 @@ inline void score_tile(const float* const* q, const float* const* k, int64_t D, 
       for (int r = 0; r < R; ++r) a[r * NP + p] = _mm256_fmadd_ps(qv[r], kv, a[r * NP + p]);
     }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(sc)));
+  for (int i = A; i < (A > 8 ? 16 : 8); ++i) a[i] = a[i - A];  // padding, reduced and dropped
+  alignas(32) float sums[16];
+  const __m256 scv = _mm256_set1_ps(sc);
+  _mm256_store_ps(sums, _mm256_mul_ps(reduce8(a), scv));
+  if constexpr (A > 8) _mm256_store_ps(sums + 8, _mm256_mul_ps(reduce8(a + 8), scv));
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) s[r * ld + p] = sums[r * NP + p];
 }
@@ -129,6 +137,11 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
              float* const* acc) {
   constexpr int64_t ld = kChunk;
   int64_t i = 0;
+  for (; i + 3 <= nq; i += 3) {  // 3 rows: one sequence's query heads of a KV head (SmolLM2)
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) score_tile<3, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
+    for (; j < n; ++j) score_tile<3, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
+  }
   for (; i + 2 <= nq; i += 2) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) score_tile<2, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
@@ -141,8 +154,16 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
   }
   for (i = 0; i < nq; ++i) {  // softmax numerators and sums per row
     float* si = s + i * ld;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = std::fmax(mx, si[j]);
+    // The row's max, 8 lanes at a time (std::fmax is a libm call per element: 16% of the
+    // kernel at 16 shared rows); max is exact in any order, and scores are finite.
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(si + j0));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    float mx = lanes[0];
+    for (int t = 1; t < 8; ++t) mx = lanes[t] > mx ? lanes[t] : mx;
+    for (; j0 < n; ++j0) mx = si[j0] > mx ? si[j0] : mx;
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -164,7 +185,12 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     *m[i] = mx;
     *l[i] = sum;
   }
-  for (i = 0; i + 2 <= nq; i += 2) {
+  for (i = 0; i + 3 <= nq; i += 3) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) pv_tile<3, 4>(s + i * ld, ld, v, n, d0, acc + i);
+    for (; d0 < D; d0 += 8) pv_tile<3, 1>(s + i * ld, ld, v, n, d0, acc + i);
+  }
+  for (; i + 2 <= nq; i += 2) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) pv_tile<2, 4>(s + i * ld, ld, v, n, d0, acc + i);
     for (; d0 < D; d0 += 8) pv_tile<2, 1>(s + i * ld, ld, v, n, d0, acc + i);
@@ -236,8 +262,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     int64_t seq, chunk, n;           // the table and chunk it is read through, its length
     std::vector<int64_t> members;    // index into seqs of each sequence that shares it
   };
+  struct KeyHash {  // FNV-1a over the key's ints
+    size_t operator()(const std::vector<int32_t>& k) const {
+      uint64_t h = 1469598103934665603ull;
+      for (const int32_t x : k) h = (h ^ static_cast<uint32_t>(x)) * 1099511628211ull;
+      return static_cast<size_t>(h);
+    }
+  };
   std::vector<Group> groups;
-  std::map<std::vector<int32_t>, int64_t> by_key;
+  std::unordered_map<std::vector<int32_t>, int64_t, KeyHash> by_key;
+  by_key.reserve(static_cast<size_t>(slots));
   std::vector<int32_t> key;
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     const int64_t s = seqs[i], L = lens[s];
@@ -310,7 +344,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       for (int64_t g = 0; g < G; ++g) {
         auto at = [&](int64_t c) { return ((first[i] + c) * KVH + kvh) * G + g; };
         float mx = -INFINITY;
-        for (int64_t c = 0; c < nc; ++c) mx = std::fmax(mx, pm[at(c)]);
+        for (int64_t c = 0; c < nc; ++c) mx = pm[at(c)] > mx ? pm[at(c)] : mx;
         float den = 0.f;
         std::fill(num.begin(), num.end(), 0.f);
         for (int64_t c = 0; c < nc; ++c) {
