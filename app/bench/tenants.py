@@ -3,8 +3,10 @@ one more tenant floods unique prompts. The measure for the fair-share work (``do
 per-tenant hit rate and TTFT under the flood, and the blocks the flooder's requests evicted from
 each of the others.
 
-It creates its tenants through the admin API (an admin JWT), named ``bench-<run nonce>-...``,
-and disables them afterwards. Evictions come from ``saltserve:prefix_cache_evictions_total``
+It creates its tenants through the admin API (an admin JWT), named
+``bench-<run nonce>-<run id>-...`` (the nonce picks the prompts, so ``--run-nonce`` replays them;
+the run id is new each invocation, so a replay on the same server does not collide with the
+earlier run's tenants), and disables them afterwards. Evictions come from ``saltserve:prefix_cache_evictions_total``
 (its ``evicted_by`` label: the tenant whose allocation took the block), read with the same
 admin JWT.
 """
@@ -54,11 +56,13 @@ def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
         return sample
 
     nonce = nonce or f"{random.SystemRandom().getrandbits(32):08x}"
+    run_id = f"{random.SystemRandom().getrandbits(24):06x}"  # tenant names, never prompts
     admin = {"Authorization": f"Bearer {admin_token}"}
     url = url.rstrip("/")
     created: list[dict[str, Any]] = []
     try:
-        for name in [f"bench-{nonce}-t{i}" for i in range(tenants)] + [f"bench-{nonce}-flood"]:
+        prefix = f"bench-{nonce}-{run_id}-"
+        for name in [f"{prefix}t{i}" for i in range(tenants)] + [f"{prefix}flood"]:
             t = httpx.post(url + "/admin/tenants", headers=admin, json={"name": name})
             t.raise_for_status()
             k = httpx.post(url + f"/admin/tenants/{t.json()['id']}/keys", headers=admin,
@@ -113,7 +117,8 @@ def run_tenants(url: str, admin_token: str, tenants: int = 4, requests: int = 8,
             "evicted_blocks": delta(v["id"], None),
             "evicted_by_flooder": delta(v["id"], flooder["id"])}
     flood_ttfts = [s.ttft_s for s in flood]
-    return {"test": "tenants", "url": url, "nonce": nonce, "tenants": tenants,
+    return {"test": "tenants", "url": url, "seed": seed, "nonce": nonce, "run_id": run_id,
+            "tenants": tenants,
             "requests": requests, "flood_requests": flood_requests,
             "flood_concurrency": flood_concurrency, "per_tenant": per_tenant,
             "flooder": {"ttft_p50_s": statistics.median(flood_ttfts),

@@ -161,8 +161,8 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     for (; j0 + 8 <= n; j0 += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(si + j0));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, mx8);
-    float mx = lanes[0];
-    for (int t = 1; t < 8; ++t) mx = lanes[t] > mx ? lanes[t] : mx;
+    float mx = -INFINITY;
+    for (int t = 0; t < 8; ++t) mx = lanes[t] > mx ? lanes[t] : mx;
     for (; j0 < n; ++j0) mx = si[j0] > mx ? si[j0] : mx;
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 sum8 = _mm256_setzero_ps();

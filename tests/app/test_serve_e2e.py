@@ -214,6 +214,16 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
     assert gates["warm_drop"] is False and gates["hit_rate"] is False
     assert gates["cold_is_cold"] and gates["negative_control"]
     assert "FAILED" in r.output
+    # The gates' thresholds come from the flags: a p99 bound no run can meet, the cold gate off.
+    r = CliRunner().invoke(main, ["bench", "validate", "--url", base, "--api-key", demo,
+                                  "--rounds", "1", "--out", str(out), "--max-p99-ratio", "0",
+                                  "--no-require-cold"])
+    assert r.exit_code == 1, r.output
+    report = json.loads(out.read_text())
+    assert report["gates"]["p99"]["passed"] is False
+    assert report["gates"]["p99"]["gate"] == "warm p99 <= 0 x cold p99"
+    assert report["gates"]["cold_is_cold"]["gate"] == "off"
+    assert report["gates"]["cold_is_cold"]["passed"] and report["gates"]["warm_drop"]["passed"]
 
 
 def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
@@ -319,8 +329,20 @@ def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path
 
     tenants = httpx.get(base + "/admin/tenants", headers={
         "Authorization": f"Bearer {admin_jwt}"}).json()["data"]
-    run = [t for t in tenants if t["name"].startswith(f"bench-{report['nonce']}-")]
+    run = [t for t in tenants
+           if t["name"].startswith(f"bench-{report['nonce']}-{report['run_id']}-")]
     assert len(run) == 3 and all(t["disabled"] for t in run)
+    # The same nonce again on the same server replays the prompts under new tenant names.
+    again = tmp_path / "again.json"
+    r = CliRunner().invoke(main, ["bench", "tenants", "--url", base, "--admin-token",
+                                  admin_jwt, "--tenants", "1", "--requests", "1",
+                                  "--flood-requests", "1", "--flood-concurrency", "1",
+                                  "--max-tokens", "1", "--run-nonce", "fl00d", "--seed", "4",
+                                  "--out", str(again)])
+    assert r.exit_code == 0, r.output
+    replay = json.loads(again.read_text())
+    assert (replay["nonce"], replay["seed"]) == ("fl00d", 4)
+    assert replay["run_id"] != report["run_id"]
 
 
 def test_bench_sweep_prefix_length_draws_the_curves(server, tmp_path):

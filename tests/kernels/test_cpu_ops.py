@@ -139,15 +139,17 @@ def _shared_tables(block_size, shared, own, seed):
     return tables, need
 
 
+@pytest.mark.parametrize("kvh,h", [(3, 9), (2, 8), (1, 1)])
 @pytest.mark.parametrize("block_size", [16, 24, 128])
-def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size):
+def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size, kvh, h):
     """Sequences sharing a prefix's blocks (a cached system prompt): the kernel attends each
     chunk of 64 positions that several sequences hold in the same blocks once for all of their
     heads (kernels/cpu/decode_attention.cpp). Whole shared prefixes, ones that end inside a
     chunk, two tables that are equal but for their lengths, a sequence that shares nothing, and
     a prefill row in between: each decode row's output is the same bits as the sequence alone,
     and SDPA's to fp32 rounding. Block sizes that divide the chunk, that do not (24), and that
-    are larger than it (128)."""
+    are larger than it (128). Query heads per KV head of 3 (a sequence's rows fill one 3-row
+    tile), 4 (tiles of 3 span two sequences' rows) and 1 (every tile spans sequences)."""
     tokens = 700
     per = -(-tokens // block_size)
     shared = [per - 1, per - 1, per // 2, per - 1, 0, per - 1]
@@ -156,21 +158,21 @@ def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size
     seq_lens = [tokens - 20, tokens - 3, tokens - 5, tokens - 40, tokens - 1, tokens - 3]
     query_lens = [1, 1, 1, 1, 1, 3]  # the last one is a prefill chunk: skipped
     gen = torch.Generator().manual_seed(7)
-    kc = torch.randn(num_blocks, block_size, 3, 64, generator=gen)
-    vc = torch.randn(num_blocks, block_size, 3, 64, generator=gen)
+    kc = torch.randn(num_blocks, block_size, kvh, 64, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kvh, 64, generator=gen)
     bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), 9, 64, generator=gen)
+    q = torch.randn(int(qsl[-1]), h, 64, generator=gen)
     out = torch.full_like(q, float("nan"))
     cpu_ops.decode_attention(out, q, kc, vc, qsl, lens, bt, 0.125)
     assert torch.isnan(out[int(qsl[5]):]).all()  # the prefill rows are not written
     one = torch.tensor([0, 1], dtype=torch.int32)
     for i in range(5):
         row = int(qsl[i])
-        alone = torch.empty(1, 9, 64)
+        alone = torch.empty(1, h, 64)
         cpu_ops.decode_attention(alone, q[row:row + 1], kc, vc, one, lens[i:i + 1],
                                  bt[i:i + 1].contiguous(), 0.125)
         assert torch.equal(alone[0], out[row]), i
@@ -179,8 +181,8 @@ def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size
                                    rtol=1e-5, atol=1e-5)
     # The same query in two sequences over the same blocks and length: the same output.
     twin = torch.tensor([0, 1, 2], dtype=torch.int32)
-    pair = torch.empty(2, 9, 64)
-    cpu_ops.decode_attention(pair, q[1:2].expand(2, 9, 64).contiguous(), kc, vc, twin,
+    pair = torch.empty(2, h, 64)
+    cpu_ops.decode_attention(pair, q[1:2].expand(2, h, 64).contiguous(), kc, vc, twin,
                              lens[1:2].repeat(2), bt[1:2].repeat(2, 1).contiguous(), 0.125)
     assert torch.equal(pair[0], pair[1]) and torch.equal(pair[0], out[1])
 
