@@ -48,7 +48,11 @@ from engine.sampling_params import SamplingParams
 from engine.weights import ensure_default_model
 
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
-           "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"}}
+           "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
+           "gguf-a8": {"quantization": "gguf"}}
+# gguf-a8: gguf with the VNNI kernel's 8-bit activation rounding (llama.cpp's Q8_1), on CPUs
+# where that kernel runs (engine.quantization.Q4_VNNI_ACT_BITS; 16 for every other format).
+ACT_BITS = {"gguf-a8": 8}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis to a child.", "List three uses of a paperclip.",
            "How do I boil an egg?", "What is 17 times 3?",
@@ -190,6 +194,7 @@ def main() -> None:
     reference: dict[str, list] = {}
     rows = []
     for name in args.formats.split(","):
+        quantization.Q4_VNNI_ACT_BITS = ACT_BITS.get(name, 16)
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)
@@ -208,14 +213,16 @@ def main() -> None:
           f"{len(PROMPTS)} prompts x 32 tokens, perplexity over {TEXT.name}; first through the "
           f"quantized kernels only, then as served (prefill on the dense copy: "
           f"{quantization.dense_copy_dtype()})\n")
-    print(f"{'format':6} {'1 stream':>9} {'step ms':>8} {'model':>6} {'engine':>6} "
-          f"{'16 streams':>10} {'vs ' + ref[0]:>8} {'16 shared':>9} {'vs ' + ref[0]:>8} "
+    print(f"{'format':7} {'1 stream':>9} {'vs ' + ref[0]:>8} {'step ms':>8} {'model':>6} "
+          f"{'engine':>6} {'16 streams':>10} {'vs ' + ref[0]:>8} {'16 shared':>9} "
+          f"{'vs ' + ref[0]:>8} "
           f"{'weights':>8} {'limit':>7} {'of limit':>8} "
           f"{'agree':>6} {'same':>5} {'ppl':>6} | served: {'agree':>6} {'same':>5} {'ppl':>6}")
     for name, one, many, mb, limit, agreement, identical, ppl, served, shared in rows:
-        print(f"{name:6} {one['tok_s']:6.1f}/s {one['step_ms']:8.1f} {one['model_ms']:6.1f} "
+        print(f"{name:7} {one['tok_s']:6.1f}/s {one['tok_s'] / ref[1]['tok_s']:7.2f}x "
+              f"{one['step_ms']:8.1f} {one['model_ms']:6.1f} "
               f"{one['engine_ms']:6.2f} {many['tok_s']:8.1f}/s "
-              f"{one['tok_s'] / ref[1]['tok_s']:7.2f}x {shared['tok_s']:7.1f}/s "
+              f"{many['tok_s'] / ref[2]['tok_s']:7.2f}x {shared['tok_s']:7.1f}/s "
               f"{shared['tok_s'] / ref[9]['tok_s']:7.2f}x {mb:6.0f}MB {limit:5.0f}/s "
               f"{100 * one['tok_s'] / limit:7.0f}% {100 * agreement:5.1f}% "
               f"{identical}/{len(PROMPTS)} {ppl:6.2f} |         {100 * served[0]:5.1f}% "

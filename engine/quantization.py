@@ -25,8 +25,10 @@ loaded), or, on CPUs with native bf16, in bf16 from 24 rows, where torch's bf16 
 read only the quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
 The quantized matmuls are torch's, except one-row 4-bit forwards on CPUs without native bf16,
-which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``); the small-batch fp32 one is ours
-(``kernels/cpu_linear.py``).
+which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``), and every fp32-activation 4-bit
+forward on CPUs with AVX-512 VNNI, which runs our VNNI kernel and keeps no dense copy
+(``Q4_VNNI``: torch has no int4 kernel for many rows that beats dense GEMM, ours does); the
+small-batch fp32 one is ours (``kernels/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,27 @@ DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = 12
 # interleaved in one process), so there ours is off. benchmarks/bench_cpu_linear.py prints both.
 Q4_OWN_KERNEL_BELOW_TOKENS = 2
 Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
+# On CPUs with AVX-512 VNNI a 4-bit layer with fp32 activations runs our VNNI kernel
+# (kernels/cpu/q4_vnni.cpp) at every row count and keeps no dense copy: per layer's four
+# projections of the bundled model, weights in cache, 2 threads, us (2026-12-04, AMD EPYC with
+# avx512_bf16 and VNNI), VNNI / bf16 dense copy / fp32: 1 row 34 / 313 / 299; 16 rows
+# 233 / 512 / 698; 32: 434 / 798 / 1,340; 128: 1,768 / 2,446 / 4,609; 512: 7,634 / 9,408 /
+# 17,681 (torch's int4 kernel at 16 rows: 779). Its activations are rounded to int8 per group
+# of 32 as llama.cpp's Q4_1 x Q8_1 dot product does (the same rounding as our Q4 kernel).
+# False: the paths above (torch's int4 kernel, the dense copy, our Q4 kernel).
+Q4_VNNI = True
+# The VNNI kernel's activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``):
+# 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per product against bf16's
+# 3.5e-3) or 8 (llama.cpp's Q8_1 rounding, 6e-3; fewer multiply-adds). Read when a layer is
+# built.
+Q4_VNNI_ACT_BITS = 16
+
+
+def q4_vnni(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether a 4-bit layer of this shape with fp32 activations runs our VNNI kernel
+    (``Q4_VNNI`` and ``kernels.cpu_linear.q4_vnni_usable``; groups of 32 only)."""
+    return (Q4_VNNI and group_size == cpu_linear.Q4_GROUP
+            and cpu_linear.q4_vnni_usable(out_features, in_features))
 
 
 def native_bf16() -> bool:
@@ -132,7 +155,7 @@ class LinearMethod:
 
 # Projection kinds of kernels/cpu/decode_layer.cpp.
 (SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16,
- SPEC_LINEAR_ONEDNN) = range(7)
+ SPEC_LINEAR_ONEDNN, SPEC_Q4_VNNI) = range(8)
 
 
 @dataclass(frozen=True)
@@ -145,11 +168,13 @@ class DecodeSpec:
             ``kernels.cpu_linear.MAX_ROWS`` rows), ``SPEC_LINEAR`` (the same, ``F.linear``:
             more rows), ``SPEC_LINEAR_ONEDNN`` (the same, oneDNN's GEMM: more rows where
             ``cpu_linear.large_m_onednn``), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
-            ``SPEC_Q4`` (our codes, scale, minimum), ``SPEC_INT8`` (qweight, scales; bf16)
+            ``SPEC_Q4`` (our codes, scale, minimum), ``SPEC_Q4_VNNI`` (our VNNI kernel's
+            codes, scale_min), ``SPEC_INT8`` (qweight, scales; bf16)
             or ``SPEC_LINEAR_BF16`` (weight [out, in] bf16: ``F.linear`` in bf16).
         tensors: the kind's operands.
         bias: [out] fp32 or None.
-        group: inputs per 4-bit group (``SPEC_INT4``), else 0.
+        group: inputs per 4-bit group (``SPEC_INT4``), the activation bits
+            (``SPEC_Q4_VNNI``), else 0.
     """
 
     kind: int
@@ -345,6 +370,19 @@ class GroupedQ4:
     minimum: torch.Tensor
 
 
+@dataclass
+class GroupedQ4Vnni:
+    """``GroupedInt4`` in our VNNI kernel's layout (``kernels.cpu_linear.q4_linear_vnni``).
+
+    Attributes:
+        codes: [out / 16, in / 32, 256] uint8 from ``cpu_linear.pack_q4_vnni``.
+        scale_min: [out / 16, in / 32, 32] fp16 (each tile's 16 scales, then 16 minimums).
+    """
+
+    codes: torch.Tensor
+    scale_min: torch.Tensor
+
+
 class Int4Linear(QuantizedLinear):
     """Grouped 4-bit weights through ``aten::_weight_int4pack_mm_for_cpu``.
 
@@ -357,18 +395,26 @@ class Int4Linear(QuantizedLinear):
             ``QuantizedLinear``).
         own: the same weights for our Q4 kernel (fp32 activations only), or None; it runs
             below ``own_below`` rows (``q4_own_kernel_below_tokens()``).
+        vnni: the same weights for our VNNI kernel, or None; with it every fp32 CPU forward
+            runs that kernel (``Q4_VNNI``), whatever its rows, and ``dense``/``own`` are None.
     """
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
                  out_features: int, bias: torch.Tensor | None = None,
-                 dense: torch.Tensor | None = None, own: GroupedQ4 | None = None) -> None:
+                 dense: torch.Tensor | None = None, own: GroupedQ4 | None = None,
+                 vnni: GroupedQ4Vnni | None = None) -> None:
         self.packed, self.group_size = packed, group_size
         self.scales_and_zeros, self.bias, self.dense = scales_and_zeros, bias, dense
         self.out_features = out_features
         self.own = own
         self.own_below = q4_own_kernel_below_tokens()
+        self.vnni = vnni
+        self.act_bits = Q4_VNNI_ACT_BITS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_linear.q4_linear_vnni(x, self.vnni.codes, self.vnni.scale_min, self.bias,
+                                             self.act_bits)
         if (self.own is not None and x.dtype == torch.float32
                 and x.shape[0] < self.own_below):
             return cpu_linear.q4_linear(x, self.own.codes, self.own.scale, self.own.minimum,
@@ -376,6 +422,9 @@ class Int4Linear(QuantizedLinear):
         return super().__call__(x)
 
     def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        if self.vnni is not None and _fp32_cpu(self.bias):
+            return DecodeSpec(SPEC_Q4_VNNI, (self.vnni.codes, self.vnni.scale_min), self.bias,
+                              self.act_bits)
         if self.own is not None and num_tokens < self.own_below and _fp32_cpu(self.bias):
             return DecodeSpec(SPEC_Q4, (self.own.codes, self.own.scale, self.own.minimum),
                               self.bias)
@@ -389,9 +438,10 @@ class Int4Linear(QuantizedLinear):
     def from_grouped(cls, w: GroupedInt4, bias: torch.Tensor | None, dtype: torch.dtype,
                      keep_dense: bool = False) -> Int4Linear:
         """Packs ``w`` for the CPU kernel (scales and zeros in ``KERNEL_DTYPE``, ``bias`` in the
-        activation ``dtype``). ``keep_dense``: also keep its dequantization (exact in fp32; in
-        bf16 on CPUs with native bf16, ``dense_copy_dtype()``) for the forwards of
-        ``dense_from_tokens()`` rows or more.
+        activation ``dtype``). ``keep_dense`` (fp32 activations): where ``q4_vnni`` holds,
+        the weights in our VNNI kernel's layout instead, and no dense copy; else also keep its
+        dequantization (exact in fp32; in bf16 on CPUs with native bf16,
+        ``dense_copy_dtype()``) for the forwards of ``dense_from_tokens()`` rows or more.
 
         Raises:
             ValueError: a shape the kernel cannot take.
@@ -404,11 +454,15 @@ class Int4Linear(QuantizedLinear):
             w.codes.to(torch.int32).contiguous(), 1)
         zero = w.minimum + 8 * w.scale
         sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+        bias = None if bias is None else bias.to(dtype)
+        if keep_dense and q4_vnni(n, k, w.group_size):
+            return cls(packed, w.group_size, sz, n, bias,
+                       vnni=GroupedQ4Vnni(*cpu_linear.pack_q4_vnni(w.codes, w.scale, w.minimum)))
         own = None
         if keep_dense and cpu_linear.loaded() and w.group_size == cpu_linear.Q4_GROUP:
             own = GroupedQ4(cpu_linear.pack_q4(w.codes), w.scale.half().contiguous(),
                             w.minimum.half().contiguous())
-        return cls(packed, w.group_size, sz, n, None if bias is None else bias.to(dtype),
+        return cls(packed, w.group_size, sz, n, bias,
                    w.dequantize().to(dense_copy_dtype()) if keep_dense else None, own)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -418,6 +472,8 @@ class Int4Linear(QuantizedLinear):
     @property
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: our kernel's weights where it runs, else torch's."""
+        if self.vnni is not None:
+            return _nbytes(self.vnni.codes, self.vnni.scale_min, self.bias)
         if self.own is not None:
             return _nbytes(self.own.codes, self.own.scale, self.own.minimum, self.bias)
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
@@ -428,6 +484,12 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
     it runs ("" without one: no quantization, or activations other than fp32)."""
     if quantization is None or dtype != torch.float32:
         return ""
+    if quantization == "gguf" and Q4_VNNI and cpu_linear.loaded() \
+            and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags():
+        copy = (f"bf16 copy from {int8_dense_from_tokens()} rows" if native_bf16()
+                else f"fp32 copy from {int8_dense_from_tokens()} rows")
+        return (f"4-bit layers through our AVX-512 VNNI kernel at every row count "
+                f"({Q4_VNNI_ACT_BITS}-bit activations), int8 layers' {copy}")
     if dense_copy_dtype() != KERNEL_DTYPE:
         return f"fp32 dense copy from {dense_from_tokens()} rows"
     return (f"bf16 dense copy from {dense_from_tokens()} rows "

@@ -34,10 +34,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "linear.cpp"
 Q4_SOURCE = Path(__file__).with_name("cpu") / "q4_linear.cpp"
+Q4_VNNI_SOURCE = Path(__file__).with_name("cpu") / "q4_vnni.cpp"
 # kernels/cpu_ops.py's fused ops, built into the same extension.
 OPS_SOURCES = [Path(__file__).with_name("cpu") / f for f in ("norm.cpp", "decode_attention.cpp",
                                                         "rotary_cache.cpp", "decode_layer.cpp")]
 Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
+Q4_VNNI_TILE = 16  # outputs per tile of kernels/cpu/q4_vnni.cpp (the lanes of a zmm)
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 # Up to this many rows the kernel beats MKL's sgemm at this model's shapes on AVX2 (measured by
 # benchmarks/bench_cpu_linear.py); prefill chunks above it are compute-bound GEMMs MKL blocks for.
 MAX_ROWS = 32
@@ -94,12 +97,13 @@ def load() -> bool:
                 bindir = os.path.dirname(sys.executable)
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                build("saltserve_cpu", [str(p) for p in (SOURCE, Q4_SOURCE, *OPS_SOURCES)],
+                build("saltserve_cpu",
+                      [str(p) for p in (SOURCE, Q4_SOURCE, Q4_VNNI_SOURCE, *OPS_SOURCES)],
                       is_python_module=False, verbose=False,
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
                                     "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
-                for op in ("linear_small_m", "q4_linear", "rms_norm", "add_rms_norm",
+                for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "rms_norm", "add_rms_norm",
                            "decode_attention", "rotary_neox_", "reshape_and_cache",
                            "decode_layer"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
@@ -194,3 +198,67 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         RuntimeError: shapes, dtypes or layouts the kernel does not take (a clear message).
     """
     return torch.ops.saltserve_cpu.q4_linear(x.contiguous(), codes, scale, minimum, bias)
+
+
+def q4_vnni_usable(out_features: int, in_features: int) -> bool:
+    """Whether ``q4_linear_vnni`` runs here for a layer of this shape: kernels loaded, a CPU
+    with AVX-512 VNNI (``VNNI_FLAGS``), ``out_features`` a multiple of 16 and ``in_features``
+    of 32."""
+    return (loaded() and VNNI_FLAGS <= cpu_flags() and out_features % Q4_VNNI_TILE == 0
+            and in_features % Q4_GROUP == 0)
+
+
+def pack_q4_vnni(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 weights -> ``kernels/cpu/q4_vnni.cpp``'s layout: tiles of 16 outputs, per tile and
+    group of 32 inputs 256 bytes of codes (sub-block s of 8 inputs k0.. is 64 bytes, byte
+    4 l + b = code[l, k0 + b] | code[l, k0 + 4 + b] << 4) and 32 fp16 (16 scales, 16 minimums).
+
+    Args:
+        codes: [out, in] uint8 in [0, 15]; ``out`` a multiple of 16, ``in`` of 32.
+        scale, minimum: [out, in / 32] (any float dtype; stored as fp16, exact for a GGUF's).
+
+    Returns:
+        (codes [out / 16, in / 32, 256] uint8, scale_min [out / 16, in / 32, 32] fp16).
+
+    Raises:
+        ValueError: a shape the kernel cannot take.
+    """
+    n, k = codes.shape
+    if n % Q4_VNNI_TILE or k % Q4_GROUP or scale.shape != (n, k // Q4_GROUP) \
+            or minimum.shape != scale.shape:
+        raise ValueError(f"q4 vnni: codes [{n}, {k}] need out a multiple of {Q4_VNNI_TILE}, "
+                         f"in of {Q4_GROUP}, scale and minimum [out, in / {Q4_GROUP}]")
+    t, g = n // Q4_VNNI_TILE, k // Q4_GROUP
+    c = codes.to(torch.uint8).view(t, Q4_VNNI_TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(t, g, 256).contiguous()
+
+    def tiles(v: torch.Tensor) -> torch.Tensor:  # [out, G] -> [T, G, 16]
+        return v.to(torch.float16).view(t, Q4_VNNI_TILE, g).transpose(1, 2)
+
+    return packed, torch.cat([tiles(scale), tiles(minimum)], dim=2).contiguous()
+
+
+def q4_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor,
+                   bias: torch.Tensor | None = None, act_bits: int = 16) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for Q4_1 weights through ``kernels/cpu/q4_vnni.cpp``: 16 outputs a
+    vpdpbusd, exact integer dots (``q4_vnni_usable`` must be True). Activations are rounded
+    per group of 32 inputs: ``act_bits`` 8 to int8 (``q4_linear``'s and llama.cpp's Q8_1
+    rounding), 16 to int8 plus an int8 residual in 1/256 steps (16-bit fixed point, about
+    twice the multiply-adds).
+
+    Args:
+        x: [num_tokens, in_features] fp32.
+        codes, scale_min: from ``pack_q4_vnni``.
+        bias: [out_features] fp32 or None.
+        act_bits: 8 or 16.
+
+    Returns:
+        [num_tokens, out_features] fp32.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts the kernel does not take, or a CPU without
+            AVX-512 VNNI (a clear message).
+    """
+    return torch.ops.saltserve_cpu.q4_linear_vnni(x.contiguous(), codes, scale_min, bias,
+                                                  act_bits)

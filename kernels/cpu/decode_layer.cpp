@@ -20,6 +20,8 @@
 //   kLinear (w)                        at::linear (F.linear: more rows)
 //   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
 //   kQ4     (codes, scale, minimum)    our q4_linear
+//   kQ4Vnni (codes, scale_min)         our q4_linear_vnni (AVX-512 VNNI, q4_vnni.cpp); its
+//                                      group slot carries the activation bits (8 or 16)
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
 //   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
 //   kLinearOneDnn (w)                  mkldnn::_linear_pointwise (kernels.cpu_linear.linear's
@@ -35,7 +37,8 @@
 namespace {
 
 enum Kind : int64_t {
-  kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6
+  kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6,
+  kQ4Vnni = 7
 };
 constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
@@ -55,6 +58,9 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
   static const auto q4_linear =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const OptTensor&)>("saltserve_cpu::q4_linear");
+  static const auto q4_linear_vnni =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                    int64_t)>("saltserve_cpu::q4_linear_vnni");
   auto slot = [&](int64_t i) -> at::Tensor {
     const OptTensor t = w.get(p * kSlots + i);
     TORCH_CHECK(t.has_value() && t->defined(), "decode_layer: projection ", p, " kind ", kind,
@@ -79,6 +85,8 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
     }
     case kQ4:
       return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
+    case kQ4Vnni:
+      return q4_linear_vnni.call(x.contiguous(), slot(0), slot(1), bias, group);  // act bits
     case kInt4:
     case kInt8:
     case kLinearBf16: {

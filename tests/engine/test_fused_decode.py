@@ -25,6 +25,7 @@ from engine.quantization import (
     SPEC_LINEAR_BF16,
     SPEC_LINEAR_ONEDNN,
     SPEC_Q4,
+    SPEC_Q4_VNNI,
     GroupedInt4,
     Int4Linear,
 )
@@ -39,6 +40,17 @@ pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="our CPU kernels a
 def _inference():  # as the engine runs the model
     with torch.inference_mode():
         yield
+
+
+VNNI = cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI")
+
+
+@pytest.fixture(autouse=True)
+def _q4_path(request, monkeypatch):
+    """The 4-bit paths of CPUs without AVX-512 VNNI, on any CPU, except in tests marked
+    ``vnni`` (our VNNI kernel, where this CPU has it)."""
+    monkeypatch.setattr(quantization, "Q4_VNNI", "vnni" in request.keywords)
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -223,6 +235,8 @@ def _run_spec(spec, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, spec.tensors[0], spec.bias, "none", [], "")
     if spec.kind == SPEC_Q4:
         return torch.ops.saltserve_cpu.q4_linear(x, *spec.tensors, spec.bias)
+    if spec.kind == SPEC_Q4_VNNI:
+        return torch.ops.saltserve_cpu.q4_linear_vnni(x, *spec.tensors, spec.bias, spec.group)
     xb = x.to(torch.bfloat16)
     if spec.kind == SPEC_INT4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, spec.tensors[0], spec.group,
@@ -314,3 +328,36 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
     assert results[True, 1] == results[False, 1] and results[True, 3] == results[False, 3]
     layers = 30
     assert len(calls) == layers * 11 * 2  # every decode step (11 a request) of both runs fused
+
+
+@needs_vnni
+@pytest.mark.vnni
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_the_vnni_kernel_fused_is_bit_identical_at_every_row_count(bias, act_bits, monkeypatch):
+    """With our VNNI kernel every 4-bit projection names it at any row count (its group slot
+    carrying the activation bits), each spec equals the projection's own call bit for bit, and
+    the fused layer equals the Python layer at 1, 9 and 40 rows."""
+    monkeypatch.setattr(quantization, "Q4_VNNI_ACT_BITS", act_bits)
+    model = _model("gguf", bias)
+    layer = model.layers[1]
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    assert all(m.vnni is not None and m.dense is None for m in projections)
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, 2, 8, 9, 17, 40):
+        specs = [m.decode_spec(rows) for m in projections]
+        assert [(s.kind, s.group) for s in specs] == [(SPEC_Q4_VNNI, act_bits)] * 4
+        x = torch.randn(rows, HIDDEN, generator=gen)
+        assert torch.equal(_run_spec(specs[0], x), layer.qkv(x))
+    for rows in (1, 9, 40):
+        seq_lens = [1 + (3 + 7 * s) % 60 for s in range(rows)]
+        hidden = torch.randn(rows, HIDDEN, generator=gen)
+        caches = _caches(rows)
+        meta, positions = _decode_step(seq_lens)
+        cos, sin = model.rotary.cos_sin(positions, torch.float32)
+        a, b = caches.clone(), caches.clone()
+        want = layer.forward(hidden.clone(), None, cos, sin, a[1, 0], a[1, 1], meta, model.attn)
+        got = layer.forward_decode(hidden.clone(), None, cos, sin, b[1, 0], b[1, 1], meta,
+                                   layer.decode_args(rows))
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        assert torch.equal(a, b)

@@ -31,6 +31,14 @@ from engine.weights import find_gguf, locate_bundled_gguf
 from kernels import cpu_linear
 
 CPU = torch.device("cpu")
+VNNI = cpu_linear.load() and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
+
+
+@pytest.fixture
+def no_vnni(monkeypatch):
+    """The 4-bit paths of CPUs without AVX-512 VNNI (torch's int4 kernel, the dense copy, our
+    Q4 kernel), on any CPU."""
+    monkeypatch.setattr(quantization_module, "Q4_VNNI", False)
 
 
 def _grouped(n: int, k: int, seed: int = 0) -> GroupedInt4:
@@ -114,6 +122,7 @@ def test_quantization_runs_on_cpu_only():
         EngineConfig(model="m", quantization="int4")
 
 
+@pytest.mark.usefixtures("no_vnni")
 @pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
 def test_fp32_activations_run_the_bf16_kernel_for_decode_and_a_dense_copy_for_prefill(
         native, monkeypatch):
@@ -155,6 +164,7 @@ def test_fp32_activations_run_the_bf16_kernel_for_decode_and_a_dense_copy_for_pr
     assert (int8.dense is weight) == (not native)  # an fp32 weight is kept, not copied
 
 
+@pytest.mark.usefixtures("no_vnni")
 def test_fp32_decode_rows_run_our_q4_kernel_below_its_threshold(monkeypatch):
     """With our CPU kernels loaded, a 4-bit layer under fp32 activations runs our Q4 kernel on
     its fp16 scales and minimums below ``own_below`` rows (1 row on AVX2, none with native
@@ -403,6 +413,7 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     assert stats.num_blocks_used == 0
 
 
+@pytest.mark.usefixtures("no_vnni")
 def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, tokenizer,
                                                               monkeypatch):
     """As served on a CPU with native bf16 (forced here on any CPU): prefill chunks run the
@@ -452,3 +463,62 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
     plain = Int8Linear.quantize(w, None, torch.float32)
     assert plain.dense is None and plain.dense_from() == quantization_module.dense_from_tokens()
     assert plain.decode_spec(rows).kind == quantization_module.SPEC_INT8
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI (or our kernels are off)")
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits, monkeypatch):
+    """On AVX-512 VNNI CPUs a 4-bit layer with fp32 activations keeps no dense copy and no Q4
+    copy, and every forward, from one decode row to a prefill chunk, runs our VNNI kernel (the
+    activation rounding of ``Q4_VNNI_ACT_BITS``), near the dequantized fp32 product; bf16
+    activations still run torch's int4 kernel."""
+    monkeypatch.setattr(quantization_module, "Q4_VNNI_ACT_BITS", act_bits)
+    w = _grouped(64, 128)
+    # fp16 scales and minimums, as a GGUF stores them (the kernel holds them so)
+    w = GroupedInt4(w.codes, w.scale.half().float(), w.minimum.half().float())
+    bias = torch.randn(64)
+    lin = make_linear(w, bias, "gguf", torch.float32, CPU)
+    assert isinstance(lin, Int4Linear) and lin.vnni is not None
+    assert lin.dense is None and lin.own is None and lin.act_bits == act_bits
+    assert lin.weight_bytes == 64 * 128 // 2 + 64 * 4 * 2 * 2 + 64 * 4  # codes, fp16 pairs, bias
+    exact = w.dequantize()
+    for rows in (1, 3, 16, 24, 100):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        got = lin(x)
+        assert torch.equal(got, cpu_linear.q4_linear_vnni(x, lin.vnni.codes, lin.vnni.scale_min,
+                                                          bias, act_bits))
+        # Within the activations' rounding: half an int8 step of the group's max / 127, or
+        # 1/256 of a step with the 16-bit residual (tests/kernels/test_cpu_linear.py).
+        step = (x.view(rows, 4, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+        bound = (step / (256 if act_bits == 16 else 2)) @ exact.abs().t() + 1e-4
+        assert ((got - F.linear(x, exact, bias)).abs() <= bound).all()
+    bf16 = make_linear(w, None, "gguf", torch.bfloat16, CPU)
+    assert bf16.vnni is None and bf16.dense is None
+    x = torch.randn(2, 128).bfloat16()
+    torch.testing.assert_close(bf16(x).float(), F.linear(x.float(), exact), rtol=3e-2,
+                               atol=3e-2)
+    # Groups the kernel cannot take (64 inputs) keep the other paths.
+    g = _grouped(32, 128)
+    odd = make_linear(GroupedInt4(g.codes, g.scale[:, ::2].contiguous(),
+                                  g.minimum[:, ::2].contiguous(), 64),
+                      None, "gguf", torch.float32, CPU)
+    assert odd.vnni is None and odd.dense is not None
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI (or our kernels are off)")
+def test_gguf_served_through_the_vnni_kernel_agrees_with_fp32(make_llm_engine, tokenizer):
+    """As served on an AVX-512 VNNI CPU (default chunking): every 4-bit forward, prefill chunks
+    included, through our VNNI kernel with 16-bit activations; teacher-forced on fp32's greedy
+    output the most likely token is fp32's at (nearly) every position, and free generation
+    answers the question."""
+    prompts = [_chat(tokenizer, t) for t in ("Name the capital of France.",
+                                             "Why is the sky blue?")]
+    reference = _fp32_greedy(make_llm_engine, prompts)
+    engine = make_llm_engine(quantization="gguf")
+    layers = [m for layer in engine.model.layers
+              for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(m.vnni is not None and m.dense is None and m.act_bits == 16 for m in layers)
+    agree, total = _teacher_forced_agreement(engine, prompts, reference)
+    assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.9, (agree, total)
+    (res,) = run_to_completion(engine, [_req("free", prompts[0], 8)])
+    assert "Paris" in tokenizer.decode(res.token_ids)

@@ -193,3 +193,100 @@ def test_q4_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_linear.pack_q4(torch.zeros(4, 48, dtype=torch.uint8))
 
+
+
+_VNNI = cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
+needs_vnni = pytest.mark.skipif(not _VNNI, reason="this CPU lacks AVX-512 VNNI")
+
+
+def _q4_vnni_reference(x, codes, scale, minimum, bias, act_bits):
+    """kernels/cpu/q4_vnni.cpp's arithmetic in torch: int8 groups as ``_q4_reference``; with
+    16 bits also the residual x - dx q rounded to 1/256 steps of dx (clamped to +-127)."""
+    m, k = x.shape
+    xg = x.view(m, k // 32, 32)
+    dx = xg.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros(()))
+    q = torch.round(xg * inv)
+    if act_bits == 16:
+        q = q + torch.round((xg - dx * q) * (inv * 256)).clamp(-127, 127) / 256
+    dots = torch.einsum("mgi,ngi->mng", q.double(), codes.view(-1, k // 32, 32).double())
+    y = (dots * (scale[None] * dx[:, None, :, 0]).double()).sum(-1)
+    y = y + (xg.sum(-1).double() @ minimum.double().t())
+    return (y if bias is None else y + bias.double()).float()
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(960, 576), (16, 32), (48, 1536)])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_q4_vnni_equals_its_reference_and_its_rounding_bound(m, n, k, act_bits):
+    """Every register tile of rows (1-8, balanced past 8), one tile of outputs or many, one
+    group or 48; with a bias on odd row counts. 8-bit activations give q4_linear's answer; 16-bit
+    ones stay within 1/256 of a group's int8 step of the exact dequantized product."""
+    codes, scale, minimum = _q4_weights(n, k, m * 10 + n + k + act_bits)
+    gen = torch.Generator().manual_seed(m + act_bits)
+    x = torch.randn(m, k, generator=gen) * torch.rand(k, generator=gen) * 3  # uneven groups
+    b = torch.randn(n, generator=gen) if m % 2 else None
+    vc, vsm = cpu_linear.pack_q4_vnni(codes, scale, minimum)
+    assert vc.shape == (n // 16, k // 32, 256) and vsm.shape == (n // 16, k // 32, 32)
+    got = cpu_linear.q4_linear_vnni(x, vc, vsm, b, act_bits)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _q4_vnni_reference(x, codes, scale, minimum, b, act_bits),
+                               rtol=1e-4, atol=1e-4)
+    w = (codes.view(n, k // 32, 32).float() * scale.float()[..., None]
+         + minimum.float()[..., None]).view(n, k)
+    exact = F.linear(x, w, b)
+    step = (x.view(m, k // 32, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+    if act_bits == 8:
+        torch.testing.assert_close(got, cpu_linear.q4_linear(x, cpu_linear.pack_q4(codes),
+                                                             scale, minimum, b),
+                                   rtol=1e-5, atol=1e-5)
+        assert ((got - exact).abs() <= (step / 2) @ w.abs().t() + 1e-4).all()
+    else:
+        assert ((got - exact).abs() <= (step / 256) @ w.abs().t() + 1e-4).all()
+        # and well inside the 8-bit bound: the residual is really used
+        err8 = (cpu_linear.q4_linear_vnni(x, vc, vsm, b, 8) - exact).abs().max()
+        assert (got - exact).abs().max() < err8 / 16
+    # Not the reference by accident: codes of the other tile order give another answer.
+    other = cpu_linear.pack_q4_vnni(codes.flip(1), scale, minimum)
+    assert not torch.allclose(cpu_linear.q4_linear_vnni(x, *other, b, act_bits), got,
+                              atol=1e-3)
+
+
+@needs_vnni
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_q4_vnni_rows_do_not_depend_on_their_batch_and_zero_rows_give_the_bias(act_bits):
+    codes, scale, minimum = _q4_weights(64, 128, 9)
+    vc, vsm = cpu_linear.pack_q4_vnni(codes, scale, minimum)
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(4))
+    x[2] = 0  # a zero row: scale 0, codes 0, no division by zero
+    x[5, :32] = 1e-40  # a denormal group counts as zero
+    b = torch.randn(64)
+    batch = cpu_linear.q4_linear_vnni(x, vc, vsm, b, act_bits)
+    for i in range(19):
+        assert torch.equal(batch[i:i + 1], cpu_linear.q4_linear_vnni(x[i:i + 1], vc, vsm, b,
+                                                                     act_bits))
+    assert torch.equal(batch[2], b)
+    assert torch.isfinite(batch).all()
+
+
+@needs_vnni
+def test_q4_vnni_refuses_what_it_cannot_compute():
+    codes, scale, minimum = _q4_weights(32, 64, 1)
+    vc, vsm = cpu_linear.pack_q4_vnni(codes, scale, minimum)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_linear.q4_linear_vnni(torch.randn(2, 96), vc, vsm)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_linear.q4_linear_vnni(x, vc, vsm[:, :, :16].contiguous())
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.q4_linear_vnni(x.double(), vc, vsm)
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_linear.q4_linear_vnni(x, vc, vsm.float())
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_linear.q4_linear_vnni(x, vc, vsm, torch.randn(5))
+    with pytest.raises(RuntimeError, match="act_bits"):
+        cpu_linear.q4_linear_vnni(x, vc, vsm, None, 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_linear.pack_q4_vnni(codes[:24], scale[:24], minimum[:24])
+    assert not cpu_linear.q4_vnni_usable(24, 64) and cpu_linear.q4_vnni_usable(32, 64)
