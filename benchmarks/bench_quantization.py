@@ -51,7 +51,7 @@ FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
            "gguf-a8": {"quantization": "gguf"}}
 # gguf-a8: gguf with the VNNI kernel's 8-bit activation rounding (llama.cpp's Q8_1), on CPUs
-# where that kernel runs (engine.quantization.Q4_VNNI_ACT_BITS; 16 for every other format).
+# where that kernel runs (engine.quantization.VNNI_ACT_BITS; 16 for every other format).
 ACT_BITS = {"gguf-a8": 8}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis to a child.", "List three uses of a paperclip.",
@@ -194,7 +194,7 @@ def main() -> None:
     reference: dict[str, list] = {}
     rows = []
     for name in args.formats.split(","):
-        quantization.Q4_VNNI_ACT_BITS = ACT_BITS.get(name, 16)
+        quantization.VNNI_ACT_BITS = ACT_BITS.get(name, 16)
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)

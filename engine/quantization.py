@@ -27,7 +27,7 @@ only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with 
 The quantized matmuls are torch's, except one-row 4-bit forwards on CPUs without native bf16,
 which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``), and every fp32-activation 4-bit
 forward on CPUs with AVX-512 VNNI, which runs our VNNI kernel and keeps no dense copy
-(``Q4_VNNI``: torch has no int4 kernel for many rows that beats dense GEMM, ours does); the
+(``VNNI_KERNELS``: torch has no int4 kernel for many rows that beats dense GEMM, ours does); the
 small-batch fp32 one is ours (``kernels/cpu_linear.py``).
 """
 
@@ -76,27 +76,36 @@ DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = 12
 # interleaved in one process), so there ours is off. benchmarks/bench_cpu_linear.py prints both.
 Q4_OWN_KERNEL_BELOW_TOKENS = 2
 Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
-# On CPUs with AVX-512 VNNI a 4-bit layer with fp32 activations runs our VNNI kernel
-# (kernels/cpu/q4_vnni.cpp) at every row count and keeps no dense copy: per layer's four
-# projections of the bundled model, weights in cache, 2 threads, us (2026-12-04, AMD EPYC with
-# avx512_bf16 and VNNI), VNNI / bf16 dense copy / fp32: 1 row 34 / 313 / 299; 16 rows
-# 233 / 512 / 698; 32: 434 / 798 / 1,340; 128: 1,768 / 2,446 / 4,609; 512: 7,634 / 9,408 /
-# 17,681 (torch's int4 kernel at 16 rows: 779). Its activations are rounded to int8 per group
-# of 32 as llama.cpp's Q4_1 x Q8_1 dot product does (the same rounding as our Q4 kernel).
-# False: the paths above (torch's int4 kernel, the dense copy, our Q4 kernel).
-Q4_VNNI = True
-# The VNNI kernel's activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``):
-# 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per product against bf16's
-# 3.5e-3) or 8 (llama.cpp's Q8_1 rounding, 6e-3; fewer multiply-adds). Read when a layer is
-# built.
-Q4_VNNI_ACT_BITS = 16
+# On CPUs with AVX-512 VNNI, 4-bit and int8 layers with fp32 activations run our VNNI kernels
+# (kernels/cpu/q4_vnni.cpp) at every row count and keep no dense copy. Per layer's four
+# projections of the bundled model (4-bit), weights in cache, 2 threads, us (2026-12-04, AMD
+# EPYC with avx512_bf16 and VNNI), VNNI with 8-bit activations / bf16 dense copy / fp32:
+# 1 row 34 / 313 / 299; 16 rows 233 / 512 / 698; 32: 434 / 798 / 1,340; 128: 1,768 / 2,446 /
+# 4,609; 512: 7,634 / 9,408 / 17,681 (torch's int4 kernel at 16 rows: 779); 16-bit
+# activations cost about 1.1x at 1 row and 1.6-1.75x from 16. The tied LM head (49,152 x 576,
+# int8), us, VNNI 16-bit / torch's int8 kernel / bf16 copy: 1 row 402 / 2,073 / 3,804;
+# 16 rows 4,607 / 10,956 / 5,186; 64: 12,594 / 44,415 / 13,912.
+# False: the paths above (torch's kernels, the dense copy, our Q4 kernel).
+VNNI_KERNELS = True
+# The VNNI kernels' activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``):
+# 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per output against bf16's
+# 3.5e-3) or 8 (llama.cpp's Q8_1 rounding as in its Q4_1 x Q8_1 dot product, 6e-3; fewer
+# multiply-adds). In the engine, gguf perplexity 13.47 with 16 bits, 13.80 with 8, against
+# fp32's 13.40 (benchmarks/bench_quantization.py). Read when a layer is built.
+VNNI_ACT_BITS = 16
 
 
 def q4_vnni(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether a 4-bit layer of this shape with fp32 activations runs our VNNI kernel
-    (``Q4_VNNI`` and ``kernels.cpu_linear.q4_vnni_usable``; groups of 32 only)."""
-    return (Q4_VNNI and group_size == cpu_linear.Q4_GROUP
+    (``VNNI_KERNELS`` and ``kernels.cpu_linear.q4_vnni_usable``; groups of 32 only)."""
+    return (VNNI_KERNELS and group_size == cpu_linear.Q4_GROUP
             and cpu_linear.q4_vnni_usable(out_features, in_features))
+
+
+def q8_vnni(out_features: int, in_features: int) -> bool:
+    """Whether an int8 layer of this shape with fp32 activations runs our VNNI kernel
+    (``VNNI_KERNELS`` and ``kernels.cpu_linear.q4_vnni_usable``)."""
+    return VNNI_KERNELS and cpu_linear.q4_vnni_usable(out_features, in_features)
 
 
 def native_bf16() -> bool:
@@ -155,7 +164,7 @@ class LinearMethod:
 
 # Projection kinds of kernels/cpu/decode_layer.cpp.
 (SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16,
- SPEC_LINEAR_ONEDNN, SPEC_Q4_VNNI) = range(8)
+ SPEC_LINEAR_ONEDNN, SPEC_Q4_VNNI, SPEC_Q8_VNNI) = range(9)
 
 
 @dataclass(frozen=True)
@@ -169,12 +178,13 @@ class DecodeSpec:
             more rows), ``SPEC_LINEAR_ONEDNN`` (the same, oneDNN's GEMM: more rows where
             ``cpu_linear.large_m_onednn``), ``SPEC_INT4`` (torch's packed codes, scales_and_zeros; in bf16),
             ``SPEC_Q4`` (our codes, scale, minimum), ``SPEC_Q4_VNNI`` (our VNNI kernel's
-            codes, scale_min), ``SPEC_INT8`` (qweight, scales; bf16)
+            codes, scale_min), ``SPEC_Q8_VNNI`` (its int8 codes, fp32 scale),
+            ``SPEC_INT8`` (qweight, scales; bf16)
             or ``SPEC_LINEAR_BF16`` (weight [out, in] bf16: ``F.linear`` in bf16).
         tensors: the kind's operands.
         bias: [out] fp32 or None.
         group: inputs per 4-bit group (``SPEC_INT4``), the activation bits
-            (``SPEC_Q4_VNNI``), else 0.
+            (``SPEC_Q4_VNNI``, ``SPEC_Q8_VNNI``), else 0.
     """
 
     kind: int
@@ -273,12 +283,27 @@ class Int8Linear(QuantizedLinear):
         bias: [out] in the activation dtype, or None.
         dense: [out, in] fp32 or bf16 (``dense_copy_dtype()``), or None (see
             ``QuantizedLinear``).
+        vnni: (codes from ``cpu_linear.pack_q8_vnni``, scales in fp32), or None; with it every
+            fp32 CPU forward runs our VNNI kernel (``VNNI_KERNELS``) and ``dense`` is None.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                 vnni: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.qweight, self.scales, self.bias, self.dense = qweight, scales, bias, dense
         self.out_features = qweight.shape[0]
+        self.vnni = vnni
+        self.act_bits = VNNI_ACT_BITS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_linear.q8_linear_vnni(x, *self.vnni, self.bias, self.act_bits)
+        return super().__call__(x)
+
+    def decode_spec(self, num_tokens: int) -> DecodeSpec | None:
+        if self.vnni is not None and _fp32_cpu(self.bias):
+            return DecodeSpec(SPEC_Q8_VNNI, self.vnni, self.bias, self.act_bits)
+        return super().decode_spec(num_tokens)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -287,12 +312,16 @@ class Int8Linear(QuantizedLinear):
         (a zero row gets scale 1), rounded to ``KERNEL_DTYPE`` before the codes are taken;
         ``bias`` in the activation ``dtype``. ``keep_dense``: ``weight`` in ``dense_copy_dtype()``
         (fp32: not copied when it already is) serves the forwards of ``dense_from_tokens()``
-        rows or more."""
+        rows or more; where ``q8_vnni`` holds, the codes in our VNNI kernel's layout instead."""
         w = weight.float()
         scales = w.abs().amax(dim=1) / 127.0
         scales = torch.where(scales == 0, torch.ones_like(scales), scales).to(KERNEL_DTYPE)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales, None if bias is None else bias.to(dtype),
+        bias = None if bias is None else bias.to(dtype)
+        if keep_dense and q8_vnni(*q.shape):
+            return cls(q.contiguous(), scales, bias, vnni=(cpu_linear.pack_q8_vnni(q),
+                                                           scales.float().contiguous()))
+        return cls(q.contiguous(), scales, bias,
                    w.to(dense_copy_dtype()).contiguous() if keep_dense else None)
 
     def dense_from(self) -> int:
@@ -310,6 +339,8 @@ class Int8Linear(QuantizedLinear):
 
     @property
     def weight_bytes(self) -> int:
+        if self.vnni is not None:
+            return _nbytes(*self.vnni, self.bias)
         return _nbytes(self.qweight, self.scales, self.bias)
 
 
@@ -396,7 +427,7 @@ class Int4Linear(QuantizedLinear):
         own: the same weights for our Q4 kernel (fp32 activations only), or None; it runs
             below ``own_below`` rows (``q4_own_kernel_below_tokens()``).
         vnni: the same weights for our VNNI kernel, or None; with it every fp32 CPU forward
-            runs that kernel (``Q4_VNNI``), whatever its rows, and ``dense``/``own`` are None.
+            runs that kernel (``VNNI_KERNELS``), whatever its rows, and ``dense``/``own`` are None.
     """
 
     def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
@@ -409,7 +440,7 @@ class Int4Linear(QuantizedLinear):
         self.own = own
         self.own_below = q4_own_kernel_below_tokens()
         self.vnni = vnni
-        self.act_bits = Q4_VNNI_ACT_BITS
+        self.act_bits = VNNI_ACT_BITS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -484,12 +515,12 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
     it runs ("" without one: no quantization, or activations other than fp32)."""
     if quantization is None or dtype != torch.float32:
         return ""
-    if quantization == "gguf" and Q4_VNNI and cpu_linear.loaded() \
+    if quantization == "gguf" and VNNI_KERNELS and cpu_linear.loaded() \
             and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags():
         copy = (f"bf16 copy from {int8_dense_from_tokens()} rows" if native_bf16()
                 else f"fp32 copy from {int8_dense_from_tokens()} rows")
         return (f"4-bit layers through our AVX-512 VNNI kernel at every row count "
-                f"({Q4_VNNI_ACT_BITS}-bit activations), int8 layers' {copy}")
+                f"({VNNI_ACT_BITS}-bit activations), int8 layers' {copy}")
     if dense_copy_dtype() != KERNEL_DTYPE:
         return f"fp32 dense copy from {dense_from_tokens()} rows"
     return (f"bf16 dense copy from {dense_from_tokens()} rows "

@@ -103,7 +103,8 @@ def load() -> bool:
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
                                     "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
-                for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "rms_norm", "add_rms_norm",
+                for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni",
+                           "rms_norm", "add_rms_norm",
                            "decode_attention", "rotary_neox_", "reshape_and_cache",
                            "decode_layer"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
@@ -262,3 +263,44 @@ def q4_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor
     """
     return torch.ops.saltserve_cpu.q4_linear_vnni(x.contiguous(), codes, scale_min, bias,
                                                   act_bits)
+
+
+def pack_q8_vnni(qweight: torch.Tensor) -> torch.Tensor:
+    """Per-channel int8 codes [out, in] (``out`` a multiple of 16, ``in`` of 32) ->
+    ``q8_linear_vnni``'s layout [out / 16, in / 32, 512] uint8: per tile of 16 outputs and group
+    of 32 inputs, sub-block s (inputs 4 s .. 4 s + 3 of the group) is 64 bytes, byte 4 l + b =
+    code[l, 4 s + b] + 128.
+
+    Raises:
+        ValueError: a shape the kernel cannot take.
+    """
+    n, k = qweight.shape
+    if n % Q4_VNNI_TILE or k % Q4_GROUP or qweight.dtype != torch.int8:
+        raise ValueError(f"q8 vnni: int8 codes [{n}, {k}] need out a multiple of "
+                         f"{Q4_VNNI_TILE} and in of {Q4_GROUP}")
+    t, g = n // Q4_VNNI_TILE, k // Q4_GROUP
+    u = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    return u.view(t, Q4_VNNI_TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512).contiguous()
+
+
+def q8_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None, act_bits: int = 16) -> torch.Tensor:
+    """``x @ (code * scale[:, None]).T (+ bias)`` for per-channel int8 weights through
+    ``kernels/cpu/q4_vnni.cpp`` (``q4_vnni_usable`` must be True): exact integer dots, the
+    activations rounded per group of 32 as ``q4_linear_vnni`` rounds them (``act_bits``).
+
+    Args:
+        x: [num_tokens, in_features] fp32.
+        codes: from ``pack_q8_vnni``.
+        scale: [out_features] fp32.
+        bias: [out_features] fp32 or None.
+        act_bits: 8 or 16.
+
+    Returns:
+        [num_tokens, out_features] fp32.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts the kernel does not take, or a CPU without
+            AVX-512 VNNI (a clear message).
+    """
+    return torch.ops.saltserve_cpu.q8_linear_vnni(x.contiguous(), codes, scale, bias, act_bits)

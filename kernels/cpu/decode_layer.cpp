@@ -22,6 +22,7 @@
 //   kQ4     (codes, scale, minimum)    our q4_linear
 //   kQ4Vnni (codes, scale_min)         our q4_linear_vnni (AVX-512 VNNI, q4_vnni.cpp); its
 //                                      group slot carries the activation bits (8 or 16)
+//   kQ8Vnni (codes, scale)             our q8_linear_vnni (int8 weights; the same)
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
 //   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
 //   kLinearOneDnn (w)                  mkldnn::_linear_pointwise (kernels.cpu_linear.linear's
@@ -38,7 +39,7 @@ namespace {
 
 enum Kind : int64_t {
   kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6,
-  kQ4Vnni = 7
+  kQ4Vnni = 7, kQ8Vnni = 8
 };
 constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
@@ -61,6 +62,9 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
   static const auto q4_linear_vnni =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                     int64_t)>("saltserve_cpu::q4_linear_vnni");
+  static const auto q8_linear_vnni =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                    int64_t)>("saltserve_cpu::q8_linear_vnni");
   auto slot = [&](int64_t i) -> at::Tensor {
     const OptTensor t = w.get(p * kSlots + i);
     TORCH_CHECK(t.has_value() && t->defined(), "decode_layer: projection ", p, " kind ", kind,
@@ -87,6 +91,8 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
       return q4_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias);
     case kQ4Vnni:
       return q4_linear_vnni.call(x.contiguous(), slot(0), slot(1), bias, group);  // act bits
+    case kQ8Vnni:
+      return q8_linear_vnni.call(x.contiguous(), slot(0), slot(1), bias, group);
     case kInt4:
     case kInt8:
     case kLinearBf16: {

@@ -231,11 +231,150 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
   return y;
 }
 
+// The int8 layers (--quantization int8, and gguf's Q8_0 LM head): per-channel int8 weights,
+// w[n, k] = q[n, k] * scale[n], held as u = q + 128 (vpdpbusd multiplies unsigned by signed):
+//   codes [N / 16, K / 32, 512] uint8: sub-block s (inputs 32 g + 4 s .. + 3) is 64 bytes, byte
+//   4 l + b = q[16 t + l, 32 g + 4 s + b] + 128;  scale [N] fp32.
+// idot(u, a) = idot(q, a) + 128 sum(a), so corr[m, g] = 128 * sum(qx) (16 bits:
+// 128 * (256 sum(qx) + sum(rx))) is taken off each group's dot: at most 2^28 in magnitude with
+// 16-bit activations, exact in int32 (its fp32 conversion rounds to fp32's 24 bits).
+template <int MR, bool Fine>
+SALTSERVE_VNNI void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
+                          const int32_t* corr, const uint8_t* codes, const float* scale,
+                          const float* bias, float* y, int64_t K, int64_t N, int64_t m0,
+                          int64_t n0) {
+  const int64_t G = K / kGroup;
+  __m512 acc[MR];
+  for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = codes + g * 2 * kTileBytes;
+    __m512i w[8];
+    for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(c + s * 64);
+    for (int j = 0; j < MR; ++j) {
+      const int8_t* q = qx + (m0 + j) * K + g * kGroup;
+      __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+      for (int s = 0; s < 8; s += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, w[s], _mm512_set1_epi32(load4(q + 4 * s)));
+        i1 = _mm512_dpbusd_epi32(i1, w[s + 1], _mm512_set1_epi32(load4(q + 4 * s + 4)));
+      }
+      __m512i idot = _mm512_add_epi32(i0, i1);
+      const int64_t mg = (m0 + j) * G + g;
+      float dxs = dx[mg];
+      if (Fine) {
+        const int8_t* r = rx + (m0 + j) * K + g * kGroup;
+        __m512i i2 = _mm512_setzero_si512(), i3 = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s += 2) {
+          i2 = _mm512_dpbusd_epi32(i2, w[s], _mm512_set1_epi32(load4(r + 4 * s)));
+          i3 = _mm512_dpbusd_epi32(i3, w[s + 1], _mm512_set1_epi32(load4(r + 4 * s + 4)));
+        }
+        idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_add_epi32(i2, i3));
+        dxs *= 1.f / 256.f;
+      }
+      idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(corr[mg]));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_set1_ps(dxs), acc[j]);
+    }
+  }
+  const __m512 sc = _mm512_loadu_ps(scale + n0);
+  for (int j = 0; j < MR; ++j) {
+    __m512 v = _mm512_mul_ps(acc[j], sc);
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+    _mm512_storeu_ps(y + (m0 + j) * N + n0, v);
+  }
+}
+
+template <bool Fine>
+SALTSERVE_VNNI void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx,
+                                  const int32_t* corr, const uint8_t* codes, const float* scale,
+                                  const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                                  int64_t t) {
+  const uint8_t* c = codes + t * (K / kGroup) * 2 * kTileBytes;
+  const int64_t n0 = t * kTile;
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, m = 0; i < tiles; ++i) {
+    const int64_t rows = (M - m) / (tiles - i) + ((M - m) % (tiles - i) != 0);
+    switch (rows) {
+      case 8: tile8<8, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 7: tile8<7, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 6: tile8<6, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 5: tile8<5, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 4: tile8<4, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 3: tile8<3, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      case 2: tile8<2, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      default: tile8<1, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+    }
+    m += rows;
+  }
+}
+
+at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias, int64_t act_bits) {
+  TORCH_CHECK(cpu_has_vnni(), "q8_linear_vnni: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "q8_linear_vnni: act_bits 8 or 16, not ",
+              act_bits);
+  const bool fine = act_bits == 16;
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scale.dim() == 1,
+              "q8_linear_vnni: x [M, K], codes [N / 16, K / 32, 512], scale [N] expected");
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = K / kGroup,
+                N = T * kTile;
+  TORCH_CHECK(K % kGroup == 0 && codes.size(1) == G && codes.size(2) == 2 * kTileBytes &&
+                  scale.size(0) == N,
+              "q8_linear_vnni: shapes do not match: x ", x.sizes(), ", codes ", codes.sizes(),
+              ", scale ", scale.sizes(), " (K must be a multiple of 32)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
+                  scale.scalar_type() == at::kFloat,
+              "q8_linear_vnni: x float32, codes uint8, scale float32 expected");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous(),
+              "q8_linear_vnni: contiguous inputs only");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "q8_linear_vnni: bias [N] float32 expected");
+    bp = bias->data_ptr<float>();
+  }
+  std::vector<int8_t> qx(M * K), rx(fine ? M * K : 0);
+  std::vector<float> dx(M * G), xsum(M * G);
+  std::vector<int32_t> corr(M * G);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
+                 dx.data() + m * G, xsum.data() + m * G);
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t s1 = 0, s2 = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        s1 += qx[m * K + g * kGroup + i];
+        if (fine) s2 += rx[m * K + g * kGroup + i];
+      }
+      corr[m * G + g] = fine ? 128 * (256 * s1 + s2) : 128 * s1;
+    }
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (fine)
+        rows_of_tile8<true>(qx.data(), rx.data(), dx.data(), corr.data(), cp, sp, bp, yp, M, K,
+                            N, t);
+      else
+        rows_of_tile8<false>(qx.data(), nullptr, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
+                             N, t);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
+  m.def("q8_linear_vnni(Tensor x, Tensor codes, Tensor scale, Tensor? bias, "
+        "int act_bits) -> Tensor");
   m.def("q4_linear_vnni(Tensor x, Tensor codes, Tensor scale_min, Tensor? bias, "
         "int act_bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("q4_linear_vnni", &q4_linear_vnni); }
+TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
+  m.impl("q4_linear_vnni", &q4_linear_vnni);
+  m.impl("q8_linear_vnni", &q8_linear_vnni);
+}

@@ -50,7 +50,7 @@ needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI")
 def _q4_path(request, monkeypatch):
     """The 4-bit paths of CPUs without AVX-512 VNNI, on any CPU, except in tests marked
     ``vnni`` (our VNNI kernel, where this CPU has it)."""
-    monkeypatch.setattr(quantization, "Q4_VNNI", "vnni" in request.keywords)
+    monkeypatch.setattr(quantization, "VNNI_KERNELS", "vnni" in request.keywords)
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -338,7 +338,7 @@ def test_the_vnni_kernel_fused_is_bit_identical_at_every_row_count(bias, act_bit
     """With our VNNI kernel every 4-bit projection names it at any row count (its group slot
     carrying the activation bits), each spec equals the projection's own call bit for bit, and
     the fused layer equals the Python layer at 1, 9 and 40 rows."""
-    monkeypatch.setattr(quantization, "Q4_VNNI_ACT_BITS", act_bits)
+    monkeypatch.setattr(quantization, "VNNI_ACT_BITS", act_bits)
     model = _model("gguf", bias)
     layer = model.layers[1]
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)

@@ -38,7 +38,7 @@ VNNI = cpu_linear.load() and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
 def no_vnni(monkeypatch):
     """The 4-bit paths of CPUs without AVX-512 VNNI (torch's int4 kernel, the dense copy, our
     Q4 kernel), on any CPU."""
-    monkeypatch.setattr(quantization_module, "Q4_VNNI", False)
+    monkeypatch.setattr(quantization_module, "VNNI_KERNELS", False)
 
 
 def _grouped(n: int, k: int, seed: int = 0) -> GroupedInt4:
@@ -262,6 +262,7 @@ def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weig
         _build(cfg, quantized, "gguf")
 
 
+@pytest.mark.usefixtures("no_vnni")
 @pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
 def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy(native, monkeypatch):
     monkeypatch.setattr(quantization_module, "native_bf16", lambda: native)
@@ -440,6 +441,7 @@ def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, 
     assert "Paris" in tokenizer.decode(res.token_ids)
 
 
+@pytest.mark.usefixtures("no_vnni")
 def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
     """torch's int8 kernel loses to bf16 GEMM from about 12 rows (the tied LM head of gguf,
     every layer of --quantization int8): with a bf16 copy an int8 layer switches there, while
@@ -470,9 +472,9 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
 def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits, monkeypatch):
     """On AVX-512 VNNI CPUs a 4-bit layer with fp32 activations keeps no dense copy and no Q4
     copy, and every forward, from one decode row to a prefill chunk, runs our VNNI kernel (the
-    activation rounding of ``Q4_VNNI_ACT_BITS``), near the dequantized fp32 product; bf16
+    activation rounding of ``VNNI_ACT_BITS``), near the dequantized fp32 product; bf16
     activations still run torch's int4 kernel."""
-    monkeypatch.setattr(quantization_module, "Q4_VNNI_ACT_BITS", act_bits)
+    monkeypatch.setattr(quantization_module, "VNNI_ACT_BITS", act_bits)
     w = _grouped(64, 128)
     # fp16 scales and minimums, as a GGUF stores them (the kernel holds them so)
     w = GroupedInt4(w.codes, w.scale.half().float(), w.minimum.half().float())

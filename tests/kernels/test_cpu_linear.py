@@ -290,3 +290,30 @@ def test_q4_vnni_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_linear.pack_q4_vnni(codes[:24], scale[:24], minimum[:24])
     assert not cpu_linear.q4_vnni_usable(24, 64) and cpu_linear.q4_vnni_usable(32, 64)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 5, 16, 23])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_q8_vnni_is_near_the_int8_product_and_rows_keep_their_bits(m, act_bits):
+    """Per-channel int8 weights (the LM head's): within the activations' rounding of the exact
+    product (half an int8 step, or 1/256 of one with 16 bits), the same bits alone as in the
+    batch, a bias added, and a clear refusal of bad shapes."""
+    gen = torch.Generator().manual_seed(m + act_bits)
+    q = torch.randint(-127, 128, (48, 96), generator=gen, dtype=torch.int8)
+    scale = torch.rand(48, generator=gen) * 0.01
+    x = torch.randn(m, 96, generator=gen) * 2
+    b = torch.randn(48, generator=gen)
+    codes = cpu_linear.pack_q8_vnni(q)
+    got = cpu_linear.q8_linear_vnni(x, codes, scale, b, act_bits)
+    w = q.float() * scale[:, None]
+    step = (x.view(m, 3, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+    bound = (step / (256 if act_bits == 16 else 2)) @ w.abs().t() + 1e-4
+    assert ((got - F.linear(x, w, b)).abs() <= bound).all()
+    for i in range(m):
+        assert torch.equal(got[i:i + 1], cpu_linear.q8_linear_vnni(x[i:i + 1], codes, scale, b,
+                                                                   act_bits))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_linear.q8_linear_vnni(x, codes, scale[:16])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_linear.pack_q8_vnni(q[:40])
