@@ -1,7 +1,8 @@
 """Weight formats side by side on the bundled model: decode speed against the memory-bandwidth
 limit, the step split into model and engine time, and fidelity to fp32 (issue 15).
 
-For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), in one run:
+For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``; ``gguf-a8`` and
+``gguf-torch``, two variants of gguf described at ``FORMATS``), in one run:
 
 1. Decode: one stream and 16 concurrent streams, 64 tokens each (``ignore_eos``), tokens/s and
    the mean step time split into model time (``ModelRunner.execute``: inputs, forward,
@@ -21,8 +22,9 @@ For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``), 
    at ``DENSE_FROM_TOKENS`` rows, so every forward goes through the quantized kernels (with fp32
    activations, longer forwards run on the layer's dense copy and would measure that).
    "served": the engine as served (default chunk size and thresholds), so prefill chunks run
-   on the dense copy: the exact fp32 dequantization, or its bf16 rounding in bf16 GEMM on CPUs
-   with native bf16 (``engine.quantization.dense_copy_dtype``).
+   our int8-dot kernels too (every row count), or, where those are off (``gguf-torch``), the
+   dense copy: the exact fp32 dequantization, or its bf16 rounding in bf16 GEMM on CPUs with
+   native bf16 (``engine.quantization.dense_copy_dtype``).
 
 Usage: ``python benchmarks/bench_quantization.py [--formats fp32,bf16,int8,gguf]
 [--data-dir .saltserve]``. Numbers in docs/benchmarks.md.
@@ -46,13 +48,17 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.weights import ensure_default_model
+from kernels import cpu_linear
 
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
-           "gguf-a8": {"quantization": "gguf"}}
-# gguf-a8: gguf with the VNNI kernel's 8-bit activation rounding (llama.cpp's Q8_1), on CPUs
-# where that kernel runs (engine.quantization.VNNI_ACT_BITS; 16 for every other format).
+           "gguf-a8": {"quantization": "gguf"}, "gguf-torch": {"quantization": "gguf"}}
+# gguf-a8: gguf with our int8-dot kernels' 8-bit activation rounding (llama.cpp's Q8_1;
+# engine.quantization.VNNI_ACT_BITS, 16 for every other format). gguf-torch: gguf with our
+# int8-dot kernels off (VNNI_KERNELS): torch's int4 and int8 kernels, the dense copy from
+# dense_from_tokens() rows and our Q4 kernel at one row, the path before them.
 ACT_BITS = {"gguf-a8": 8}
+OUR_INT8_DOT = {"gguf-torch": False}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis to a child.", "List three uses of a paperclip.",
            "How do I boil an egg?", "What is 17 times 3?",
@@ -190,11 +196,13 @@ def main() -> None:
     model_dir = ensure_default_model(args.data_dir)
     bw = read_bandwidth_gbs()
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s")
+          f"threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s; our int8-dot "
+          f"kernels: {cpu_linear.int8_dot_isa() if cpu_linear.load() else 'off'}")
     reference: dict[str, list] = {}
     rows = []
     for name in args.formats.split(","):
         quantization.VNNI_ACT_BITS = ACT_BITS.get(name, 16)
+        quantization.VNNI_KERNELS = OUR_INT8_DOT.get(name, True)
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up
         one, many = decode(engine, 1), decode(engine, 16)
@@ -211,15 +219,16 @@ def main() -> None:
     ref = rows[0]
     print(f"\nfidelity against {reference['format']}: greedy agreement teacher-forced over "
           f"{len(PROMPTS)} prompts x 32 tokens, perplexity over {TEXT.name}; first through the "
-          f"quantized kernels only, then as served (prefill on the dense copy: "
+          f"quantized kernels only, then as served (prefill chunks through our int8-dot "
+          f"kernels; where they are off, gguf-torch, on the dense copy: "
           f"{quantization.dense_copy_dtype()})\n")
-    print(f"{'format':7} {'1 stream':>9} {'vs ' + ref[0]:>8} {'step ms':>8} {'model':>6} "
+    print(f"{'format':10} {'1 stream':>9} {'vs ' + ref[0]:>8} {'step ms':>8} {'model':>6} "
           f"{'engine':>6} {'16 streams':>10} {'vs ' + ref[0]:>8} {'16 shared':>9} "
           f"{'vs ' + ref[0]:>8} "
           f"{'weights':>8} {'limit':>7} {'of limit':>8} "
           f"{'agree':>6} {'same':>5} {'ppl':>6} | served: {'agree':>6} {'same':>5} {'ppl':>6}")
     for name, one, many, mb, limit, agreement, identical, ppl, served, shared in rows:
-        print(f"{name:7} {one['tok_s']:6.1f}/s {one['tok_s'] / ref[1]['tok_s']:7.2f}x "
+        print(f"{name:10} {one['tok_s']:6.1f}/s {one['tok_s'] / ref[1]['tok_s']:7.2f}x "
               f"{one['step_ms']:8.1f} {one['model_ms']:6.1f} "
               f"{one['engine_ms']:6.2f} {many['tok_s']:8.1f}/s "
               f"{many['tok_s'] / ref[2]['tok_s']:7.2f}x {shared['tok_s']:7.1f}/s "

@@ -25,10 +25,11 @@ loaded), or, on CPUs with native bf16, in bf16 from 24 rows, where torch's bf16 
 read only the quantized weights. The kernels exist on CPU
 only; a GPU weight-only kernel (Triton) would be one more ``LinearMethod`` with the same call.
 The quantized matmuls are torch's, except one-row 4-bit forwards on CPUs without native bf16,
-which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``), and every fp32-activation 4-bit
-forward on CPUs with AVX-512 VNNI, which runs our VNNI kernel and keeps no dense copy
-(``VNNI_KERNELS``: torch has no int4 kernel for many rows that beats dense GEMM, ours does); the
-small-batch fp32 one is ours (``kernels/cpu_linear.py``).
+which run our Q4 kernel (``Q4_OWN_KERNEL_BELOW_TOKENS``), and every fp32-activation 4-bit or
+int8 forward wherever our CPU kernels load, which runs our int8-dot kernels and keeps no dense
+copy (``VNNI_KERNELS``: AVX-512 VNNI where the CPU has it, else AVX2; torch has no int4 kernel
+for many rows that beats dense GEMM, ours does); the small-batch fp32 one is ours
+(``kernels/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = 12
 # interleaved in one process), so there ours is off. benchmarks/bench_cpu_linear.py prints both.
 Q4_OWN_KERNEL_BELOW_TOKENS = 2
 Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
-# On CPUs with AVX-512 VNNI, 4-bit and int8 layers with fp32 activations run our VNNI kernels
+# On CPUs with AVX-512 VNNI, 4-bit and int8 layers with fp32 activations run our int8-dot kernels
 # (kernels/cpu/q4_vnni.cpp) at every row count and keep no dense copy. Per layer's four
 # projections of the bundled model (4-bit), weights in cache, 2 threads, us (2026-12-04, AMD
 # EPYC with avx512_bf16 and VNNI), VNNI with 8-bit activations / bf16 dense copy / fp32:
@@ -85,6 +86,14 @@ Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 # activations cost about 1.1x at 1 row and 1.6-1.75x from 16. The tied LM head (49,152 x 576,
 # int8), us, VNNI 16-bit / torch's int8 kernel / bf16 copy: 1 row 402 / 2,073 / 3,804;
 # 16 rows 4,607 / 10,956 / 5,186; 64: 12,594 / 44,415 / 13,912.
+# On AVX2 CPUs (no VNNI) the same kernels run with vpmaddubsw + vpmaddwd, same bits. Per layer's
+# four projections as above (2026-12-04, AMD EPYC Zen 3, AVX2 only, no native bf16), our
+# kernel with 16-bit / 8-bit activations against the fp32 dense copy (our kernel, oneDNN above
+# 32 rows) and our Q4 kernel: 1 row 107 / 79 / 411 / 195; 16 rows 824 / 480 / 949 / 3,121;
+# 32: 2,028 / 971 / 2,177; 128: 6,764 / 3,825 / 7,392; 512: 26,193 / 16,737 / 25,324. The
+# tied LM head, us, 16-bit / 8-bit / fp32 copy / torch's int8 kernel: 1 row 1,086 / 763 /
+# 4,144 / 2,493; 16 rows 9,518 / 5,866 / 7,502 / 16,305: from 16 rows an fp32 copy of the
+# head would be faster, but it is not kept (113 MB beside the 28 MB of codes).
 # False: the paths above (torch's kernels, the dense copy, our Q4 kernel).
 VNNI_KERNELS = True
 # The VNNI kernels' activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``):
@@ -96,14 +105,14 @@ VNNI_ACT_BITS = 16
 
 
 def q4_vnni(out_features: int, in_features: int, group_size: int) -> bool:
-    """Whether a 4-bit layer of this shape with fp32 activations runs our VNNI kernel
+    """Whether a 4-bit layer of this shape with fp32 activations runs our int8-dot kernel
     (``VNNI_KERNELS`` and ``kernels.cpu_linear.q4_vnni_usable``; groups of 32 only)."""
     return (VNNI_KERNELS and group_size == cpu_linear.Q4_GROUP
             and cpu_linear.q4_vnni_usable(out_features, in_features))
 
 
 def q8_vnni(out_features: int, in_features: int) -> bool:
-    """Whether an int8 layer of this shape with fp32 activations runs our VNNI kernel
+    """Whether an int8 layer of this shape with fp32 activations runs our int8-dot kernel
     (``VNNI_KERNELS`` and ``kernels.cpu_linear.q4_vnni_usable``)."""
     return VNNI_KERNELS and cpu_linear.q4_vnni_usable(out_features, in_features)
 
@@ -515,12 +524,10 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
     it runs ("" without one: no quantization, or activations other than fp32)."""
     if quantization is None or dtype != torch.float32:
         return ""
-    if quantization == "gguf" and VNNI_KERNELS and cpu_linear.loaded() \
-            and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags():
-        copy = (f"bf16 copy from {int8_dense_from_tokens()} rows" if native_bf16()
-                else f"fp32 copy from {int8_dense_from_tokens()} rows")
-        return (f"4-bit layers through our AVX-512 VNNI kernel at every row count "
-                f"({VNNI_ACT_BITS}-bit activations), int8 layers' {copy}")
+    if VNNI_KERNELS and cpu_linear.loaded():
+        return (f"no dense copy: 4-bit and int8 layers through our int8-dot kernels "
+                f"({cpu_linear.int8_dot_isa()}, {VNNI_ACT_BITS}-bit activations) at every row "
+                f"count")
     if dense_copy_dtype() != KERNEL_DTYPE:
         return f"fp32 dense copy from {dense_from_tokens()} rows"
     return (f"bf16 dense copy from {dense_from_tokens()} rows "

@@ -202,11 +202,18 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 def q4_vnni_usable(out_features: int, in_features: int) -> bool:
-    """Whether ``q4_linear_vnni`` runs here for a layer of this shape: kernels loaded, a CPU
-    with AVX-512 VNNI (``VNNI_FLAGS``), ``out_features`` a multiple of 16 and ``in_features``
-    of 32."""
-    return (loaded() and VNNI_FLAGS <= cpu_flags() and out_features % Q4_VNNI_TILE == 0
-            and in_features % Q4_GROUP == 0)
+    """Whether ``q4_linear_vnni`` runs here for a layer of this shape: kernels loaded (AVX2;
+    AVX-512 VNNI, ``VNNI_FLAGS``, where the CPU has it), ``out_features`` a multiple of 16 and
+    ``in_features`` of 32."""
+    return loaded() and out_features % Q4_VNNI_TILE == 0 and in_features % Q4_GROUP == 0
+
+
+def int8_dot_isa() -> str:
+    """Which path ``q4_linear_vnni`` and ``q8_linear_vnni`` take here: "avx512_vnni" on CPUs
+    with ``VNNI_FLAGS`` (unless ``SALTSERVE_VNNI=0``, read once per process by the kernel),
+    else "avx2"."""
+    return ("avx512_vnni" if VNNI_FLAGS <= cpu_flags() and os.environ.get("SALTSERVE_VNNI") != "0"
+            else "avx2")
 
 
 def pack_q4_vnni(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
@@ -243,7 +250,8 @@ def pack_q4_vnni(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 def q4_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor,
                    bias: torch.Tensor | None = None, act_bits: int = 16) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for Q4_1 weights through ``kernels/cpu/q4_vnni.cpp``: 16 outputs a
-    vpdpbusd, exact integer dots (``q4_vnni_usable`` must be True). Activations are rounded
+    vpdpbusd on AVX-512 VNNI CPUs, 8 a vpmaddubsw + vpmaddwd on AVX2 ones (``int8_dot_isa``;
+    the same bits), exact integer dots (``q4_vnni_usable`` must be True). Activations are rounded
     per group of 32 inputs: ``act_bits`` 8 to int8 (``q4_linear``'s and llama.cpp's Q8_1
     rounding), 16 to int8 plus an int8 residual in 1/256 steps (16-bit fixed point, about
     twice the multiply-adds).
@@ -258,8 +266,7 @@ def q4_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor
         [num_tokens, out_features] fp32.
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts the kernel does not take, or a CPU without
-            AVX-512 VNNI (a clear message).
+        RuntimeError: shapes, dtypes or layouts the kernel does not take (a clear message).
     """
     return torch.ops.saltserve_cpu.q4_linear_vnni(x.contiguous(), codes, scale_min, bias,
                                                   act_bits)
@@ -300,7 +307,6 @@ def q8_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         [num_tokens, out_features] fp32.
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts the kernel does not take, or a CPU without
-            AVX-512 VNNI (a clear message).
+        RuntimeError: shapes, dtypes or layouts the kernel does not take (a clear message).
     """
     return torch.ops.saltserve_cpu.q8_linear_vnni(x.contiguous(), codes, scale, bias, act_bits)

@@ -22,8 +22,11 @@
 // the same order whatever the other rows of the call, so a row has the same bits alone or in a
 // batch (as our other decode kernels).
 //
-// Compiled for AVX-512 by function attributes only: the extension still loads on AVX2 CPUs, and
-// the op refuses to run without avx512f/bw/vnni (kernels.cpu_linear.q4_vnni_usable asks first).
+// Compiled for AVX-512 by function attributes only, so the extension still loads on AVX2 CPUs;
+// there (or with SALTSERVE_VNNI=0) the same layout runs through AVX2's vpmaddubsw + vpmaddwd
+// (8 outputs a ymm, tile_avx2 below): the same exact integer dots and the same fp32 operations
+// in the same order, so the two paths give the same bits (tests/kernels/test_cpu_linear.py
+// compares them where both run).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,10 +37,11 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#define SALTSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 namespace {
 
@@ -45,6 +49,7 @@ constexpr int kGroup = 32;
 constexpr int kTile = 16;        // outputs per tile: the 16 lanes of a zmm
 constexpr int kTileBytes = 256;  // codes of one tile and group
 constexpr int kMaxRows = 8;      // rows per register tile
+constexpr int kMaxRowsAvx2 = 4;  // the same with AVX2's 16 registers
 
 bool cpu_has_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") &&
@@ -53,9 +58,75 @@ bool cpu_has_vnni() {
   return ok;
 }
 
+// The AVX-512 VNNI path where the CPU has it, unless SALTSERVE_VNNI=0 (read once per process:
+// the AVX2 path on a VNNI machine, to compare the two).
+bool use_vnni() {
+  static const bool on = [] {
+    const char* e = std::getenv("SALTSERVE_VNNI");
+    return cpu_has_vnni() && !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
+// _mm512_reduce_add_ps's order (GCC's avx512fintrin.h) over 8 + 8 lanes: lo + hi halves, then
+// 4 + 4, then (0 + 2) + (1 + 3), so quantize_row_avx2's sums have quantize_row's bits.
+inline float reduce_add_like_avx512(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// 4 x 8 int32 in [-127, 127] -> 32 int8 in input order.
+inline __m256i pack_epi8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// quantize_row with AVX2: the same rounding, clamps and sums (see reduce_add_like_avx512).
+void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, int8_t* rx, float* dx,
+                       float* xsum) {
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __m256 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(x + g * kGroup + 8 * i);
+    const float amax = reduce_max8(_mm256_max_ps(
+        _mm256_max_ps(_mm256_and_ps(a[0], absmask), _mm256_and_ps(a[1], absmask)),
+        _mm256_max_ps(_mm256_and_ps(a[2], absmask), _mm256_and_ps(a[3], absmask))));
+    const float d = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_max_epi32(_mm256_min_epi32(
+          _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv)), hi), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + g * kGroup),
+                        pack_epi8(q[0], q[1], q[2], q[3]));
+    if (rx) {
+      const __m256 dv = _mm256_set1_ps(d), fine = _mm256_mul_ps(inv, _mm256_set1_ps(256.f));
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(
+                   _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), dv, a[i]), fine)), hi), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rx + g * kGroup),
+                          pack_epi8(r[0], r[1], r[2], r[3]));
+    }
+    dx[g] = d;
+    // quantize_row adds x[i] + x[i + 16] first: lanes 0-7 are a[0] + a[2], 8-15 a[1] + a[3].
+    xsum[g] = reduce_add_like_avx512(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+  }
+}
+
 // Row m's groups: qx [K] int8, dx [G] and xsum [G] fp32; with rx (fine: 16-bit activations),
 // also the rounding residual in 1/256 steps: x ~ dx * (qx + rx / 256).
-SALTSERVE_VNNI void quantize_row(const float* x, int64_t K, int8_t* qx, int8_t* rx, float* dx,
+VNNI_TARGET void quantize_row(const float* x, int64_t K, int8_t* qx, int8_t* rx, float* dx,
                                  float* xsum) {
   const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
   for (int64_t g = 0; g < K / kGroup; ++g) {
@@ -100,7 +171,7 @@ inline int32_t load4(const int8_t* p) {
 // 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^24 in magnitude, so exact in int32 and in its fp32
 // conversion.
 template <int MR, bool Fine>
-SALTSERVE_VNNI void tile(const int8_t* qx, const int8_t* rx, const float* dx, const float* xsum,
+VNNI_TARGET void tile(const int8_t* qx, const int8_t* rx, const float* dx, const float* xsum,
                          const uint8_t* codes, const uint16_t* scale_min, const float* bias,
                          float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
   const int64_t G = K / kGroup;
@@ -151,8 +222,85 @@ SALTSERVE_VNNI void tile(const int8_t* qx, const int8_t* rx, const float* dx, co
   }
 }
 
+// tile with AVX2, for CPUs without VNNI: the tile's 16 outputs as two halves of 8 (a ymm each,
+// the half's codes are the first or last 32 bytes of each 64-byte sub-block). vpmaddubsw
+// multiplies codes (u8, <= 15) by int8 activations (|a| <= 127) and adds pairs into int16
+// (<= 3,810 in magnitude); the group's 8 products sum in int16 (<= 30,480: no saturation) and
+// vpmaddwd by ones adds the last pairs into int32: the same integer as tile's vpdpbusd chains.
+template <int MR, bool Fine>
+void tile_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const float* xsum,
+               const uint8_t* codes, const uint16_t* scale_min, const float* bias, float* y,
+               int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = codes + g * kTileBytes + 32 * h;
+      __m256i w[8];
+      for (int s = 0; s < 4; ++s) {
+        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64));
+        w[2 * s] = _mm256_and_si256(z, low);
+        w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+      }
+      const uint16_t* sm = scale_min + g * 2 * kTile + 8 * h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
+      const __m256 mn =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile)));
+      for (int j = 0; j < MR; ++j) {
+        const int8_t* q = qx + (m0 + j) * K + g * kGroup;
+        __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load4(q)));
+        __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(load4(q + 4)));
+        for (int s = 1; s < 4; ++s) {
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[2 * s],
+                                                         _mm256_set1_epi32(load4(q + 8 * s))));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(
+                                        w[2 * s + 1], _mm256_set1_epi32(load4(q + 8 * s + 4))));
+        }
+        __m256i idot = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+        const int64_t mg = (m0 + j) * G + g;
+        float dxs = dx[mg];
+        if (Fine) {
+          const int8_t* r = rx + (m0 + j) * K + g * kGroup;
+          __m256i s2 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load4(r)));
+          __m256i s3 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(load4(r + 4)));
+          for (int s = 1; s < 4; ++s) {
+            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(
+                                          w[2 * s], _mm256_set1_epi32(load4(r + 8 * s))));
+            s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(
+                                          w[2 * s + 1], _mm256_set1_epi32(load4(r + 8 * s + 4))));
+          }
+          idot = _mm256_add_epi32(_mm256_slli_epi32(idot, 8),
+                                  _mm256_madd_epi16(_mm256_add_epi16(s2, s3), ones));
+          dxs *= 1.f / 256.f;
+        }
+        const __m256 p = _mm256_cvtepi32_ps(idot);
+        acc[j] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(dxs)), acc[j]);
+        acc[j] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[mg]), acc[j]);
+      }
+    }
+    for (int j = 0; j < MR; ++j) {
+      __m256 v = acc[j];
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
+      _mm256_storeu_ps(y + (m0 + j) * N + n0 + 8 * h, v);
+    }
+  }
+}
+
+// ceil(M / max_rows) register tiles of balanced rows, each a call of kernel(rows, m0).
+template <typename F>
+inline void balanced_rows(int64_t M, int64_t max_rows, F&& kernel) {
+  const int64_t tiles = (M + max_rows - 1) / max_rows;
+  for (int64_t i = 0, m = 0; i < tiles; ++i) {
+    const int64_t rows = (M - m) / (tiles - i) + ((M - m) % (tiles - i) != 0);
+    kernel(rows, m);
+    m += rows;
+  }
+}
+
 template <bool Fine>
-SALTSERVE_VNNI void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
+void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
                                  const float* xsum,
                                  const uint8_t* codes, const uint16_t* scale_min,
                                  const float* bias, float* y, int64_t M, int64_t K, int64_t N,
@@ -161,28 +309,35 @@ SALTSERVE_VNNI void rows_of_tile(const int8_t* qx, const int8_t* rx, const float
   const uint8_t* c = codes + t * G * kTileBytes;
   const uint16_t* sm = scale_min + t * G * 2 * kTile;
   const int64_t n0 = t * kTile;
-  // ceil(M / 8) register tiles of balanced rows; the tile's codes stay in L1 between them.
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, m = 0; i < tiles; ++i) {
-    const int64_t rows = (M - m) / (tiles - i) + ((M - m) % (tiles - i) != 0);
-    switch (rows) {
-      case 8: tile<8, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 7: tile<7, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 6: tile<6, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 5: tile<5, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 4: tile<4, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 3: tile<3, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      case 2: tile<2, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      default: tile<1, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-    }
-    m += rows;
+  // The tile's codes stay in L1 between its register tiles of rows.
+  if (use_vnni()) {
+    balanced_rows(M, kMaxRows, [&](int64_t rows, int64_t m) {
+      switch (rows) {
+        case 8: tile<8, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 7: tile<7, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 6: tile<6, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 5: tile<5, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 4: tile<4, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 3: tile<3, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        case 2: tile<2, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+        default: tile<1, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+      }
+    });
+    return;
   }
+  balanced_rows(M, kMaxRowsAvx2, [&](int64_t rows, int64_t m) {
+    switch (rows) {
+      case 4: tile_avx2<4, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+      case 3: tile_avx2<3, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+      case 2: tile_avx2<2, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+      default: tile_avx2<1, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+    }
+  });
 }
 
 at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                           const at::Tensor& scale_min, const c10::optional<at::Tensor>& bias,
                           int64_t act_bits) {
-  TORCH_CHECK(cpu_has_vnni(), "q4_linear_vnni: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "q4_linear_vnni: act_bits 8 or 16, not ",
               act_bits);
   const bool fine = act_bits == 16;
@@ -212,8 +367,9 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
   std::vector<float> dx(M * G), xsum(M * G);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
-                 dx.data() + m * G, xsum.data() + m * G);
+    (use_vnni() ? quantize_row : quantize_row_avx2)(
+        xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
+        dx.data() + m * G, xsum.data() + m * G);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -239,7 +395,7 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
 // 128 * (256 sum(qx) + sum(rx))) is taken off each group's dot: at most 2^28 in magnitude with
 // 16-bit activations, exact in int32 (its fp32 conversion rounds to fp32's 24 bits).
 template <int MR, bool Fine>
-SALTSERVE_VNNI void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
+VNNI_TARGET void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
                           const int32_t* corr, const uint8_t* codes, const float* scale,
                           const float* bias, float* y, int64_t K, int64_t N, int64_t m0,
                           int64_t n0) {
@@ -282,33 +438,93 @@ SALTSERVE_VNNI void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
   }
 }
 
+// tile8 with AVX2: halves of 8 outputs as tile_avx2. The codes back to int8 (u ^ 0x80 = q);
+// vpmaddubsw takes |q| (<= 128, unsigned) and the activations with q's sign (vpsignb; |a| <= 127
+// so no wrap), pairs <= 32,512 in int16, then vpmaddwd by ones into int32: idot(q, a) exactly,
+// tile8's dot after its correction, without one.
+template <int MR, bool Fine>
+void tile8_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const uint8_t* codes,
+                const float* scale, const float* bias, float* y, int64_t K, int64_t N,
+                int64_t m0, int64_t n0) {
+  const int64_t G = K / kGroup;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = codes + g * 2 * kTileBytes + 32 * h;
+      __m256i w[8], aw[8];
+      for (int s = 0; s < 8; ++s) {
+        w[s] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64)), flip);
+        aw[s] = _mm256_abs_epi8(w[s]);
+      }
+      for (int j = 0; j < MR; ++j) {
+        const auto dot = [&](const int8_t* a) {
+          __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+          for (int s = 0; s < 8; s += 2) {
+            const __m256i b0 = _mm256_set1_epi32(load4(a + 4 * s));
+            const __m256i b1 = _mm256_set1_epi32(load4(a + 4 * s + 4));
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                          aw[s], _mm256_sign_epi8(b0, w[s])), ones));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                          aw[s + 1], _mm256_sign_epi8(b1, w[s + 1])), ones));
+          }
+          return _mm256_add_epi32(i0, i1);
+        };
+        __m256i idot = dot(qx + (m0 + j) * K + g * kGroup);
+        const int64_t mg = (m0 + j) * G + g;
+        float dxs = dx[mg];
+        if (Fine) {
+          idot = _mm256_add_epi32(_mm256_slli_epi32(idot, 8),
+                                  dot(rx + (m0 + j) * K + g * kGroup));
+          dxs *= 1.f / 256.f;
+        }
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_set1_ps(dxs), acc[j]);
+      }
+    }
+    const __m256 sc = _mm256_loadu_ps(scale + n0 + 8 * h);
+    for (int j = 0; j < MR; ++j) {
+      __m256 v = _mm256_mul_ps(acc[j], sc);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
+      _mm256_storeu_ps(y + (m0 + j) * N + n0 + 8 * h, v);
+    }
+  }
+}
+
 template <bool Fine>
-SALTSERVE_VNNI void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx,
-                                  const int32_t* corr, const uint8_t* codes, const float* scale,
-                                  const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-                                  int64_t t) {
+void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx, const int32_t* corr,
+                   const uint8_t* codes, const float* scale, const float* bias, float* y,
+                   int64_t M, int64_t K, int64_t N, int64_t t) {
   const uint8_t* c = codes + t * (K / kGroup) * 2 * kTileBytes;
   const int64_t n0 = t * kTile;
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, m = 0; i < tiles; ++i) {
-    const int64_t rows = (M - m) / (tiles - i) + ((M - m) % (tiles - i) != 0);
-    switch (rows) {
-      case 8: tile8<8, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 7: tile8<7, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 6: tile8<6, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 5: tile8<5, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 4: tile8<4, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 3: tile8<3, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      case 2: tile8<2, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-      default: tile8<1, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
-    }
-    m += rows;
+  if (use_vnni()) {
+    balanced_rows(M, kMaxRows, [&](int64_t rows, int64_t m) {
+      switch (rows) {
+        case 8: tile8<8, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 7: tile8<7, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 6: tile8<6, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 5: tile8<5, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 4: tile8<4, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 3: tile8<3, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        case 2: tile8<2, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+        default: tile8<1, Fine>(qx, rx, dx, corr, c, scale, bias, y, K, N, m, n0); break;
+      }
+    });
+    return;
   }
+  balanced_rows(M, kMaxRowsAvx2, [&](int64_t rows, int64_t m) {
+    switch (rows) {
+      case 4: tile8_avx2<4, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
+      case 3: tile8_avx2<3, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
+      case 2: tile8_avx2<2, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
+      default: tile8_avx2<1, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
+    }
+  });
 }
 
 at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias, int64_t act_bits) {
-  TORCH_CHECK(cpu_has_vnni(), "q8_linear_vnni: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "q8_linear_vnni: act_bits 8 or 16, not ",
               act_bits);
   const bool fine = act_bits == 16;
@@ -337,8 +553,9 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
   std::vector<int32_t> corr(M * G);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
-                 dx.data() + m * G, xsum.data() + m * G);
+    (use_vnni() ? quantize_row : quantize_row_avx2)(
+        xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
+        dx.data() + m * G, xsum.data() + m * G);
     for (int64_t g = 0; g < G; ++g) {
       int32_t s1 = 0, s2 = 0;
       for (int i = 0; i < kGroup; ++i) {

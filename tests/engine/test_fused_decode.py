@@ -42,14 +42,14 @@ def _inference():  # as the engine runs the model
         yield
 
 
-VNNI = cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
-needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI")
+VNNI = cpu_linear.load()  # our int8-dot kernels: AVX-512 VNNI where the CPU has it, else AVX2
+needs_vnni = pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 
 
 @pytest.fixture(autouse=True)
 def _q4_path(request, monkeypatch):
-    """The 4-bit paths of CPUs without AVX-512 VNNI, on any CPU, except in tests marked
-    ``vnni`` (our VNNI kernel, where this CPU has it)."""
+    """The 4-bit paths with our int8-dot kernels off (torch's int4 kernel, the dense copy, our
+    Q4 kernel), on any CPU, except in tests marked ``vnni`` (our kernels)."""
     monkeypatch.setattr(quantization, "VNNI_KERNELS", "vnni" in request.keywords)
 
 CPU = torch.device("cpu")

@@ -31,13 +31,15 @@ from engine.weights import find_gguf, locate_bundled_gguf
 from kernels import cpu_linear
 
 CPU = torch.device("cpu")
-VNNI = cpu_linear.load() and cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
+# Our int8-dot kernels (kernels/cpu/q4_vnni.cpp) run wherever the CPU kernels load: AVX-512 VNNI
+# where the CPU has it, else AVX2.
+VNNI = cpu_linear.load()
 
 
 @pytest.fixture
 def no_vnni(monkeypatch):
-    """The 4-bit paths of CPUs without AVX-512 VNNI (torch's int4 kernel, the dense copy, our
-    Q4 kernel), on any CPU."""
+    """The 4-bit paths with our int8-dot kernels off (``VNNI_KERNELS`` False: torch's int4
+    kernel, the dense copy, our Q4 kernel), on any CPU."""
     monkeypatch.setattr(quantization_module, "VNNI_KERNELS", False)
 
 
@@ -467,10 +469,10 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
     assert plain.decode_spec(rows).kind == quantization_module.SPEC_INT8
 
 
-@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI (or our kernels are off)")
+@pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 @pytest.mark.parametrize("act_bits", [16, 8])
 def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits, monkeypatch):
-    """On AVX-512 VNNI CPUs a 4-bit layer with fp32 activations keeps no dense copy and no Q4
+    """On CPUs with our kernels (AVX2 or AVX-512 VNNI) a 4-bit layer with fp32 activations keeps no dense copy and no Q4
     copy, and every forward, from one decode row to a prefill chunk, runs our VNNI kernel (the
     activation rounding of ``VNNI_ACT_BITS``), near the dequantized fp32 product; bf16
     activations still run torch's int4 kernel."""
@@ -507,9 +509,9 @@ def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits, monke
     assert odd.vnni is None and odd.dense is not None
 
 
-@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI (or our kernels are off)")
+@pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 def test_gguf_served_through_the_vnni_kernel_agrees_with_fp32(make_llm_engine, tokenizer):
-    """As served on an AVX-512 VNNI CPU (default chunking): every 4-bit forward, prefill chunks
+    """As served on a CPU with our kernels (default chunking): every 4-bit forward, prefill chunks
     included, through our VNNI kernel with 16-bit activations; teacher-forced on fp32's greedy
     output the most likely token is fp32's at (nearly) every position, and free generation
     answers the question."""

@@ -195,8 +195,10 @@ def test_q4_refuses_what_it_cannot_compute():
 
 
 
+# kernels/cpu/q4_vnni.cpp runs on every CPU the kernels load on: vpdpbusd with AVX-512 VNNI,
+# vpmaddubsw + vpmaddwd with AVX2 (the module's skip covers the rest).
 _VNNI = cpu_linear.VNNI_FLAGS <= cpu_linear.cpu_flags()
-needs_vnni = pytest.mark.skipif(not _VNNI, reason="this CPU lacks AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(not _LOADED, reason="our CPU kernels are off here")
 
 
 def _q4_vnni_reference(x, codes, scale, minimum, bias, act_bits):
@@ -268,6 +270,48 @@ def test_q4_vnni_rows_do_not_depend_on_their_batch_and_zero_rows_give_the_bias(a
                                                                      act_bits))
     assert torch.equal(batch[2], b)
     assert torch.isfinite(batch).all()
+
+
+_ISA_CASES = """
+import sys, torch
+from kernels import cpu_linear
+assert cpu_linear.load()
+g = torch.Generator().manual_seed(11)
+codes = torch.randint(0, 16, (96, 1536), generator=g, dtype=torch.uint8)
+scale = (torch.rand(96, 48, generator=g) * 0.02).half()
+minimum = (-torch.rand(96, 48, generator=g) * 0.1).half()
+vc, vsm = cpu_linear.pack_q4_vnni(codes, scale, minimum)
+q8 = cpu_linear.pack_q8_vnni(torch.randint(-127, 128, (48, 1536), generator=g, dtype=torch.int8))
+s8, b = torch.rand(48, generator=g) * 0.01, torch.randn(96, generator=g)
+x = torch.randn(21, 1536, generator=g) * torch.rand(1536, generator=g) * 4
+x[3] = 0
+x[7, 64:96] = 1e-40
+x[9, :32] = 3e4
+out = {}
+for bits in (8, 16):
+    for m in (1, 4, 5, 21):
+        out[f"q4 {bits} {m}"] = cpu_linear.q4_linear_vnni(x[:m], vc, vsm, b, bits)
+        out[f"q8 {bits} {m}"] = cpu_linear.q8_linear_vnni(x[:m], q8, s8, b[:48], bits)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not _VNNI, reason="this CPU lacks AVX-512 VNNI: only the AVX2 path runs")
+def test_the_vnni_and_avx2_paths_give_the_same_bits(tmp_path):
+    """The same exact integer dots and fp32 operations in the same order: on a VNNI CPU the
+    AVX2 path (``SALTSERVE_VNNI=0``) gives every output's bits, for 4-bit and int8 weights,
+    both activation roundings, every register tile of rows, a zero row and a denormal group."""
+    results = {}
+    for flag in ("1", "0"):
+        path = tmp_path / f"vnni{flag}.pt"
+        env = {**os.environ, "SALTSERVE_VNNI": flag, "PYTHONPATH": str(REPO)}
+        subprocess.run([sys.executable, "-c", _ISA_CASES, str(path)], env=env, check=True,
+                       timeout=300, capture_output=True)
+        results[flag] = torch.load(path)
+    assert results["1"].keys() == results["0"].keys() and len(results["1"]) == 16
+    for key, got in results["1"].items():
+        assert torch.isfinite(got).all(), key
+        assert torch.equal(got, results["0"][key]), key
 
 
 @needs_vnni
