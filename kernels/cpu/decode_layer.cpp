@@ -20,7 +20,7 @@
 //   kLinear (w)                        at::linear (F.linear: more rows)
 //   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
 //   kQ4     (codes, scale, minimum)    our q4_linear
-//   kQ4Vnni (codes, scale_min)         our q4_linear_vnni (AVX-512 VNNI, q4_vnni.cpp); its
+//   kQ4Vnni (codes, scale_min)         our q4_linear_vnni (VNNI or AVX2, q4_vnni.cpp); its
 //                                      group slot carries the activation bits (8 or 16)
 //   kQ8Vnni (codes, scale)             our q8_linear_vnni (int8 weights; the same)
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
