@@ -42,6 +42,11 @@ class AttentionMetadata:
         cascade_prefix_len: torch backend only: tokens of context (whole blocks) shared by the
             block tables of every decode sequence (query_len 1) in the batch, or 0; attention
             over that shared prefix then runs once for all of them (cascade attention, as vLLM).
+        kernel_rows: torch backend on CPU only, when some sequence has a short prefill chunk over
+            cached context: ``(query_start_loc, seq_lens, block_tables)`` int32 with every
+            token of those chunks (and every decode) as a sequence of query_len 1, of length
+            its position + 1, on its sequence's block table; other sequences keep their one
+            entry. Our decode kernel then runs all of them in one call (``torch_backend``).
     """
 
     slot_mapping: torch.Tensor
@@ -53,6 +58,7 @@ class AttentionMetadata:
     block_size: int
     token_slots: torch.Tensor | None = None
     cascade_prefix_len: int = 0
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def expand_token_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

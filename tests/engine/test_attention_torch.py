@@ -1,4 +1,5 @@
-"""Torch paged-attention backend: cascade decode (shared prefix once) == one-pass decode."""
+"""Torch paged-attention backend: cascade decode (shared prefix once) == one-pass decode; prefill
+chunks over context (our decode kernel or SDPA) == dense causal attention."""
 
 from __future__ import annotations
 
@@ -60,3 +61,62 @@ def test_cascade_decode_matches_one_pass_decode(decode_path):
                                     _meta(tables, seq_lens, block_size, n * block_size),
                                     dim ** -0.5)
     torch.testing.assert_close(cascade, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_chunks_over_context_equal_the_dense_reference(decode_path, monkeypatch):
+    """A batch as the engine builds it (``build_metadata``): a decode row, a 20-token chunk over
+    300 cached tokens (a prefix-cache hit), a 70-token chunk over 100 (above
+    ``CHUNK_VIA_DECODE_KERNEL_MAX_TOKENS``: SDPA), a whole 24-token prompt and a 17-token chunk
+    on the first 288 of the 300 cached tokens' blocks (two requests on one cached prefix). With
+    ours on, the decode and both short chunks run in one call of our decode kernel, a row per
+    token; every row equals causal attention computed densely in float64."""
+    from engine.attention import torch_backend
+    from kernels import cpu_ops
+
+    calls = []
+    real = cpu_ops.decode_attention
+    monkeypatch.setattr(cpu_ops, "decode_attention", lambda out, q, k, v, qsl, *a: (
+        calls.append(int((qsl.diff() == 1).sum())), real(out, q, k, v, qsl, *a)))
+    assert torch_backend.CHUNK_VIA_DECODE_KERNEL_MAX_TOKENS == 64
+    torch.manual_seed(3)
+    block_size, kv_heads, heads, dim = 16, 3, 9, 64
+    q_lens, seq_lens = [1, 20, 70, 24, 17], [45, 320, 170, 24, 305]
+    tables, next_block = [], 0
+    for n in seq_lens:
+        blocks = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + blocks))[::-1])  # not in order
+        next_block += blocks
+    tables[4] = tables[1][:18] + tables[4][18:]
+    key_cache = torch.randn(next_block + 2, block_size, kv_heads, dim)
+    value_cache = torch.randn(next_block + 2, block_size, kv_heads, dim)
+    query = torch.randn(sum(q_lens), heads, dim)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    meta = torch_backend.TorchAttentionBackend().build_metadata(AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
+        query_lens_cpu=tuple(q_lens), seq_lens_cpu=tuple(seq_lens), block_size=block_size),
+        [tuple(t) for t in tables])
+    rows_qsl, rows_lens, rows_tables = meta.kernel_rows
+    assert rows_qsl.tolist()[:4] == [0, 1, 2, 3] and rows_qsl[-1] == sum(q_lens)
+    assert rows_lens.tolist()[:3] == [45, 301, 302] and rows_lens.tolist()[-1] == 305
+    assert rows_tables.shape == (1 + 20 + 1 + 1 + 17, width)
+    got = paged_attention_torch(query, key_cache, value_cache, meta, dim ** -0.5)
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        k = key_cache[tables[i]].flatten(0, 1)[:seq_len].double()    # [S, KVH, D]
+        v = value_cache[tables[i]].flatten(0, 1)[:seq_len].double()
+        q = query[qsl[i]:qsl[i + 1]].double()
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,shd->hqs", q, k) * dim ** -0.5
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        ref = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(got[qsl[i]:qsl[i + 1]].double(), ref, rtol=1e-5, atol=1e-5)
+    # ours: one call for the decode row and both short chunks; the rest ran SDPA
+    assert calls == ([1 + 20 + 17] if decode_path == "ours" else [])
