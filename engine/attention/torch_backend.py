@@ -109,13 +109,13 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     starts = meta.query_start_loc.tolist()
     q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     decode_ids = [i for i, q in enumerate(q_lens) if q == 1]
+    rows = meta.kernel_rows if meta.kernel_rows is not None else kernel_rows(meta)
     if cpu_ops.decode_attention_usable(query, key_cache, value_cache, meta) and (
-            decode_ids or meta.kernel_rows is not None):
+            decode_ids or rows is not None):
         # Our CPU kernel reads every decode row's context in place, and the chunks that several
         # rows share once for all of them (kernels/cpu/decode_attention.cpp); short prefill
         # chunks over context run in the same call, a row per token (``kernel_rows``).
-        qsl, lens, tables = meta.kernel_rows or (meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_tables)
+        qsl, lens, tables = rows or (meta.query_start_loc, meta.seq_lens, meta.block_tables)
         cpu_ops.decode_attention(out, query, key_cache, value_cache, qsl, lens, tables, scale)
         prefill_ids = [i for i, (q, s) in enumerate(zip(q_lens, s_lens))
                        if not _via_decode_kernel(q, s)]
