@@ -3,6 +3,9 @@ chunks over context (our decode kernel or SDPA) == dense causal attention."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
 
@@ -90,19 +93,13 @@ def test_prefill_chunks_over_context_equal_the_dense_reference(decode_path, monk
     key_cache = torch.randn(next_block + 2, block_size, kv_heads, dim)
     value_cache = torch.randn(next_block + 2, block_size, kv_heads, dim)
     query = torch.randn(sum(q_lens), heads, dim)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    meta = torch_backend.TorchAttentionBackend().build_metadata(AttentionMetadata(
+    qsl = [0, *itertools.accumulate(q_lens)]
+    meta = torch_backend.TorchAttentionBackend().build_metadata(dataclasses.replace(
+        _meta(tables, seq_lens, block_size, 0), token_slots=None,
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-        query_lens_cpu=tuple(q_lens), seq_lens_cpu=tuple(seq_lens), block_size=block_size),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens_cpu=tuple(q_lens)),
         [tuple(t) for t in tables])
+    width = meta.block_tables.shape[1]
     rows_qsl, rows_lens, rows_tables = meta.kernel_rows
     assert rows_qsl.tolist()[:4] == [0, 1, 2, 3] and rows_qsl[-1] == sum(q_lens)
     assert rows_lens.tolist()[:3] == [45, 301, 302] and rows_lens.tolist()[-1] == 305
