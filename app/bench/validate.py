@@ -14,6 +14,10 @@ sends:
    + suffix C: nothing may match, so its TTFT must fall back to the cold one. If it does not,
    the warm speed-up came from something else (warm-up, another cache).
 
+Before round 0 a short prompt and one as long as the test's (on a prefix of its own) pay the
+server's first-request and first-long-prefill costs, which would otherwise inflate round 0's
+cold TTFT alone and make the negative control look fast against it.
+
 TTFT is measured by the client (request sent to first streamed token, seconds); ``cached_tokens``
 comes from each response's usage. Gates (seed defaults, configurable): warm TTFT at least 30%
 below cold (medians), effective hit rate (warm ``cached_tokens`` / prompt tokens) at least 0.6,
@@ -184,7 +188,12 @@ def run_validate(endpoint: Endpoint, prefix_tokens: int = 1000, rounds: int = 5,
     run_nonce = run_nonce or f"{random.SystemRandom().getrandbits(32):08x}"
     probe = endpoint.tokenize(PROBE)
     words = words_for(endpoint, prefix_tokens, seed, run_nonce)
-    endpoint.complete("Warm-up: say hello.", 2)  # the server's own first-request costs
+    # The server's own first-request costs, and those of its first long prefill (allocator
+    # growth, kernel dispatch at that size): a prompt as long as the test's, on a prefix of its
+    # own (its first block differs), so round 0's cold request is no slower than a miss.
+    endpoint.complete("Warm-up: say hello.", 2)
+    warm_up = make_prefix(random.Random(f"{seed}-warm-up"), f"{run_nonce}-warm-up", words)
+    endpoint.complete("Warm-up " + " ".join(warm_up), 2)
     cold, warm, neg = [], [], []
     first_diff = None
     for r in range(rounds):

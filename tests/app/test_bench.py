@@ -162,6 +162,30 @@ def test_validate_gates_are_configurable():
     assert fresh["cached_tokens"]["cold"] == [0, 0] and fresh["passed"]
 
 
+def test_validate_warms_up_the_first_long_prefill_before_round_0():
+    """A server whose first long prompt pays a one-time cost (allocator growth, kernel set-up)
+    would make round 0's cold TTFT alone slow and the negative control fast against it: the
+    warm-up sends a prompt as long as the test's, on a prefix of its own, before round 0."""
+
+    class FirstLongIsSlow(FakeServer):
+        long_prompts = 0
+
+        def complete(self, prompt, max_tokens, ignore_eos=False):
+            sample = super().complete(prompt, max_tokens, ignore_eos)
+            if sample.prompt_tokens >= 500:
+                self.long_prompts += 1
+                if self.long_prompts == 1:  # 5x a 1,000-token prefill, once
+                    sample.ttft_s += 0.05
+            return sample
+
+    server = FirstLongIsSlow()
+    report = run_validate(server, rounds=1, seed=2, run_nonce="wu")
+    assert server.long_prompts == 4  # the warm-up, cold, warm, negative
+    assert report["cached_tokens"]["cold"] == [0]  # the warm-up's prefix shares no block
+    assert report["gates"]["negative_control"]["value"]["ttft_ratio_to_cold"] > 0.95
+    assert report["passed"], report["gates"]
+
+
 def test_rag_profile_reuses_each_of_its_three_documents():
     """``rag_document``: requests cycle through 3 documents, so with caching on request i + 3
     reuses request i's whole document and the first three are cold: 3 of 6 requests hit about
