@@ -355,7 +355,8 @@ class Scheduler:
                     if not seats:
                         break
                     seats -= 1
-                give = min(r.num_tokens - r.num_computed_tokens, budget)
+                give = min(r.num_tokens - r.num_computed_tokens
+                           if r.status == RequestStatus.RUNNING else self._waiting_need(r), budget)
                 plan[r.request_id] = give
                 budget -= give
                 if not budget:
@@ -384,9 +385,7 @@ class Scheduler:
             if not seats:
                 return False
             seats -= 1
-            # An upper bound: cache hits are looked up at admission (blocks may be cached or
-            # evicted earlier in this step); what hits save is spare.
-            left[req.request_id] = req.num_tokens
+            left[req.request_id] = self._waiting_need(req)
             return True
 
         # When tenants compete, preempted requests (at the head of the waiting queue) get their
@@ -411,6 +410,16 @@ class Scheduler:
             if queues[t]:
                 heapq.heappush(heap, (t not in light, vtime[t], next(order), t))
         return plan
+
+    def _waiting_need(self, req: Request) -> int:
+        """Tokens waiting ``req`` would compute if admitted now: its prompt less the prefix it
+        hits in its own tenant's cache (a read-only lookup; admission looks up again, and
+        takes what the plan left room for if blocks were evicted in between). Planning the
+        whole prompt instead held a 1,750-token budget for a request that computes 20, so
+        16 requests on one cached system prompt were admitted two a step (vLLM v1 budgets
+        admissions by their uncached tokens too). Blocks cached earlier in this same step are
+        not seen yet: such a request is planned its whole prompt, an upper bound."""
+        return req.num_tokens - self.kv.get_computed_blocks(req)[1]
 
     def _charge(self, tenant: TenantId, num_tokens: int) -> None:
         """Adds ``num_tokens`` (negative: a refund) to the tenant's service this step."""
