@@ -355,8 +355,7 @@ class Scheduler:
                     if not seats:
                         break
                     seats -= 1
-                give = min(r.num_tokens - r.num_computed_tokens
-                           if r.status == RequestStatus.RUNNING else self._waiting_need(r), budget)
+                give = min(self._need(r), budget)
                 plan[r.request_id] = give
                 budget -= give
                 if not budget:
@@ -379,13 +378,11 @@ class Scheduler:
             nonlocal seats
             if req.request_id in left:
                 return True
-            if req.status == RequestStatus.RUNNING:
-                left[req.request_id] = req.num_tokens - req.num_computed_tokens
-                return True
-            if not seats:
-                return False
-            seats -= 1
-            left[req.request_id] = self._waiting_need(req)
+            if req.status != RequestStatus.RUNNING:
+                if not seats:
+                    return False
+                seats -= 1
+            left[req.request_id] = self._need(req)
             return True
 
         # When tenants compete, preempted requests (at the head of the waiting queue) get their
@@ -411,14 +408,17 @@ class Scheduler:
                 heapq.heappush(heap, (t not in light, vtime[t], next(order), t))
         return plan
 
-    def _waiting_need(self, req: Request) -> int:
-        """Tokens waiting ``req`` would compute if admitted now: its prompt less the prefix it
-        hits in its own tenant's cache (a read-only lookup; admission looks up again, and
-        takes what the plan left room for if blocks were evicted in between). Planning the
-        whole prompt instead held a 1,750-token budget for a request that computes 20, so
-        16 requests on one cached system prompt were admitted two a step (vLLM v1 budgets
-        admissions by their uncached tokens too). Blocks cached earlier in this same step are
-        not seen yet: such a request is planned its whole prompt, an upper bound."""
+    def _need(self, req: Request) -> int:
+        """Tokens ``req`` still computes: a running one, what it has not computed; a waiting
+        one, if admitted now, its prompt less the prefix it hits in its own tenant's cache (a
+        read-only lookup; admission looks up again, and takes what the plan left room for if
+        blocks were evicted in between). Planning the whole prompt instead held a 1,750-token
+        budget for a request that computes 20, so 16 requests on one cached system prompt were
+        admitted two a step (vLLM v1 budgets admissions by their uncached tokens too). Blocks
+        cached earlier in this same step are not seen yet: such a request is planned its whole
+        prompt, an upper bound."""
+        if req.status == RequestStatus.RUNNING:
+            return req.num_tokens - req.num_computed_tokens
         return req.num_tokens - self.kv.get_computed_blocks(req)[1]
 
     def _charge(self, tenant: TenantId, num_tokens: int) -> None:
