@@ -194,6 +194,9 @@ class LlamaForCausalLM(nn.Module):
     def bind_weights(self) -> None:
         for layer in self.layers:
             layer.bind_weights()
+        self._norms = [w for layer in self.layers
+                       for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self._flat_args: tuple[list, tuple] = ([], ([], [], []))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -202,6 +205,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         fused = self._fused_decode_args(hidden, kv_caches, meta)
+        if fused is not None and self.fused_decode_whole and kv_caches.dim() == 6:
+            first = self.layers[0]
+            hidden, residual = cpu_ops.decode_layers(
+                hidden, self._norms, first.input_layernorm.eps, *self._flat_decode_args(fused),
+                cos, sin, kv_caches, meta, first.num_heads, first.intermediate_size,
+                first.scale)
+            return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
         for i, layer in enumerate(self.layers):
             if fused is not None:
                 hidden, residual = layer.forward_decode(hidden, residual, cos, sin,
@@ -216,6 +226,20 @@ class LlamaForCausalLM(nn.Module):
 
     # Set False to run every step through the per-op Python layers (benchmarks, tests).
     fused_decode = True
+    # Set False to call the fused layers one at a time from Python (decode_layer, not
+    # decode_layers: the same bits; tests compare them).
+    fused_decode_whole = True
+
+    def _flat_decode_args(self, fused: list[tuple]) -> tuple[list, list[int], list[int]]:
+        """Every layer's ``decode_args`` joined as ``cpu_ops.decode_layers`` takes them
+        (weights, kinds, groups), kept while every layer's cached args are the same objects
+        (one row count and set of thresholds at a time)."""
+        cached, flat = self._flat_args
+        if len(cached) != len(fused) or any(a is not b for a, b in zip(cached, fused)):
+            flat = ([t for a in fused for t in a[0]], [k for a in fused for k in a[1]],
+                    [g for a in fused for g in a[2]])
+            self._flat_args = (list(fused), flat)  # the last step size's (held: no id reuse)
+        return flat
 
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> list[tuple] | None:

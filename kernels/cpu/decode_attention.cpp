@@ -36,9 +36,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
-#include <unordered_map>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -73,6 +75,23 @@ inline float hsum(__m256 v) {
 
 
 constexpr int64_t kChunk = 64;  // positions per partial softmax
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512dq,fma")))
+
+// The AVX-512 paths below where the CPU has AVX-512F, unless SALTSERVE_AVX512=0 (read once per
+// process: the AVX2 path on an AVX-512 machine, to compare the two). Both give the same bits.
+bool use_avx512() {
+  static const bool on = [] {
+    const char* e = std::getenv("SALTSERVE_AVX512");
+    return __builtin_cpu_supports("avx512f") && !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
+// A chunk shared by at least this many query rows is scored from its K transposed (AVX-512
+// only): the transposition (about 1,000 cycles a chunk and KV head) costs about what scoring 7
+// rows in the dot-product form saves.
+constexpr int64_t kTransposeRows = 9;
 
 // Eight accumulators of 8 lanes each reduced to their eight sums, in lane k the sum of a[k]
 // (((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))): the same order for every accumulator.
@@ -130,13 +149,144 @@ inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc[r] + d0 + 8 * i, a[r][i]);
 }
 
-// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
-// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
-void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
-             int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
-             float* const* acc) {
+// pv_tile with 16 columns a zmm: each output lane is the same chain of FMAs over j in position
+// order as pv_tile's, so the same bits.
+template <int R, int NV>
+AVX512_TARGET void pv_tile512(const float* w, int64_t ld, const float* const* v, int64_t n,
+                              int64_t d0, float* const* acc) {
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v[j] + d0;
+    __m512 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = _mm512_loadu_ps(vj + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r * ld + j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(wv, x[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + d0 + 16 * i, a[r][i]);
+}
+
+// kt[d * kChunk + j] = k[j][d] for j < 16 * tiles (rows past n read from zero), d < D: a chunk's
+// keys transposed in 16 x 16 blocks held in registers (unpack, shuffle, then 128-bit lane moves).
+AVX512_TARGET void transpose_keys(const float* const* k, int64_t n, int64_t D, int64_t tiles,
+                                  const float* zero, float* kt) {
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* row[16];
+    for (int i = 0; i < 16; ++i) row[i] = 16 * t + i < n ? k[16 * t + i] : zero;
+    int64_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+      __m512 r[16], u[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(row[i] + d0);
+      for (int i = 0; i < 16; i += 2) {
+        u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(u[i], u[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(u[i], u[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+      }
+      // r[4 b + c], 128-bit lane L: column 4 L + c of rows 4 b .. 4 b + 3. Two rounds of
+      // 128-bit lane moves gather each column's four lanes.
+      for (int i = 0; i < 4; ++i) {
+        u[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        u[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+        u[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        u[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+      }
+      for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(u[i], u[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(u[i], u[8 + i], 0xDD);
+        r[4 + i] = _mm512_shuffle_f32x4(u[4 + i], u[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_f32x4(u[4 + i], u[12 + i], 0xDD);
+      }
+      for (int m = 0; m < 16; ++m)  // r[m]: column d0 + m of the 16 rows
+        _mm512_storeu_ps(kt + (d0 + m) * kChunk + 16 * t, r[m]);
+    }
+    for (; d0 < D; ++d0)
+      for (int i = 0; i < 16; ++i) kt[d0 * kChunk + 16 * t + i] = row[i][d0];
+  }
+}
+
+// score_tile's scores of R query rows against 16 positions from the transposed keys kt: lane p
+// keeps eight chains, one per d mod 8, each the FMAs of score_tile's lane d mod 8 in the same
+// order, added by reduce8's tree ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)) and scaled:
+// the same bits as score_tile, with the key rows read once for all R rows and no horizontal adds.
+template <int R>
+AVX512_TARGET void score_tile_t(const float* const* q, const float* kt, int64_t D, float sc,
+                                float* s, int64_t ld) {
+  __m512 a[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 8; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    for (int c = 0; c < 8; ++c) {
+      const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kChunk);
+      for (int r = 0; r < R; ++r)
+        a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, a[r][c]);
+    }
+  }
+  const __m512 scv = _mm512_set1_ps(sc);
+  for (int r = 0; r < R; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),
+                                    _mm512_add_ps(a[r][2], a[r][3]));
+    const __m512 hi = _mm512_add_ps(_mm512_add_ps(a[r][4], a[r][5]),
+                                    _mm512_add_ps(a[r][6], a[r][7]));
+    _mm512_storeu_ps(s + r * ld, _mm512_mul_ps(_mm512_add_ps(lo, hi), scv));
+  }
+}
+
+// Every score of nq rows against n positions from the transposed keys (s [nq, kChunk]; up to
+// 16 * ceil(n / 16) columns written, the ones past n unused).
+AVX512_TARGET void scores_transposed(const float* const* q, int64_t nq, const float* kt,
+                                     int64_t tiles, int64_t D, float sc, float* s) {
   constexpr int64_t ld = kChunk;
   int64_t i = 0;
+  for (; i + 3 <= nq; i += 3)
+    for (int64_t t = 0; t < tiles; ++t) score_tile_t<3>(q + i, kt + 16 * t, D, sc, s + i * ld + 16 * t, ld);
+  for (; i + 2 <= nq; i += 2)
+    for (int64_t t = 0; t < tiles; ++t) score_tile_t<2>(q + i, kt + 16 * t, D, sc, s + i * ld + 16 * t, ld);
+  for (; i < nq; ++i)
+    for (int64_t t = 0; t < tiles; ++t) score_tile_t<1>(q + i, kt + 16 * t, D, sc, s + i * ld + 16 * t, ld);
+}
+
+// Weighted sums of V for nq rows with zmm tiles (6 rows x 64 columns, then fewer): pv_tile's bits.
+AVX512_TARGET void pv_rows512(const float* s, int64_t nq, const float* const* v, int64_t n,
+                              int64_t D, float* const* acc) {
+  constexpr int64_t ld = kChunk;
+  auto row_tile = [&](auto rows_tag, int64_t i) {
+    constexpr int R = decltype(rows_tag)::value;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_tile512<R, 4>(s + i * ld, ld, v, n, d0, acc + i);
+    for (; d0 + 16 <= D; d0 += 16) pv_tile512<R, 1>(s + i * ld, ld, v, n, d0, acc + i);
+    for (; d0 < D; d0 += 8) pv_tile<R, 1>(s + i * ld, ld, v, n, d0, acc + i);
+  };
+  int64_t i = 0;
+  for (; i + 6 <= nq; i += 6) row_tile(std::integral_constant<int, 6>{}, i);
+  for (; i + 3 <= nq; i += 3) row_tile(std::integral_constant<int, 3>{}, i);
+  for (; i + 2 <= nq; i += 2) row_tile(std::integral_constant<int, 2>{}, i);
+  for (; i < nq; ++i) row_tile(std::integral_constant<int, 1>{}, i);
+}
+
+// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
+// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
+// kt: scratch [D, kChunk]; zero: D zeros (the transposed path's padding rows).
+void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
+             int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
+             float* const* acc, float* kt, const float* zero) {
+  constexpr int64_t ld = kChunk;
+  const bool wide = use_avx512();
+  int64_t i = 0;
+  if (wide && nq >= kTransposeRows) {  // the same bits as the dot-product tiles below
+    const int64_t tiles = (n + 15) / 16;
+    transpose_keys(k, n, D, tiles, zero, kt);
+    scores_transposed(q, nq, kt, tiles, D, sc, s);
+    i = nq;
+  }
   for (; i + 3 <= nq; i += 3) {  // 3 rows: one sequence's query heads of a KV head (SmolLM2)
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) score_tile<3, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
@@ -184,6 +334,10 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     }
     *m[i] = mx;
     *l[i] = sum;
+  }
+  if (wide) {
+    pv_rows512(s, nq, v, n, D, acc);
+    return;
   }
   for (i = 0; i + 3 <= nq; i += 3) {
     int64_t d0 = 0;
@@ -249,7 +403,24 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // key is its index, its length, its offset in its first block and the block ids under it
   // (positions c * kChunk .. + n of that table). The index keeps each member's partial in its
   // own slot (first[i] + c) even for tables that hold one block at two logical places.
-  std::vector<int64_t> seqs, first;  // decode sequences; index of each one's first chunk slot
+  // Working memory kept by the calling thread across calls (a decode step calls this once a
+  // layer): no allocation per call once it has seen the step's size.
+  struct Group {
+    int64_t seq, chunk, n;           // the table and chunk it is read through, its length
+    std::vector<int64_t> members;    // index into seqs of each sequence that shares it
+  };
+  struct Scratch {
+    std::vector<int64_t> seqs, first;  // decode sequences; index of each one's first chunk slot
+    std::vector<Group> groups;         // groups[0 .. ngroups)
+    std::vector<int32_t> keys;         // each group's key, flat: keys[key_at[u] ..]
+    std::vector<int64_t> key_at, table;  // table: open addressing over key hashes, -1 empty
+    std::vector<float> pm, pl, pacc, zero;
+    std::vector<std::pair<int64_t, int64_t>> items;
+  };
+  thread_local Scratch w;
+  std::vector<int64_t>& seqs = w.seqs;
+  std::vector<int64_t>& first = w.first;
+  seqs.clear(), first.clear();
   int64_t slots = 0;
   for (int64_t s = 0; s < S; ++s) {
     if (qsl[s + 1] - qsl[s] != 1) continue;
@@ -258,56 +429,82 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     slots += (lens[s] + kChunk - 1) / kChunk;
   }
   if (seqs.empty()) return;
-  struct Group {
-    int64_t seq, chunk, n;           // the table and chunk it is read through, its length
-    std::vector<int64_t> members;    // index into seqs of each sequence that shares it
-  };
-  struct KeyHash {  // FNV-1a over the key's ints
-    size_t operator()(const std::vector<int32_t>& k) const {
-      uint64_t h = 1469598103934665603ull;
-      for (const int32_t x : k) h = (h ^ static_cast<uint32_t>(x)) * 1099511628211ull;
-      return static_cast<size_t>(h);
-    }
-  };
-  std::vector<Group> groups;
-  std::unordered_map<std::vector<int32_t>, int64_t, KeyHash> by_key;
-  by_key.reserve(static_cast<size_t>(slots));
-  std::vector<int32_t> key;
+  std::vector<Group>& groups = w.groups;
+  int64_t ngroups = 0;
+  int64_t cap = 16;
+  while (cap < 2 * slots) cap *= 2;
+  w.table.assign(cap, -1);
+  w.keys.clear(), w.key_at.clear();
+  int32_t key[4 + 64];  // chunk, length, offset in the first block, then its blocks (<= 64)
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     const int64_t s = seqs[i], L = lens[s];
     for (int64_t c = 0; c * kChunk < L; ++c) {
       const int64_t p0 = c * kChunk, n = std::min(kChunk, L - p0);
       const int64_t b0 = p0 / BS, b1 = (p0 + n - 1) / BS;
-      key.assign({static_cast<int32_t>(c), static_cast<int32_t>(n),
-                  static_cast<int32_t>(p0 % BS)});
-      key.insert(key.end(), tables + s * MB + b0, tables + s * MB + b1 + 1);
-      auto it = by_key.find(key);  // no node (and no key copy) for a chunk already seen
-      if (it == by_key.end()) {
-        it = by_key.emplace(key, static_cast<int64_t>(groups.size())).first;
-        groups.push_back({s, c, n, {}});
+      const int64_t klen = 3 + b1 - b0 + 1;  // a chunk spans at most kChunk blocks
+      key[0] = static_cast<int32_t>(c), key[1] = static_cast<int32_t>(n);
+      key[2] = static_cast<int32_t>(p0 % BS);
+      std::memcpy(key + 3, tables + s * MB + b0, (b1 - b0 + 1) * sizeof(int32_t));
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over the key's ints
+      for (int64_t x = 0; x < klen; ++x) h = (h ^ static_cast<uint32_t>(key[x])) * 1099511628211ull;
+      int64_t at = static_cast<int64_t>(h & static_cast<uint64_t>(cap - 1)), u;
+      for (;; at = (at + 1) & (cap - 1)) {
+        u = w.table[at];
+        if (u < 0) break;
+        const int32_t* k = w.keys.data() + w.key_at[u];
+        if (k[0] == klen && std::memcmp(k + 1, key, klen * sizeof(int32_t)) == 0) break;
       }
-      groups[it->second].members.push_back(i);
+      if (u < 0) {  // a chunk not seen yet: a new group
+        u = ngroups++;
+        w.table[at] = u;
+        w.key_at.push_back(static_cast<int64_t>(w.keys.size()));
+        w.keys.push_back(static_cast<int32_t>(klen));
+        w.keys.insert(w.keys.end(), key, key + klen);
+        if (static_cast<int64_t>(groups.size()) < ngroups) groups.emplace_back();
+        groups[u].seq = s, groups[u].chunk = c, groups[u].n = n;
+        groups[u].members.clear();
+      }
+      groups[u].members.push_back(i);
     }
   }
-  // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk. Not zeroed: each
+  // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk. Not cleared: each
   // (slot, kvh, g) is written by exactly one work item before the merge reads it.
-  const std::unique_ptr<float[]> pm(new float[slots * KVH * G]), pl(new float[slots * KVH * G]),
-      pacc(new float[slots * KVH * G * D]);
+  if (static_cast<int64_t>(w.pm.size()) < slots * KVH * G)
+    w.pm.resize(slots * KVH * G), w.pl.resize(slots * KVH * G);
+  if (static_cast<int64_t>(w.pacc.size()) < slots * KVH * G * D) w.pacc.resize(slots * KVH * G * D);
+  float* const pm = w.pm.data();
+  float* const pl = w.pl.data();
+  float* const pacc = w.pacc.data();
   // Work items (group, kv head), the largest first, taken in turn by each thread.
-  std::vector<std::pair<int64_t, int64_t>> items;
-  for (int64_t u = 0; u < static_cast<int64_t>(groups.size()); ++u)
+  std::vector<std::pair<int64_t, int64_t>>& items = w.items;
+  items.clear();
+  for (int64_t u = 0; u < ngroups; ++u)
     for (int64_t h = 0; h < KVH; ++h) items.emplace_back(u, h);
   std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
     return groups[a.first].members.size() * groups[a.first].n >
            groups[b.first].members.size() * groups[b.first].n;
   });
+  w.zero.assign(D, 0.f);
+  const float* zero = w.zero.data();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
                    [&](int64_t, int64_t) {
-    std::vector<const float*> qr, kr(kChunk), vr(kChunk);
-    std::vector<float*> mr, lr, ar;
-    std::vector<float> sbuf;
+    struct Rows {  // each thread's own, kept across calls
+      std::vector<const float*> qr, kr, vr;
+      std::vector<float*> mr, lr, ar;
+      std::vector<float> sbuf, kt;
+    };
+    thread_local Rows r;
+    std::vector<const float*>& qr = r.qr;
+    std::vector<const float*>& kr = r.kr;
+    std::vector<const float*>& vr = r.vr;
+    std::vector<float*>& mr = r.mr;
+    std::vector<float*>& lr = r.lr;
+    std::vector<float*>& ar = r.ar;
+    std::vector<float>& sbuf = r.sbuf;
+    kr.resize(kChunk), vr.resize(kChunk);
+    if (static_cast<int64_t>(r.kt.size()) < D * kChunk) r.kt.resize(D * kChunk);
     for (int64_t it; (it = next.fetch_add(1)) < num_items;) {
       const Group& grp = groups[items[it].first];
       const int64_t kvh = items[it].second;
@@ -317,6 +514,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t off = ((table[p / BS] * BS + p % BS) * KVH + kvh) * D;
         kr[j] = kc + off;
         vr[j] = vc + off;
+        // V is read after the scores and softmax: its lines are on their way by then.
+        for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(vr[j] + b), _MM_HINT_T0);
       }
       qr.clear(), mr.clear(), lr.clear(), ar.clear();
       for (const int64_t i : grp.members) {
@@ -324,22 +523,23 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
           qr.push_back(q + (row * H + kvh * G + g) * D);
-          mr.push_back(pm.get() + slot + g);
-          lr.push_back(pl.get() + slot + g);
-          ar.push_back(pacc.get() + (slot + g) * D);
+          mr.push_back(pm + slot + g);
+          lr.push_back(pl + slot + g);
+          ar.push_back(pacc + (slot + g) * D);
         }
       }
       sbuf.resize(qr.size() * kChunk);
       partial(qr.data(), static_cast<int64_t>(qr.size()), kr.data(), vr.data(), grp.n, D, sc,
-              sbuf.data(), mr.data(), lr.data(), ar.data());
+              sbuf.data(), mr.data(), lr.data(), ar.data(), r.kt.data(), zero);
     }
   });
   // Merge each row's partials in chunk order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
   const int64_t ns = static_cast<int64_t>(seqs.size());
   at::parallel_for(0, ns * KVH, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> num(D);
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / KVH, kvh = w % KVH, s = seqs[i];
+    thread_local std::vector<float> num;
+    num.resize(D);
+    for (int64_t wi = w0; wi < w1; ++wi) {
+      const int64_t i = wi / KVH, kvh = wi % KVH, s = seqs[i];
       const int64_t nc = (lens[s] + kChunk - 1) / kChunk;
       for (int64_t g = 0; g < G; ++g) {
         auto at = [&](int64_t c) { return ((first[i] + c) * KVH + kvh) * G + g; };
@@ -351,7 +551,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           const float f = std::exp(pm[at(c)] - mx);
           den += f * pl[at(c)];
           const __m256 fv = _mm256_set1_ps(f);
-          const float* a = pacc.get() + at(c) * D;
+          const float* a = pacc + at(c) * D;
           for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(num.data() + d, _mm256_fmadd_ps(fv, _mm256_loadu_ps(a + d),
                                                              _mm256_loadu_ps(num.data() + d)));

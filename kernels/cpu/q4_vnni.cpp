@@ -335,6 +335,22 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
   });
 }
 
+// The quantized activations of a call (qx, rx [M, K] int8; dx, xsum, corr [M, G]), kept by the
+// calling thread across calls: a decode step makes about 120 of them, each of a few KB.
+struct ActScratch {
+  std::vector<int8_t> qx, rx;
+  std::vector<float> dx, xsum;
+  std::vector<int32_t> corr;
+};
+
+ActScratch& act_scratch(int64_t M, int64_t K, int64_t G) {
+  thread_local ActScratch a;
+  if (static_cast<int64_t>(a.qx.size()) < M * K) a.qx.resize(M * K), a.rx.resize(M * K);
+  if (static_cast<int64_t>(a.dx.size()) < M * G)
+    a.dx.resize(M * G), a.xsum.resize(M * G), a.corr.resize(M * G);
+  return a;
+}
+
 at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                           const at::Tensor& scale_min, const c10::optional<at::Tensor>& bias,
                           int64_t act_bits) {
@@ -363,8 +379,9 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                 "q4_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  std::vector<int8_t> qx(M * K), rx(fine ? M * K : 0);
-  std::vector<float> dx(M * G), xsum(M * G);
+  ActScratch& a = act_scratch(M, K, G);
+  std::vector<int8_t>&qx = a.qx, &rx = a.rx;
+  std::vector<float>&dx = a.dx, &xsum = a.xsum;
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     (use_vnni() ? quantize_row : quantize_row_avx2)(
@@ -548,9 +565,10 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
                 "q8_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  std::vector<int8_t> qx(M * K), rx(fine ? M * K : 0);
-  std::vector<float> dx(M * G), xsum(M * G);
-  std::vector<int32_t> corr(M * G);
+  ActScratch& a = act_scratch(M, K, G);
+  std::vector<int8_t>&qx = a.qx, &rx = a.rx;
+  std::vector<float>&dx = a.dx, &xsum = a.xsum;
+  std::vector<int32_t>& corr = a.corr;
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     (use_vnni() ? quantize_row : quantize_row_avx2)(

@@ -148,7 +148,8 @@ def test_preemption_with_tiny_pool_matches_hf(make_llm_engine, prompt_ids, hf_ou
 
 @pytest.mark.parametrize("path", ["cascade", "kernel", "fused"])
 def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, tokenizer,
-                                                             hf_model, monkeypatch, path):
+                                                             hf_model, monkeypatch, path,
+                                                             fused_layer_calls):
     """Decodes sharing a long prefix: without our CPU kernels the per-op layers split attention
     at it (cascade); with them our decode kernel reads the shared chunks once itself, from the
     per-op layers and from the fused ones (kernels/cpu/decode_layer.cpp)."""
@@ -162,10 +163,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     real = attention._decode_cascade
     monkeypatch.setattr(attention, "_decode_cascade",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    fused_calls = []
-    real_fused = cpu_ops.decode_layer
-    monkeypatch.setattr(cpu_ops, "decode_layer",
-                        lambda *a, **k: fused_calls.append(1) or real_fused(*a, **k))
+    fused_calls = fused_layer_calls
     kernel_calls = []
     real_kernel = cpu_ops.decode_attention
     monkeypatch.setattr(cpu_ops, "decode_attention",
@@ -193,7 +191,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
 
 
 def test_shared_chunk_decode_keeps_tenants_apart_and_matches_hf(make_llm_engine, tokenizer,
-                                                                hf_model, monkeypatch):
+                                                                hf_model, fused_layer_calls):
     """Two tenants send the same long system prompt in one batch. Our decode kernel attends a
     chunk once for every sequence that holds it in the same blocks; salted hashes give tenant
     B its own blocks, so within a step A's three decodes share their prefix blocks and B's
@@ -201,17 +199,6 @@ def test_shared_chunk_decode_keeps_tenants_apart_and_matches_hf(make_llm_engine,
     tokens on the prompt A has cached, and B's own repeat does hit."""
     if not cpu_linear.load():
         pytest.skip("our CPU kernels are not built")
-    tables = []
-    real = cpu_ops.decode_layer
-
-    def spy(*args, **kw):
-        meta = args[13]
-        if meta.num_seqs == 6 and not tables:
-            tables.append([meta.block_tables[i, :meta.seq_lens_cpu[i] // 16].tolist()
-                           for i in range(6)])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(cpu_ops, "decode_layer", spy)
     system = " ".join(f"Rule {i}: keep bridge {i} inspected and painted." for i in range(24))
     questions = (" Summary:", " The first rule is", " In short,")
     prompts = [tokenizer.encode(system + q) for q in questions]
@@ -223,6 +210,8 @@ def test_shared_chunk_decode_keeps_tenants_apart_and_matches_hf(make_llm_engine,
     batch = [EngineRequest(f"{t}-{i}", tuple(p), params, tenant_id=t, cache_salt=salt)
              for t, salt in (("a", salt_a), ("b", salt_b)) for i, p in enumerate(prompts)]
     got = run_to_completion(engine, batch)
+    tables = [[meta.block_tables[i, :meta.seq_lens_cpu[i] // 16].tolist() for i in range(6)]
+              for meta in fused_layer_calls if meta.num_seqs == 6][:1]
     outputs = [r.token_ids for r in got]
     assert outputs == hf_greedy(hf_model, prompts * 2, outputs, 6, ignore_eos=True)
     assert all(r.num_cached_tokens > 256 for r in got[:3])

@@ -270,11 +270,9 @@ def test_our_q4_kernel_fused_is_bit_identical_too():
     assert torch.equal(a, b)
 
 
-def test_the_model_fuses_decode_steps_only(monkeypatch):
+def test_the_model_fuses_decode_steps_only(fused_layer_calls):
     model = _model("gguf", bias=False)
-    calls = []
-    real = cpu_ops.decode_layer
-    monkeypatch.setattr(cpu_ops, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = fused_layer_calls
 
     def forward(seq_lens, query_lens=None, fused=True):
         caches = _caches(len(seq_lens))
@@ -306,12 +304,51 @@ def test_the_model_fuses_decode_steps_only(monkeypatch):
     assert len(calls) == 2 + 2 * 2
 
 
+@pytest.mark.parametrize("quantization", [None, "gguf", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(quantization, rows,
+                                                                  fused_layer_calls):
+    """``decode_layers`` (the step's layers in one C++ call, the default) against
+    ``decode_layer`` called a layer at a time and the per-op layers: the same output and the
+    same caches, bit for bit, at 1, 3 and 17 rows (the 4-bit layers' row tiles differ)."""
+    model = _model(quantization, bias=quantization is None)
+    meta, positions = _decode_step([9 + 3 * i for i in range(rows)])
+    ids = torch.arange(rows) % 64
+    outs = []
+    for fused, whole in ((True, True), (True, False), (False, False)):
+        model.fused_decode, model.fused_decode_whole = fused, whole
+        caches = _caches(rows)
+        fused_layer_calls.clear()
+        outs.append((model.forward(ids, positions, caches, meta), caches))
+        assert len(fused_layer_calls) == (2 if fused else 0)
+    model.fused_decode_whole = True
+    for got, got_caches in outs[:2]:
+        assert torch.equal(got, outs[2][0]) and torch.equal(got_caches, outs[2][1])
+    assert not torch.equal(outs[0][1], _caches(rows))  # this step's K/V were written
+
+
+def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
+    model = _model("gguf", bias=False)
+    meta, positions = _decode_step([9, 12])
+    hidden, caches = torch.randn(2, HIDDEN), _caches(2)
+    fused = model._fused_decode_args(hidden, caches, meta)
+    weights, kinds, groups = model._flat_decode_args(fused)
+    cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
+    layer = model.layers[0]
+    args = (cos, sin, caches, meta, layer.num_heads, layer.intermediate_size, layer.scale)
+    with pytest.raises(RuntimeError, match="2 norms and 4 projections"):
+        cpu_ops.decode_layers(hidden, model._norms[:2], 1e-5, weights, kinds, groups, *args)
+    with pytest.raises(RuntimeError, match="2 norms and 4 projections"):
+        cpu_ops.decode_layers(hidden, model._norms, 1e-5, weights[:-1], kinds, groups, *args)
+    with pytest.raises(RuntimeError, match="kv_caches"):
+        cpu_ops.decode_layers(hidden, model._norms, 1e-5, weights, kinds, groups, cos, sin,
+                              caches[0], meta, *args[4:])
+
+
 @pytest.mark.parametrize("quantization", [None, "gguf"])
 def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, tokenizer,
-                                                              monkeypatch, quantization):
-    calls = []
-    real = cpu_ops.decode_layer
-    monkeypatch.setattr(cpu_ops, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+                                                              fused_layer_calls, quantization):
+    calls = fused_layer_calls
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):",
                                              "Once upon a time, in a small village,")]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
