@@ -166,6 +166,20 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// One group's weights are read as part of one stream a thread walks in order (its tiles'
+// codes, then the next tile's); at one or a few rows a group takes a few ns, too few for the
+// hardware prefetcher to keep up from L3 or memory (the layers ran at 17-23 GB/s against 55 GB/s
+// of L3 reads on a 2-vCPU Xeon), so each group asks for the lines kAhead bytes on. A prefetch
+// past the end of the weights is only a hint: it never faults.
+constexpr int64_t kAhead = 8192;
+
+inline void prefetch_ahead(const uint8_t* codes, int64_t bytes, const uint16_t* scale_min) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(codes + kAhead + b), _MM_HINT_T0);
+  if (scale_min)
+    _mm_prefetch(reinterpret_cast<const char*>(scale_min) + kAhead / 4, _MM_HINT_T0);
+}
+
 // Rows m0 .. m0 + MR of one tile of 16 outputs (n0 = 16 t). Fine: the activations are
 // qx + rx / 256, and the group's integer dot is 256 idot(code, qx) + idot(code, rx): at most
 // 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^24 in magnitude, so exact in int32 and in its fp32
@@ -180,6 +194,7 @@ VNNI_TARGET void tile(const int8_t* qx, const int8_t* rx, const float* dx, const
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = codes + g * kTileBytes;
+    prefetch_ahead(c, kTileBytes, scale_min + g * 2 * kTile);
     __m512i w[8];
     for (int s = 0; s < 4; ++s) {
       const __m512i z = _mm512_loadu_si512(c + s * 64);
@@ -421,6 +436,7 @@ VNNI_TARGET void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = codes + g * 2 * kTileBytes;
+    prefetch_ahead(c, 2 * kTileBytes, nullptr);
     __m512i w[8];
     for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(c + s * 64);
     for (int j = 0; j < MR; ++j) {
