@@ -76,6 +76,23 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return residual, rms_norm(residual, weight, eps)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The Llama MLP's activation (vLLM's ``silu_and_mul``): ``silu(x[:, :d]) * x[:, d:]``.
+
+    Args:
+        x: [num_tokens, 2 * d] (the fused gate/up projection's output).
+
+    Returns:
+        [num_tokens, d], x's dtype: our op for contiguous fp32 CPU rows (one pass; its exp is
+        ours, about 1 ulp from torch's), else ``F.silu`` and a product.
+    """
+    if (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.dim() == 2 and x.is_contiguous() and not x.requires_grad):
+        return torch.ops.saltserve_cpu.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _int32_cpu_metadata(meta: AttentionMetadata) -> bool:
     """The metadata's query_start_loc, seq_lens and block_tables as the engine builds them."""
     return all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
@@ -162,8 +161,7 @@ class LlamaDecoderLayer(nn.Module):
         out = attn.forward(q, key_cache, value_cache, meta, self.scale)
         residual, x = cpu_ops.add_rms_norm(residual, o_proj(out.reshape(T, self.q_size)), ln2,
                                             eps)
-        gate, up = gate_up(x).split(self.intermediate_size, dim=-1)
-        return down(F.silu(gate) * up), residual
+        return down(cpu_ops.silu_and_mul(gate_up(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):

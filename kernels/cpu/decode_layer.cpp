@@ -12,7 +12,7 @@
 //   y = qkv(x); rotate q and k in place (neox); write k, v to the paged cache at slot_mapping
 //   attn = decode_attention(q over each sequence's block table)
 //   x = add_rms_norm(residual += o(attn));  gate, up = gate_up(x)
-//   return down(silu(gate) * up)          (residual is updated in place; first: it is hidden)
+//   return down(silu_and_mul(gate_up))     (residual is updated in place; first: it is hidden)
 //
 // Each projection comes as a kind and up to four tensors, chosen in Python by the layer's
 // LinearMethod for this number of rows (engine/quantization.py, decode_spec):
@@ -135,6 +135,8 @@ at::Tensor layer_impl(const at::Tensor& hidden, at::Tensor& residual, bool first
       op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
           "saltserve_cpu::decode_attention");
+  static const auto silu_and_mul =
+      op<at::Tensor(const at::Tensor&)>("saltserve_cpu::silu_and_mul");
   const int64_t p0 = 4 * layer;  // the layer's first projection
   TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes(),
               "decode_layer: hidden and residual [T, hidden] expected");
@@ -163,8 +165,10 @@ at::Tensor layer_impl(const at::Tensor& hidden, at::Tensor& residual, bool first
   at::Tensor o = project(weights, p0 + 1, kinds[p0 + 1], groups[p0 + 1], attn.view({T, q_size}));
   x = add_rms_norm.call(residual, o, ln2, eps);
   const at::Tensor gate_up = project(weights, p0 + 2, kinds[p0 + 2], groups[p0 + 2], x);
-  const at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate_size)) *
-                         gate_up.narrow(1, intermediate_size, intermediate_size);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == 2 * intermediate_size,
+              "decode_layer: gate_up gives ", gate_up.sizes(), ", expected [T, ",
+              2 * intermediate_size, "]");
+  const at::Tensor act = silu_and_mul.call(gate_up.contiguous());
   return project(weights, p0 + 3, kinds[p0 + 3], groups[p0 + 3], act);
 }
 

@@ -67,6 +67,33 @@ def test_norms_refuse_what_they_cannot_take():
                                              torch.randn(8), 1e-5)
 
 
+@pytest.mark.parametrize("t,d", [(1, 1536), (16, 1536), (3, 13), (2, 8), (40, 1000)])
+def test_silu_and_mul_equals_torch_to_fp32_rounding_and_is_batch_invariant(t, d):
+    """vLLM's ``silu_and_mul`` over [T, 2 d]: torch's ``silu(gate) * up`` to a few ulp (our exp
+    is Cephes', not Sleef's), every row the same bits alone, a tail of d % 8, rows split across
+    threads from 16 K elements (40 x 1000), and large |x| (exp's clamp) finite."""
+    gen = torch.Generator().manual_seed(t * 7 + d)
+    x = torch.randn(t, 2 * d, generator=gen) * 4
+    x[0, 0], x[0, 1] = 100.0, -100.0
+    got = torch.ops.saltserve_cpu.silu_and_mul(x)
+    want = F.silu(x[:, :d]) * x[:, d:]
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+    assert torch.isfinite(got).all() and got.shape == (t, d)
+    assert torch.equal(cpu_ops.silu_and_mul(x), got)  # the wrapper runs our op
+    for i in range(t):
+        assert torch.equal(torch.ops.saltserve_cpu.silu_and_mul(x[i:i + 1].clone()), got[i:i + 1])
+    # Elsewhere (bf16 here) the wrapper computes the same thing with torch's ops.
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x.bfloat16()).float(), want,
+                               rtol=0.02, atol=0.05)
+
+
+def test_silu_and_mul_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match=r"2 \* d"):
+        torch.ops.saltserve_cpu.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.saltserve_cpu.silu_and_mul(torch.randn(2, 8).double())
+
+
 def _cache_and_meta(seq_lens, query_lens, block_size=16, kvh=3, d=64, seed=0):
     """A shuffled paged cache holding every sequence's context, and the step's metadata."""
     gen = torch.Generator().manual_seed(seed)
