@@ -119,12 +119,37 @@ inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n
 
 // One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
 // Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
+// Asks for rows[0 .. n)'s D floats (their cache lines) to be brought into L1.
+inline void prefetch_rows(const float* const* rows, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < D; b += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + b), _MM_HINT_T0);
+}
+
+// The next work item's K then V rows, prefetched a few at a time between this item's register
+// tiles: a burst of hundreds of prefetches stalls on the core's fill buffers, spread out they
+// overlap the arithmetic.
+struct Prefetcher {
+  const float* const* k;
+  const float* const* v;
+  int64_t n, done = 0, per = 0;
+  Prefetcher(const float* const* k_, const float* const* v_, int64_t n_, int64_t steps)
+      : k(k_), v(v_), n(n_), per((2 * n_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
+  void step(int64_t D, bool all = false) {
+    for (int64_t e = all ? 2 * n : std::min(done + per, 2 * n); done < e; ++done)
+      prefetch_rows((done < n ? k + done : v + done - n), 1, D);
+  }
+};
+
 void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
              int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
-             float* const* acc) {
+             float* const* acc, const float* const* next_k, const float* const* next_v,
+             int64_t next_n) {
   constexpr int64_t ld = kChunk;
+  Prefetcher ahead(next_k, next_v, next_n, 2 * ((nq + 2) / 3));  // a step a 3-row tile
   int64_t i = 0;
   for (; i + 3 <= nq; i += 3) {  // 3 rows: one sequence's query heads of a KV head (SmolLM2)
+    ahead.step(D);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) score_tile<3, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
     for (; j < n; ++j) score_tile<3, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
@@ -139,6 +164,7 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     for (; j + 8 <= n; j += 8) score_tile<1, 8>(q + i, k + j, D, sc, s + i * ld + j, ld);
     for (; j < n; ++j) score_tile<1, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
   }
+  ahead.step(D);  // rows left over from tiles of 2 and 1 rows
   for (i = 0; i < nq; ++i) {  // softmax numerators and sums per row
     float* si = s + i * ld;
     // The row's max, 8 lanes at a time (std::fmax is a libm call per element: 16% of the
@@ -173,10 +199,12 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     *l[i] = sum;
   }
   for (i = 0; i + 3 <= nq; i += 3) {
+    ahead.step(D);
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) pv_tile<3, 4>(s + i * ld, ld, v, n, d0, acc + i);
     for (; d0 < D; d0 += 8) pv_tile<3, 1>(s + i * ld, ld, v, n, d0, acc + i);
   }
+  ahead.step(D, true);  // what tiles of 2 and 1 rows left
   for (; i + 2 <= nq; i += 2) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) pv_tile<2, 4>(s + i * ld, ld, v, n, d0, acc + i);
@@ -322,20 +350,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
                    [&](int64_t, int64_t) {
     struct Rows {  // each thread's own, kept across calls
-      std::vector<const float*> qr, kr, vr;
+      std::vector<const float*> qr, kr, vr, next_kr, next_vr;
       std::vector<float*> mr, lr, ar;
       std::vector<float> sbuf;
     };
     thread_local Rows r;
-    std::vector<const float*>& qr = r.qr;
-    std::vector<const float*>& kr = r.kr;
-    std::vector<const float*>& vr = r.vr;
-    std::vector<float*>& mr = r.mr;
-    std::vector<float*>& lr = r.lr;
-    std::vector<float*>& ar = r.ar;
-    std::vector<float>& sbuf = r.sbuf;
-    kr.resize(kChunk), vr.resize(kChunk);
-    for (int64_t it; (it = next.fetch_add(1)) < num_items;) {
+    r.kr.resize(kChunk), r.vr.resize(kChunk), r.next_kr.resize(kChunk), r.next_vr.resize(kChunk);
+    // Item it's K and V row pointers (positions chunk * kChunk + j of its table, kv head kvh).
+    auto rows_of = [&](int64_t it, std::vector<const float*>& kr, std::vector<const float*>& vr) {
       const Group& grp = groups[items[it].first];
       const int64_t kvh = items[it].second;
       const int32_t* table = tables + grp.seq * MB;
@@ -345,27 +367,39 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         kr[j] = kc + off;
         vr[j] = vc + off;
       }
-      // Every K then V line of the chunk asked for at once (rows kvh * D apart in the cache, one
-      // row a position): the score tiles then find them arriving instead of missing one at a
-      // time, and V is in cache by the time the softmax is done.
-      for (const auto* rows : {&kr, &vr})
-        for (int64_t j = 0; j < grp.n; ++j)
-          for (int64_t b = 0; b < D; b += 16)
-            _mm_prefetch(reinterpret_cast<const char*>((*rows)[j] + b), _MM_HINT_T0);
-      qr.clear(), mr.clear(), lr.clear(), ar.clear();
+      return grp.n;
+    };
+    // Each item's K and V lines are asked for while the item before it computes (its rows sit
+    // kvh * D apart in the cache, a row a position: demand misses one at a time would leave
+    // the score tiles waiting). The thread claims its next item before computing this one.
+    int64_t it = next.fetch_add(1);
+    if (it < num_items) {
+      const int64_t n = rows_of(it, r.kr, r.vr);
+      prefetch_rows(r.kr.data(), n, D);
+      prefetch_rows(r.vr.data(), n, D);
+    }
+    while (it < num_items) {
+      const int64_t nx = next.fetch_add(1);
+      const int64_t next_n = nx < num_items ? rows_of(nx, r.next_kr, r.next_vr) : 0;
+      const Group& grp = groups[items[it].first];
+      const int64_t kvh = items[it].second;
+      r.qr.clear(), r.mr.clear(), r.lr.clear(), r.ar.clear();
       for (const int64_t i : grp.members) {
         const int64_t row = qsl[seqs[i]];
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
-          qr.push_back(q + (row * H + kvh * G + g) * D);
-          mr.push_back(pm + slot + g);
-          lr.push_back(pl + slot + g);
-          ar.push_back(pacc + (slot + g) * D);
+          r.qr.push_back(q + (row * H + kvh * G + g) * D);
+          r.mr.push_back(pm + slot + g);
+          r.lr.push_back(pl + slot + g);
+          r.ar.push_back(pacc + (slot + g) * D);
         }
       }
-      sbuf.resize(qr.size() * kChunk);
-      partial(qr.data(), static_cast<int64_t>(qr.size()), kr.data(), vr.data(), grp.n, D, sc,
-              sbuf.data(), mr.data(), lr.data(), ar.data());
+      r.sbuf.resize(r.qr.size() * kChunk);
+      partial(r.qr.data(), static_cast<int64_t>(r.qr.size()), r.kr.data(), r.vr.data(), grp.n,
+              D, sc, r.sbuf.data(), r.mr.data(), r.lr.data(), r.ar.data(), r.next_kr.data(),
+              r.next_vr.data(), next_n);
+      std::swap(r.kr, r.next_kr), std::swap(r.vr, r.next_vr);
+      it = nx;
     }
   });
   // Merge each row's partials in chunk order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
