@@ -59,6 +59,7 @@ inline float hsum(__m256 v) {
 
 
 constexpr int64_t kChunk = 64;  // positions per partial softmax
+constexpr size_t kKeepBytes = 64u << 20;  // partial buffers kept across calls, at most
 
 
 // Eight accumulators of 8 lanes each reduced to their eight sums, in lane k the sum of a[k]
@@ -432,6 +433,12 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
     }
   });
+  // A step of many long rows (2,048 prefill rows over 8 K positions: 600 MB of partials) must
+  // not stay on the thread's heap for good: only working memory of an ordinary step is kept.
+  if (w.pacc.capacity() * sizeof(float) > kKeepBytes) {
+    std::vector<float>().swap(w.pacc);
+    std::vector<float>().swap(w.pm), std::vector<float>().swap(w.pl);
+  }
 }
 
 }  // namespace
