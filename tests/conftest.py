@@ -138,20 +138,21 @@ def hf_model(model_dir):
 
 @pytest.fixture
 def fused_layer_calls(monkeypatch) -> list:
-    """Spies on the fused CPU decode layers (``kernels.cpu_ops``): one entry, the step's
-    ``AttentionMetadata``, per layer run fused, whether through ``decode_layer`` (one layer a
-    call) or ``decode_layers`` (every layer of the step in one call)."""
+    """Spies on the fused CPU decode layers (``kernels.cpu_ops``): one entry per layer run
+    fused, ``("whole", meta)`` through ``decode_layers`` (every layer of the step in one call)
+    or ``("one", meta)`` through ``decode_layer`` (one layer a call), with the step's
+    ``AttentionMetadata``."""
     from kernels import cpu_ops
 
     calls: list = []
     one, whole = cpu_ops.decode_layer, cpu_ops.decode_layers
 
     def spy_one(*args, **kw):
-        calls.append(args[13])
+        calls.append(("one", args[13]))
         return one(*args, **kw)
 
     def spy_whole(*args, **kw):
-        calls.extend([args[9]] * args[8].shape[0])
+        calls.extend([("whole", args[9])] * args[8].shape[0])
         return whole(*args, **kw)
 
     monkeypatch.setattr(cpu_ops, "decode_layer", spy_one)

@@ -192,9 +192,7 @@ class LlamaForCausalLM(nn.Module):
     def bind_weights(self) -> None:
         for layer in self.layers:
             layer.bind_weights()
-        self._norms = [w for layer in self.layers
-                       for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-        self._flat_args: tuple[list, tuple] = ([], ([], [], []))
+        self._flat_args: dict[int, tuple[list, tuple]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -205,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused_decode_args(hidden, kv_caches, meta)
         if fused is not None and self.fused_decode_whole and kv_caches.dim() == 6:
             first = self.layers[0]
+            norms, weights, kinds, groups = self._flat_decode_args(hidden.shape[0], fused)
             hidden, residual = cpu_ops.decode_layers(
-                hidden, self._norms, first.input_layernorm.eps, *self._flat_decode_args(fused),
+                hidden, norms, first.input_layernorm.eps, weights, kinds, groups,
                 cos, sin, kv_caches, meta, first.num_heads, first.intermediate_size,
                 first.scale)
             return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
@@ -228,16 +227,22 @@ class LlamaForCausalLM(nn.Module):
     # decode_layers: the same bits; tests compare them).
     fused_decode_whole = True
 
-    def _flat_decode_args(self, fused: list[tuple]) -> tuple[list, list[int], list[int]]:
-        """Every layer's ``decode_args`` joined as ``cpu_ops.decode_layers`` takes them
-        (weights, kinds, groups), kept while every layer's cached args are the same objects
-        (one row count and set of thresholds at a time)."""
-        cached, flat = self._flat_args
-        if len(cached) != len(fused) or any(a is not b for a, b in zip(cached, fused)):
-            flat = ([t for a in fused for t in a[0]], [k for a in fused for k in a[1]],
+    def _flat_decode_args(self, num_tokens: int, fused: list[tuple]
+                          ) -> tuple[list, list, list[int], list[int]]:
+        """Every layer's two norm weights and ``decode_args`` (for ``num_tokens`` rows) joined
+        as ``cpu_ops.decode_layers`` takes them: (norms, weights, kinds, groups). Kept per row
+        count while every layer's norm weights and cached args are the same objects (a layer's
+        ``bind_weights`` after replacing a weight makes new ones)."""
+        parts = [x for layer, args in zip(self.layers, fused, strict=True)
+                 for x in (layer._w[0], layer._w[3], args)]
+        hit = self._flat_args.get(num_tokens)
+        if hit is None or len(hit[0]) != len(parts) or any(
+                a is not b for a, b in zip(hit[0], parts)):
+            flat = ([w for layer in self.layers for w in (layer._w[0], layer._w[3])],
+                    [t for a in fused for t in a[0]], [k for a in fused for k in a[1]],
                     [g for a in fused for g in a[2]])
-            self._flat_args = (list(fused), flat)  # the last step size's (held: no id reuse)
-        return flat
+            self._flat_args[num_tokens] = hit = (parts, flat)  # held: identities stay unique
+        return hit[1]
 
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> list[tuple] | None:

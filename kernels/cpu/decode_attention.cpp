@@ -26,10 +26,11 @@
 // KV head for SmolLM2's 9 / 3 heads; then 2 x 4, or 1 x 8) at a time in independent FMA chains
 // over head_dim, each reduced by the same add tree; softmax in fp32 (the row max 8 lanes at a
 // time; exp: Cephes' polynomial, about 1 ulp; weights below exp(-88) count as 0); then the
-// weighted sum of V with 3 (or 2, or 1) rows x 32 columns held in registers. A work item first
-// prefetches all of its chunk's K and V lines (per layer, walking 30 layers' caches on a 2-vCPU
-// Xeon: one sequence at 1,780 positions 0.19 -> 0.11-0.16 ms, 16 unshared at 300 1.3x, 16 on one
-// shared prefix unchanged). Working memory is kept per thread across calls.
+// weighted sum of V with 3 (or 2, or 1) rows x 32 columns held in registers. While a thread
+// computes one work item it prefetches its next item's K and V lines, a few rows between each
+// 3-row tile (per layer, walking 30 layers' caches on a 2-vCPU Xeon: 16 on one 1,750-token prefix
+// 0.78 -> 0.63 ms, one sequence at 1,780 positions 0.19 -> 0.12, 16 unshared at 300 0.62 ->
+// 0.45). Working memory is kept per thread across calls (up to kKeepBytes of partials).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -118,8 +119,6 @@ inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc[r] + d0 + 8 * i, a[r][i]);
 }
 
-// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
-// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
 // Asks for rows[0 .. n)'s D floats (their cache lines) to be brought into L1.
 inline void prefetch_rows(const float* const* rows, int64_t n, int64_t D) {
   for (int64_t j = 0; j < n; ++j)
@@ -142,6 +141,10 @@ struct Prefetcher {
   }
 };
 
+// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
+// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
+// next_k, next_v: the next work item's rows (next_n of each; 0: none), prefetched while this
+// one computes (Prefetcher).
 void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
              int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
              float* const* acc, const float* const* next_k, const float* const* next_v,
@@ -346,10 +349,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     return groups[a.first].members.size() * groups[a.first].n >
            groups[b.first].members.size() * groups[b.first].n;
   });
-  std::atomic<int64_t> next{0};
+  // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
+  // thread that starts early cannot also take a late one's first item); then they are taken in
+  // turn from next.
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
-                   [&](int64_t, int64_t) {
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next{nthreads};
+  at::parallel_for(0, nthreads, 1, [&](int64_t own, int64_t own_end) {
+    auto claim = [&]() -> int64_t { return own < own_end ? own++ : next.fetch_add(1); };
     struct Rows {  // each thread's own, kept across calls
       std::vector<const float*> qr, kr, vr, next_kr, next_vr;
       std::vector<float*> mr, lr, ar;
@@ -373,14 +380,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     // Each item's K and V lines are asked for while the item before it computes (its rows sit
     // kvh * D apart in the cache, a row a position: demand misses one at a time would leave
     // the score tiles waiting). The thread claims its next item before computing this one.
-    int64_t it = next.fetch_add(1);
+    int64_t it = claim();
     if (it < num_items) {
       const int64_t n = rows_of(it, r.kr, r.vr);
       prefetch_rows(r.kr.data(), n, D);
       prefetch_rows(r.vr.data(), n, D);
     }
     while (it < num_items) {
-      const int64_t nx = next.fetch_add(1);
+      const int64_t nx = claim();
       const int64_t next_n = nx < num_items ? rows_of(nx, r.next_kr, r.next_vr) : 0;
       const Group& grp = groups[items[it].first];
       const int64_t kvh = items[it].second;

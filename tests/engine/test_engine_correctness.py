@@ -182,8 +182,9 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     outputs = [r.token_ids for r in got]
     assert outputs == hf_greedy(hf_model, prompts, outputs, 8, ignore_eos=True)
     assert all(len(o) == 8 for o in outputs)
-    if path == "fused":
-        assert not calls and len(fused_calls) >= 30 * 6  # fused layers, no cascade split
+    if path == "fused":  # every layer of a step in one call, no cascade split
+        assert not calls and len(fused_calls) >= 30 * 6
+        assert {kind for kind, _ in fused_calls} == {"whole"}
     elif path == "kernel":
         assert not calls and not fused_calls and len(kernel_calls) >= 30 * 6
     else:
@@ -211,7 +212,7 @@ def test_shared_chunk_decode_keeps_tenants_apart_and_matches_hf(make_llm_engine,
              for t, salt in (("a", salt_a), ("b", salt_b)) for i, p in enumerate(prompts)]
     got = run_to_completion(engine, batch)
     tables = [[meta.block_tables[i, :meta.seq_lens_cpu[i] // 16].tolist() for i in range(6)]
-              for meta in fused_layer_calls if meta.num_seqs == 6][:1]
+              for _, meta in fused_layer_calls if meta.num_seqs == 6][:1]
     outputs = [r.token_ids for r in got]
     assert outputs == hf_greedy(hf_model, prompts * 2, outputs, 6, ignore_eos=True)
     assert all(r.num_cached_tokens > 256 for r in got[:3])

@@ -315,16 +315,36 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(quantization, 
     meta, positions = _decode_step([9 + 3 * i for i in range(rows)])
     ids = torch.arange(rows) % 64
     outs = []
-    for fused, whole in ((True, True), (True, False), (False, False)):
+    for fused, whole, kinds in ((True, True, ["whole"] * 2), (True, False, ["one"] * 2),
+                                (False, False, [])):
         model.fused_decode, model.fused_decode_whole = fused, whole
         caches = _caches(rows)
         fused_layer_calls.clear()
         outs.append((model.forward(ids, positions, caches, meta), caches))
-        assert len(fused_layer_calls) == (2 if fused else 0)
+        assert [kind for kind, _ in fused_layer_calls] == kinds  # 2 layers
     model.fused_decode_whole = True
     for got, got_caches in outs[:2]:
         assert torch.equal(got, outs[2][0]) and torch.equal(got_caches, outs[2][1])
     assert not torch.equal(outs[0][1], _caches(rows))  # this step's K/V were written
+
+
+def test_every_layer_in_one_call_follows_a_layer_rebound_after_a_step():
+    """A layer's weight replaced (and ``bind_weights`` called on that layer alone) after a step
+    has cached the joined arguments: the next step's one call uses the new weight, as the
+    per-op layers do."""
+    model = _model("gguf", bias=False)
+    meta, positions = _decode_step([9, 12])
+    ids = torch.arange(2)
+    before = model.forward(ids, positions, _caches(2), meta)
+    layer = model.layers[1]
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(
+        layer.post_attention_layernorm.weight.detach() * 3, requires_grad=False)
+    layer.bind_weights()
+    got = model.forward(ids, positions, _caches(2), meta)
+    model.fused_decode = False
+    want = model.forward(ids, positions, _caches(2), meta)
+    model.fused_decode = True
+    assert torch.equal(got, want) and not torch.equal(got, before)
 
 
 def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
@@ -332,16 +352,16 @@ def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
     meta, positions = _decode_step([9, 12])
     hidden, caches = torch.randn(2, HIDDEN), _caches(2)
     fused = model._fused_decode_args(hidden, caches, meta)
-    weights, kinds, groups = model._flat_decode_args(fused)
+    norms, weights, kinds, groups = model._flat_decode_args(2, fused)
     cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
     layer = model.layers[0]
     args = (cos, sin, caches, meta, layer.num_heads, layer.intermediate_size, layer.scale)
     with pytest.raises(RuntimeError, match="2 norms and 4 projections"):
-        cpu_ops.decode_layers(hidden, model._norms[:2], 1e-5, weights, kinds, groups, *args)
+        cpu_ops.decode_layers(hidden, norms[:2], 1e-5, weights, kinds, groups, *args)
     with pytest.raises(RuntimeError, match="2 norms and 4 projections"):
-        cpu_ops.decode_layers(hidden, model._norms, 1e-5, weights[:-1], kinds, groups, *args)
+        cpu_ops.decode_layers(hidden, norms, 1e-5, weights[:-1], kinds, groups, *args)
     with pytest.raises(RuntimeError, match="kv_caches"):
-        cpu_ops.decode_layers(hidden, model._norms, 1e-5, weights, kinds, groups, cos, sin,
+        cpu_ops.decode_layers(hidden, norms, 1e-5, weights, kinds, groups, cos, sin,
                               caches[0], meta, *args[4:])
 
 
@@ -353,18 +373,22 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
                                              "Once upon a time, in a small village,")]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
     results = {}
-    for fused in (True, False):
+    # Every layer of a step in one call (the default), a call a layer, and the per-op layers.
+    for mode, (fused, whole) in {"whole": (True, True), "one": (True, False),
+                                 "per-op": (False, False)}.items():
         engine = make_llm_engine(quantization=quantization)
-        engine.model.fused_decode = fused
+        engine.model.fused_decode, engine.model.fused_decode_whole = fused, whole
+        calls.clear()
         for n in (1, 3):  # one stream, then three
-            out = run_to_completion(engine, [EngineRequest(f"{fused}-{n}-{i}", tuple(p), params,
+            out = run_to_completion(engine, [EngineRequest(f"{mode}-{n}-{i}", tuple(p), params,
                                                            tenant_id="t")
                                              for i, p in enumerate(prompts[:n])])
-            results[fused, n] = [(r.token_ids, [(lp.token_id, lp.logprob, lp.top)
-                                                for lp in r.logprobs]) for r in out]
-    assert results[True, 1] == results[False, 1] and results[True, 3] == results[False, 3]
-    layers = 30
-    assert len(calls) == layers * 11 * 2  # every decode step (11 a request) of both runs fused
+            results[mode, n] = [(r.token_ids, [(lp.token_id, lp.logprob, lp.top)
+                                               for lp in r.logprobs]) for r in out]
+        layers = 30  # every decode step (11 a request) of each run fused, through mode's op
+        assert [kind for kind, _ in calls] == ([mode] * layers * 11 * 2 if fused else [])
+    for n in (1, 3):
+        assert results["whole", n] == results["per-op", n] == results["one", n]
 
 
 @needs_vnni
