@@ -61,6 +61,7 @@ inline float hsum(__m256 v) {
 
 constexpr int64_t kChunk = 64;  // positions per partial softmax
 constexpr size_t kKeepBytes = 64u << 20;  // partial buffers kept across calls, at most
+constexpr size_t kKeepGroups = 1u << 16;  // groups (chunk keys) kept across calls, at most
 
 
 // Eight accumulators of 8 lanes each reduced to their eight sums, in lane k the sum of a[k]
@@ -440,12 +441,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
     }
   });
-  // A step of many long rows (2,048 prefill rows over 8 K positions: 600 MB of partials) must
-  // not stay on the thread's heap for good: only working memory of an ordinary step is kept.
-  if (w.pacc.capacity() * sizeof(float) > kKeepBytes) {
-    std::vector<float>().swap(w.pacc);
-    std::vector<float>().swap(w.pm), std::vector<float>().swap(w.pl);
-  }
+  // A step of many long rows (2,048 prefill rows over 8 K positions: 600 MB of partials, 260 K
+  // groups) must not stay on the thread's heap for good: only an ordinary step's is kept.
+  if (w.pacc.capacity() * sizeof(float) > kKeepBytes || w.groups.size() > kKeepGroups)
+    w = Scratch();
 }
 
 }  // namespace
