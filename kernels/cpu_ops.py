@@ -31,10 +31,14 @@ if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
 
 
-def _ours(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _our_rows(x: torch.Tensor) -> bool:
+    """Rows our CPU ops take: [num_tokens, n] contiguous fp32 on CPU, no autograd."""
     return (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
-            and weight.is_contiguous() and not x.requires_grad)
+            and x.dim() == 2 and x.is_contiguous() and not x.requires_grad)
+
+
+def _ours(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _our_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,8 +90,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         [num_tokens, d], x's dtype: our op for contiguous fp32 CPU rows (one pass; its exp is
         ours, about 1 ulp from torch's), else ``F.silu`` and a product.
     """
-    if (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.dim() == 2 and x.is_contiguous() and not x.requires_grad):
+    if _our_rows(x):
         return torch.ops.saltserve_cpu.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

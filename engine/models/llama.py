@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         fused = self._fused_decode_args(hidden, kv_caches, meta)
-        if fused is not None and self.fused_decode_whole and kv_caches.dim() == 6:
+        if fused is not None and self.fused_decode_whole:
             first = self.layers[0]
             norms, weights, kinds, groups = self._flat_decode_args(hidden.shape[0], fused)
             hidden, residual = cpu_ops.decode_layers(

@@ -94,6 +94,14 @@ def test_silu_and_mul_refuses_what_it_cannot_take():
         torch.ops.saltserve_cpu.silu_and_mul(torch.randn(2, 8).double())
 
 
+def _block_table(tables):
+    """[len(tables), longest] int32 block table, each row its table then zeros."""
+    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return bt
+
+
 def _cache_and_meta(seq_lens, query_lens, block_size=16, kvh=3, d=64, seed=0):
     """A shuffled paged cache holding every sequence's context, and the step's metadata."""
     gen = torch.Generator().manual_seed(seed)
@@ -104,10 +112,7 @@ def _cache_and_meta(seq_lens, query_lens, block_size=16, kvh=3, d=64, seed=0):
     for n in blocks_per:
         tables.append(order[used:used + n])
         used += n
-    width = max(blocks_per)
-    bt = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    bt = _block_table(tables)
     kc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
     vc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -187,9 +192,7 @@ def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size
     gen = torch.Generator().manual_seed(7)
     kc = torch.randn(num_blocks, block_size, kvh, 64, generator=gen)
     vc = torch.randn(num_blocks, block_size, kvh, 64, generator=gen)
-    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    bt = _block_table(tables)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), h, 64, generator=gen)
@@ -224,9 +227,7 @@ def _many_sharing(n_seqs, kvh, h, d, block_size=16, tokens=300, seed=3):
     tables, num_blocks = _shared_tables(block_size, [prefix_blocks] * n_seqs, own, seed)
     kc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
     vc = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
-    bt = torch.zeros(n_seqs, max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    bt = _block_table(tables)
     q = torch.randn(n_seqs, h, d, generator=gen)
     return q, kc, vc, torch.arange(n_seqs + 1, dtype=torch.int32), \
         torch.tensor(seq_lens, dtype=torch.int32), bt, tables
