@@ -35,11 +35,16 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
@@ -303,6 +308,266 @@ void tile_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const float*
   }
 }
 
+// ---- AMX-INT8: the same integer dots on the tile unit, from kAmxMinRowsQ4 / Q8 rows ----
+// On CPUs with AMX (Sapphire Rapids and later Xeons), TDPBSUD multiplies a 16-row x 32-input
+// tile of int8 activations (one group of every row) by an 8 x 64-byte tile of unsigned codes in
+// exactly vpdpbusd's layout (row s: inputs 4 s .. 4 s + 3 of the 16 outputs): the group's 16 x 16
+// int32 dots in one instruction, where vpdpbusd takes 8 (16 with 16-bit activations) per row.
+// The dots are exact integers, so they equal the VNNI path's; the epilogue (the group's scale,
+// minimum or correction, in fp32) is tile's and tile8's, operation for operation, so a row has
+// the same bits on either path and alone or in a batch (tests/kernels/test_cpu_linear.py).
+// Each group's 16 x 16 dots go through memory (a tile store, then vector loads for the fp32
+// epilogue, about 25 cycles a group more than the tile work itself), so the gain is 1.2-1.7x,
+// not the tile unit's 16x.
+
+// Rows from which the AMX path runs: 4-bit layers unpack each output tile's codes first (and
+// at 8 rows tied the VNNI tiles, lost at 10-12: part-filled 8-row blocks), the int8 layers read
+// their codes as stored. 2 threads, Xeon with AMX, medians of 15 interleaved calls, VNNI / AMX:
+// a layer's four 4-bit projections 16 rows 535 / 456 us, 32 rows 962 / 760; the Q8_0 LM head
+// (49,152 x 576) 6 rows 1,116 / 902, 16 rows 2,984 / 1,782.
+constexpr int64_t kAmxMinRowsQ4 = 16;
+constexpr int64_t kAmxMinRowsQ8 = 6;
+
+// AMX intrinsics need GCC 11 or clang 12; with an older compiler the VNNI path runs alone.
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define SALTSERVE_AMX 1
+#else
+#define SALTSERVE_AMX 0
+#endif
+
+// AMX-INT8 on this CPU and the tile registers granted to this process by Linux (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once per process).
+bool amx_available() {
+#if SALTSERVE_AMX
+  static const bool ok = [] {
+    if (!use_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether the AMX path runs: available, and not SALTSERVE_AMX=0 (read once per process) or
+// switched off by int8_amx(0) (tests and benchmarks compare the two paths in one process).
+std::atomic<int> amx_switch{-1};  // -1: not read yet, else 0 / 1
+
+bool use_amx() {
+  int on = amx_switch.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* e = std::getenv("SALTSERVE_AMX");
+    on = amx_available() && !(e && std::strcmp(e, "0") == 0);
+    amx_switch.store(on, std::memory_order_relaxed);
+  }
+  return on;
+}
+
+// int8_amx(-1) tells whether the AMX path runs; int8_amx(0 or 1) turns it off or on (on only
+// where available) and returns the new state.
+bool int8_amx(int64_t mode) {
+  if (mode >= 0) amx_switch.store(mode && amx_available(), std::memory_order_relaxed);
+  return use_amx();
+}
+
+// The activations of 8 rows as one A tile: rows 0-7 their int8 codes qx, rows 8-15 their
+// residuals rx (16-bit activations; with 8-bit ones rows 8-15 are unused), so one TDPBSUD gives
+// both dots of 8 rows (C rows 0-7 and 8-15). act_row() is where row m of each lives in the
+// call's activation buffer [ceil(M / 8)][16][K].
+inline int8_t* act_row(int8_t* buf, int64_t m, int64_t K, bool residual) {
+  return buf + ((m / 8) * 16 + (residual ? 8 : 0) + m % 8) * K;
+}
+
+#if SALTSERVE_AMX
+// Compiled for AMX by a target pragma (which, unlike a function attribute, also covers the
+// lambdas below); called only where use_amx() holds.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,f16c")
+#define AMX_TARGET
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two sets of tiles, so that one group's dots run while the previous group's are stored and
+// scaled: set 0 is tmm0 (the activation tile), tmm2 (codes, 8 rows x 64 bytes) and tmm4 (the
+// dots, 16 x 16 int32); set 1 is tmm1, tmm3 and tmm5. Loaded by each thread before its tiles
+// (the config is per thread, and torch's own AMX kernels load theirs); GCC's _tile_loadconfig
+// declares an 8-byte read, so the config lives in static memory.
+AMX_TARGET void amx_begin() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = kGroup;
+    for (int t : {2, 3}) c.rows[t] = kGroup / 4, c.colsb[t] = 64;
+    for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET void amx_end() { _tile_release(); }
+
+// Starts one group's dots on tile set `set`: the activation tile a [16 rows, stride K] against
+// the codes tile b. The tile loads are asm with no memory operand: the caller's stores to b
+// must be done (a compiler fence) before.
+AMX_TARGET inline void amx_dots(int set, const int8_t* a, int64_t K, const void* b) {
+  if (set == 0) {
+    _tile_loadd(2, b, 64);
+    _tile_loadd(0, a, K);
+    _tile_zero(4);
+    _tile_dpbsud(4, 0, 2);
+  } else {
+    _tile_loadd(3, b, 64);
+    _tile_loadd(1, a, K);
+    _tile_zero(5);
+    _tile_dpbsud(5, 1, 3);
+  }
+}
+
+// The dots of set `set` into d [16][16] int32.
+AMX_TARGET inline void amx_store(int set, int32_t* d) {
+  if (set == 0)
+    _tile_stored(4, d, 64);
+  else
+    _tile_stored(5, d, 64);
+}
+
+// Groups 0 .. G of one 8-row block, two in flight: group g's dots start two groups ahead
+// (dots(g), on tile set g & 1), are stored to buffer g & 1 once that set is needed again, and
+// are scaled (epilogue(g)) one group later, so neither the dots' latency nor the wait for the
+// tile stores to reach L1 (they do not forward to loads) holds up every group.
+template <typename Dots, typename Epilogue>
+AMX_TARGET inline void amx_pipeline(int64_t G, Dots&& dots, Epilogue&& epilogue,
+                                    int32_t (*d)[256]) {
+  dots(0);
+  if (G > 1) dots(1);
+  for (int64_t g = 0; g <= G; ++g) {
+    if (g < G) amx_store(g & 1, d[g & 1]);
+    if (g > 0) epilogue(g - 1);
+    if (g + 2 < G) dots(g + 2);  // after the epilogue: by then the store has read the tile
+  }
+}
+
+// rows_of_tile on AMX: all M rows of output tile t, 8 at a time (act: act_row's buffer). The
+// codes of the tile's groups are unpacked once (the low and high nibbles of each 64-byte
+// sub-block are tile rows 2 s and 2 s + 1, vpdpbusd's operands in tile<>).
+template <bool Fine>
+AMX_TARGET void rows_of_tile_amx(const int8_t* act, const float* dx, const float* xsum,
+                                 const uint8_t* codes, const uint16_t* scale_min,
+                                 const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                                 int64_t t) {
+  const int64_t G = K / kGroup;
+  const uint8_t* c = codes + t * G * kTileBytes;
+  const uint16_t* sm = scale_min + t * G * 2 * kTile;
+  const int64_t n0 = t * kTile;
+  thread_local std::vector<uint8_t> unpacked;  // [G][8 rows][64] codes, one byte each
+  if (static_cast<int64_t>(unpacked.size()) < G * 512) unpacked.resize(G * 512);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead(c + g * kTileBytes, kTileBytes, sm + g * 2 * kTile);
+    for (int s = 0; s < 4; ++s) {
+      const __m512i z = _mm512_loadu_si512(c + g * kTileBytes + s * 64);
+      uint8_t* u = unpacked.data() + g * 512 + s * 128;
+      _mm512_storeu_si512(u, _mm512_and_si512(z, low));
+      _mm512_storeu_si512(u + 64, _mm512_and_si512(_mm512_srli_epi16(z, 4), low));
+    }
+  }
+  asm volatile("" ::: "memory");
+  alignas(64) int32_t d[2][256];
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    const int8_t* a = act + (m0 / 8) * 16 * K;
+    const auto dots = [&](int64_t g) { amx_dots(g & 1, a + g * kGroup, K, unpacked.data() + g * 512); };
+    const auto epilogue = [&](int64_t g) {
+      const int32_t* dg = d[g & 1];
+      const uint16_t* smg = sm + g * 2 * kTile;
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg)));
+      const __m512 mn =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg + kTile)));
+      for (int j = 0; j < 8; ++j) {  // all 8 (acc stays in registers); rows past M unused
+        __m512i idot = _mm512_load_si512(dg + 16 * j);
+        const int64_t mg = (m0 + j) * G + g;
+        float dxs = dx[mg];
+        if (Fine) {
+          idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
+          dxs *= 1.f / 256.f;
+        }
+        const __m512 p = _mm512_cvtepi32_ps(idot);
+        acc[j] = _mm512_fmadd_ps(p, _mm512_mul_ps(sc, _mm512_set1_ps(dxs)), acc[j]);
+        acc[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[mg]), acc[j]);
+      }
+    };
+    amx_pipeline(G, dots, epilogue, d);
+    for (int j = 0; j < 8 && m0 + j < M; ++j) {
+      __m512 v = acc[j];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+      _mm512_storeu_ps(y + (m0 + j) * N + n0, v);
+    }
+  }
+}
+
+// rows_of_tile8 on AMX: the codes are vpdpbusd's operands as stored, each group's 8 x 64 bytes
+// one tile.
+template <bool Fine>
+AMX_TARGET void rows_of_tile8_amx(const int8_t* act, const float* dx, const int32_t* corr,
+                                  const uint8_t* codes, const float* scale, const float* bias,
+                                  float* y, int64_t M, int64_t K, int64_t N, int64_t t) {
+  const int64_t G = K / kGroup;
+  const uint8_t* c = codes + t * G * 2 * kTileBytes;
+  const int64_t n0 = t * kTile;
+  alignas(64) int32_t d[2][256];
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    const int8_t* a = act + (m0 / 8) * 16 * K;
+    const auto dots = [&](int64_t g) {
+      if (m0 == 0) prefetch_ahead(c + g * 2 * kTileBytes, 2 * kTileBytes, nullptr);
+      amx_dots(g & 1, a + g * kGroup, K, c + g * 2 * kTileBytes);
+    };
+    const auto epilogue = [&](int64_t g) {
+      const int32_t* dg = d[g & 1];
+      for (int j = 0; j < 8; ++j) {
+        __m512i idot = _mm512_load_si512(dg + 16 * j);
+        const int64_t mg = (m0 + j) * G + g;
+        float dxs = dx[mg];
+        if (Fine) {
+          idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
+          dxs *= 1.f / 256.f;
+        }
+        idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(corr[mg]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_set1_ps(dxs), acc[j]);
+      }
+    };
+    amx_pipeline(G, dots, epilogue, d);
+    const __m512 sc = _mm512_loadu_ps(scale + n0);
+    for (int j = 0; j < 8 && m0 + j < M; ++j) {
+      __m512 v = _mm512_mul_ps(acc[j], sc);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+      _mm512_storeu_ps(y + (m0 + j) * N + n0, v);
+    }
+  }
+}
+
+#pragma GCC pop_options
+#else  // no AMX intrinsics: never called (amx_available() is false)
+inline void amx_begin() {}
+inline void amx_end() {}
+template <bool Fine>
+void rows_of_tile_amx(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*,
+                      const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+template <bool Fine>
+void rows_of_tile8_amx(const int8_t*, const float*, const int32_t*, const uint8_t*,
+                       const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 // ceil(M / max_rows) register tiles of balanced rows, each a call of kernel(rows, m0).
 template <typename F>
 inline void balanced_rows(int64_t M, int64_t max_rows, F&& kernel) {
@@ -319,7 +584,11 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
                                  const float* xsum,
                                  const uint8_t* codes, const uint16_t* scale_min,
                                  const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-                                 int64_t t) {
+                                 int64_t t, bool amx) {
+  if (amx) {  // qx: act_row's buffer
+    rows_of_tile_amx<Fine>(qx, dx, xsum, codes, scale_min, bias, y, M, K, N, t);
+    return;
+  }
   const int64_t G = K / kGroup;
   const uint8_t* c = codes + t * G * kTileBytes;
   const uint16_t* sm = scale_min + t * G * 2 * kTile;
@@ -353,17 +622,31 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
 // The quantized activations of a call (qx, rx [M, K] int8; dx, xsum, corr [M, G]), kept by the
 // calling thread across calls: a decode step makes about 120 of them, each of a few KB.
 struct ActScratch {
-  std::vector<int8_t> qx, rx;
+  std::vector<int8_t> qx, rx, act;  // act: the AMX path's [ceil(M / 8)][16][K] (act_row)
   std::vector<float> dx, xsum;
   std::vector<int32_t> corr;
 };
 
-ActScratch& act_scratch(int64_t M, int64_t K, int64_t G) {
+ActScratch& act_scratch(int64_t M, int64_t K, int64_t G, bool amx) {
   thread_local ActScratch a;
-  if (static_cast<int64_t>(a.qx.size()) < M * K) a.qx.resize(M * K), a.rx.resize(M * K);
-  if (static_cast<int64_t>(a.dx.size()) < M * G)
-    a.dx.resize(M * G), a.xsum.resize(M * G), a.corr.resize(M * G);
+  // Whole 8-row blocks: the AMX path reads rows past M (their results are never stored).
+  const int64_t rows = (M + 7) / 8 * 8;
+  if (amx) {
+    if (static_cast<int64_t>(a.act.size()) < 2 * rows * K) a.act.resize(2 * rows * K);
+  } else if (static_cast<int64_t>(a.qx.size()) < M * K) {
+    a.qx.resize(M * K), a.rx.resize(M * K);
+  }
+  if (static_cast<int64_t>(a.dx.size()) < rows * G)
+    a.dx.resize(rows * G), a.xsum.resize(rows * G), a.corr.resize(rows * G);
   return a;
+}
+
+// Row m's int8 activations and residuals (16-bit activations), where the kernel reads them.
+inline int8_t* qx_row(ActScratch& a, int64_t m, int64_t K, bool amx) {
+  return amx ? act_row(a.act.data(), m, K, false) : a.qx.data() + m * K;
+}
+inline int8_t* rx_row(ActScratch& a, int64_t m, int64_t K, bool amx) {
+  return amx ? act_row(a.act.data(), m, K, true) : a.rx.data() + m * K;
 }
 
 at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
@@ -394,27 +677,31 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                 "q4_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  ActScratch& a = act_scratch(M, K, G);
-  std::vector<int8_t>&qx = a.qx, &rx = a.rx;
+  const bool amx = M >= kAmxMinRowsQ4 && use_amx();
+  ActScratch& a = act_scratch(M, K, G, amx);
   std::vector<float>&dx = a.dx, &xsum = a.xsum;
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     (use_vnni() ? quantize_row : quantize_row_avx2)(
-        xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
+        xp + m * K, K, qx_row(a, m, K, amx), fine ? rx_row(a, m, K, amx) : nullptr,
         dx.data() + m * G, xsum.data() + m * G);
+  const int8_t* qx = amx ? a.act.data() : a.qx.data();  // the AMX path: act_row's buffer
+  const int8_t* rx = a.rx.data();
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    if (amx) amx_begin();
     for (int64_t t = t0; t < t1; ++t) {
       if (fine)
-        rows_of_tile<true>(qx.data(), rx.data(), dx.data(), xsum.data(), cp, sp, bp, yp, M, K,
-                           N, t);
+        rows_of_tile<true>(qx, rx, dx.data(), xsum.data(), cp, sp, bp, yp, M, K,
+                           N, t, amx);
       else
-        rows_of_tile<false>(qx.data(), nullptr, dx.data(), xsum.data(), cp, sp, bp, yp, M, K,
-                            N, t);
+        rows_of_tile<false>(qx, nullptr, dx.data(), xsum.data(), cp, sp, bp, yp, M, K,
+                            N, t, amx);
     }
+    if (amx) amx_end();
   });
   return y;
 }
@@ -528,7 +815,11 @@ void tile8_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const uint8
 template <bool Fine>
 void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx, const int32_t* corr,
                    const uint8_t* codes, const float* scale, const float* bias, float* y,
-                   int64_t M, int64_t K, int64_t N, int64_t t) {
+                   int64_t M, int64_t K, int64_t N, int64_t t, bool amx) {
+  if (amx) {  // qx: act_row's buffer
+    rows_of_tile8_amx<Fine>(qx, dx, corr, codes, scale, bias, y, M, K, N, t);
+    return;
+  }
   const uint8_t* c = codes + t * (K / kGroup) * 2 * kTileBytes;
   const int64_t n0 = t * kTile;
   if (use_vnni()) {
@@ -581,37 +872,42 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
                 "q8_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  ActScratch& a = act_scratch(M, K, G);
-  std::vector<int8_t>&qx = a.qx, &rx = a.rx;
+  const bool amx = M >= kAmxMinRowsQ8 && use_amx();
+  ActScratch& a = act_scratch(M, K, G, amx);
   std::vector<float>&dx = a.dx, &xsum = a.xsum;
   std::vector<int32_t>& corr = a.corr;
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    (use_vnni() ? quantize_row : quantize_row_avx2)(
-        xp + m * K, K, qx.data() + m * K, fine ? rx.data() + m * K : nullptr,
-        dx.data() + m * G, xsum.data() + m * G);
+    int8_t* q = qx_row(a, m, K, amx);
+    int8_t* r = fine ? rx_row(a, m, K, amx) : nullptr;
+    (use_vnni() ? quantize_row : quantize_row_avx2)(xp + m * K, K, q, r, dx.data() + m * G,
+                                                    xsum.data() + m * G);
     for (int64_t g = 0; g < G; ++g) {
       int32_t s1 = 0, s2 = 0;
       for (int i = 0; i < kGroup; ++i) {
-        s1 += qx[m * K + g * kGroup + i];
-        if (fine) s2 += rx[m * K + g * kGroup + i];
+        s1 += q[g * kGroup + i];
+        if (fine) s2 += r[g * kGroup + i];
       }
       corr[m * G + g] = fine ? 128 * (256 * s1 + s2) : 128 * s1;
     }
   }
+  const int8_t* qx = amx ? a.act.data() : a.qx.data();  // the AMX path: act_row's buffer
+  const int8_t* rx = a.rx.data();
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    if (amx) amx_begin();
     for (int64_t t = t0; t < t1; ++t) {
       if (fine)
-        rows_of_tile8<true>(qx.data(), rx.data(), dx.data(), corr.data(), cp, sp, bp, yp, M, K,
-                            N, t);
+        rows_of_tile8<true>(qx, rx, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
+                            N, t, amx);
       else
-        rows_of_tile8<false>(qx.data(), nullptr, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
-                             N, t);
+        rows_of_tile8<false>(qx, nullptr, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
+                             N, t, amx);
     }
+    if (amx) amx_end();
   });
   return y;
 }
@@ -623,9 +919,12 @@ TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
         "int act_bits) -> Tensor");
   m.def("q4_linear_vnni(Tensor x, Tensor codes, Tensor scale_min, Tensor? bias, "
         "int act_bits) -> Tensor");
+  m.def("int8_amx(int mode) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
   m.impl("q4_linear_vnni", &q4_linear_vnni);
   m.impl("q8_linear_vnni", &q8_linear_vnni);
 }
+
+TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) { m.impl("int8_amx", &int8_amx); }

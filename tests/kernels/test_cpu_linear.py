@@ -314,6 +314,55 @@ def test_the_vnni_and_avx2_paths_give_the_same_bits(tmp_path):
         assert torch.equal(got, results["0"][key]), key
 
 
+_AMX = _LOADED and cpu_linear.int8_amx()
+needs_amx = pytest.mark.skipif(
+    not _AMX, reason="no AMX-INT8 here (or SALTSERVE_AMX=0): the VNNI or AVX2 path runs alone")
+
+
+@needs_amx
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_the_amx_and_vnni_paths_give_the_same_bits(act_bits):
+    """AMX's tile dots are exact integers and its fp32 epilogue is the VNNI tile's, operation
+    for operation: switching it off (``int8_amx(False)``) changes no bit, for 4-bit and int8
+    weights, row counts below, at and past the thresholds (16 and 6 rows) and across 8-row
+    blocks, with a zero row, a denormal group, a huge group and a bias; and both are the
+    reference's answer."""
+    g = torch.Generator().manual_seed(act_bits)
+    codes = torch.randint(0, 16, (96, 1536), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(96, 48, generator=g) * 0.02).half()
+    minimum = (-torch.rand(96, 48, generator=g) * 0.1).half()
+    vc, vsm = cpu_linear.pack_q4_vnni(codes, scale, minimum)
+    q = torch.randint(-127, 128, (48, 1536), generator=g, dtype=torch.int8)
+    q8, s8 = cpu_linear.pack_q8_vnni(q), torch.rand(48, generator=g) * 0.01
+    b = torch.randn(96, generator=g)
+    x = torch.randn(41, 1536, generator=g) * torch.rand(1536, generator=g) * 4
+    x[3] = 0
+    x[7, 64:96] = 1e-40
+    x[9, :32] = 3e4
+    rows = (5, 6, 8, 15, 16, 17, 24, 33, 41)
+    before = cpu_linear.int8_amx()
+    results = {}
+    try:
+        for on in (True, False):
+            assert cpu_linear.int8_amx(on) is on
+            assert cpu_linear.int8_dot_isa() == ("avx512_vnni+amx_int8" if on else "avx512_vnni")
+            results[on] = {
+                **{("q4", m): cpu_linear.q4_linear_vnni(x[:m], vc, vsm, b, act_bits) for m in rows},
+                **{("q8", m): cpu_linear.q8_linear_vnni(x[:m], q8, s8, b[:48], act_bits)
+                   for m in rows}}
+    finally:
+        cpu_linear.int8_amx(before)
+    for key, got in results[True].items():
+        assert torch.isfinite(got).all(), key
+        assert torch.equal(got, results[False][key]), key
+    keep = torch.arange(41) != 7  # the reference has no answer for a denormal group
+    want = _q4_vnni_reference(x[keep], codes, scale, minimum, b, act_bits)
+    torch.testing.assert_close(results[True][("q4", 41)][keep], want, rtol=1e-4, atol=1e-4)
+    # a row alone (VNNI: under both thresholds) has its bits in a 41-row batch (AMX)
+    assert torch.equal(results[True][("q4", 41)][9],
+                       cpu_linear.q4_linear_vnni(x[9:10], vc, vsm, b, act_bits)[0])
+
+
 @needs_vnni
 def test_q4_vnni_refuses_what_it_cannot_compute():
     codes, scale, minimum = _q4_weights(32, 64, 1)
