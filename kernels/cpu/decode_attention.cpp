@@ -222,6 +222,95 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
   }
 }
 
+struct Group {
+  int64_t seq, chunk, n;           // the table and chunk it is read through, its length
+  std::vector<int64_t> members;    // index into seqs of each sequence that shares it
+};
+struct Scratch {
+  std::vector<int64_t> seqs, first;  // decode sequences; index of each one's first chunk slot
+  std::vector<Group> groups;         // groups[0 .. ngroups)
+  std::vector<int32_t> keys;         // each group's key, flat: keys[key_at[u] ..]
+  std::vector<int64_t> key_at, table;  // table: open addressing over key hashes, -1 empty
+  std::vector<float> pm, pl, pacc;
+  std::vector<std::pair<int64_t, int64_t>> items;
+  // The plan above (seqs .. items, ngroups, slots) was made for these inputs: a decode step
+  // calls this once a layer with the same rows and tables, so layers 2 .. L reuse layer 1's
+  // (its grouping cost 24 us a layer at 16 sequences on a 1,750-token prefix).
+  std::vector<int32_t> made_for;  // S, MB, BS, KVH, then qsl, lens and tables
+  int64_t ngroups = 0, slots = 0;
+};
+
+// The plan of a call, stored in w with the inputs it was made for (decode_attention's, checked
+// there): the chunks of every decode sequence, and which of them read the same cache rows (a
+// chunk's key is its index, its length, its offset in its first block and the block ids under
+// it: positions c * kChunk .. + n of that table; the index keeps each member's partial in its
+// own slot first[i] + c even for tables that hold one block at two logical places); then the
+// work items (group, kv head), the largest first.
+void make_plan(Scratch& w, const int32_t* qsl, const int32_t* lens, const int32_t* tables,
+               int64_t S, int64_t MB, int64_t BS, int64_t KVH, const int32_t* shape) {
+  std::vector<int64_t>& seqs = w.seqs;
+  std::vector<int64_t>& first = w.first;
+  std::vector<Group>& groups = w.groups;
+  std::vector<std::pair<int64_t, int64_t>>& items = w.items;
+  seqs.clear(), first.clear(), items.clear();
+  int64_t slots = 0, ngroups = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (qsl[s + 1] - qsl[s] != 1) continue;
+    seqs.push_back(s);
+    first.push_back(slots);
+    slots += (lens[s] + kChunk - 1) / kChunk;
+  }
+  int64_t cap = 16;
+  while (cap < 2 * slots) cap *= 2;
+  w.table.assign(cap, -1);
+  w.keys.clear(), w.key_at.clear();
+  int32_t key[4 + 64];  // chunk, length, offset in the first block, then its blocks (<= 64)
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    const int64_t s = seqs[i], L = lens[s];
+    for (int64_t c = 0; c * kChunk < L; ++c) {
+      const int64_t p0 = c * kChunk, n = std::min(kChunk, L - p0);
+      const int64_t b0 = p0 / BS, b1 = (p0 + n - 1) / BS;
+      const int64_t klen = 3 + b1 - b0 + 1;  // a chunk spans at most kChunk blocks
+      key[0] = static_cast<int32_t>(c), key[1] = static_cast<int32_t>(n);
+      key[2] = static_cast<int32_t>(p0 % BS);
+      std::memcpy(key + 3, tables + s * MB + b0, (b1 - b0 + 1) * sizeof(int32_t));
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over the key's ints
+      for (int64_t x = 0; x < klen; ++x) h = (h ^ static_cast<uint32_t>(key[x])) * 1099511628211ull;
+      int64_t at = static_cast<int64_t>(h & static_cast<uint64_t>(cap - 1)), u;
+      for (;; at = (at + 1) & (cap - 1)) {
+        u = w.table[at];
+        if (u < 0) break;
+        const int32_t* k = w.keys.data() + w.key_at[u];
+        if (k[0] == klen && std::memcmp(k + 1, key, klen * sizeof(int32_t)) == 0) break;
+      }
+      if (u < 0) {  // a chunk not seen yet: a new group
+        u = ngroups++;
+        w.table[at] = u;
+        w.key_at.push_back(static_cast<int64_t>(w.keys.size()));
+        w.keys.push_back(static_cast<int32_t>(klen));
+        w.keys.insert(w.keys.end(), key, key + klen);
+        if (static_cast<int64_t>(groups.size()) < ngroups) groups.emplace_back();
+        groups[u].seq = s, groups[u].chunk = c, groups[u].n = n;
+        groups[u].members.clear();
+      }
+      groups[u].members.push_back(i);
+    }
+  }
+  // Work items (group, kv head), the largest first, taken in turn by each thread.
+  items.clear();
+  for (int64_t u = 0; u < ngroups; ++u)
+    for (int64_t h = 0; h < KVH; ++h) items.emplace_back(u, h);
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
+    return groups[a.first].members.size() * groups[a.first].n >
+           groups[b.first].members.size() * groups[b.first].n;
+  });
+  w.ngroups = ngroups, w.slots = slots;
+  w.made_for.assign(shape, shape + 4);
+  w.made_for.insert(w.made_for.end(), qsl, qsl + S + 1);
+  w.made_for.insert(w.made_for.end(), lens, lens + S);
+  w.made_for.insert(w.made_for.end(), tables, tables + S * MB);
+}
+
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
@@ -265,74 +354,27 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t G = H / KVH;
   const float sc = static_cast<float>(scale);
 
-  // The chunks of every decode sequence, and which of them read the same cache rows: a chunk's
-  // key is its index, its length, its offset in its first block and the block ids under it
-  // (positions c * kChunk .. + n of that table). The index keeps each member's partial in its
-  // own slot (first[i] + c) even for tables that hold one block at two logical places.
-  // Working memory kept by the calling thread across calls (a decode step calls this once a
-  // layer): no allocation per call once it has seen the step's size.
-  struct Group {
-    int64_t seq, chunk, n;           // the table and chunk it is read through, its length
-    std::vector<int64_t> members;    // index into seqs of each sequence that shares it
-  };
-  struct Scratch {
-    std::vector<int64_t> seqs, first;  // decode sequences; index of each one's first chunk slot
-    std::vector<Group> groups;         // groups[0 .. ngroups)
-    std::vector<int32_t> keys;         // each group's key, flat: keys[key_at[u] ..]
-    std::vector<int64_t> key_at, table;  // table: open addressing over key hashes, -1 empty
-    std::vector<float> pm, pl, pacc;
-    std::vector<std::pair<int64_t, int64_t>> items;
-  };
+  // Working memory and the plan (make_plan), kept by the calling thread across calls (a decode
+  // step calls this once a layer): no allocation per call once it has seen the step's size,
+  // and the plan made again only for other rows or tables.
   thread_local Scratch w;
   std::vector<int64_t>& seqs = w.seqs;
   std::vector<int64_t>& first = w.first;
-  seqs.clear(), first.clear();
-  int64_t slots = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    if (qsl[s + 1] - qsl[s] != 1) continue;
-    seqs.push_back(s);
-    first.push_back(slots);
-    slots += (lens[s] + kChunk - 1) / kChunk;
-  }
-  if (seqs.empty()) return;
   std::vector<Group>& groups = w.groups;
-  int64_t ngroups = 0;
-  int64_t cap = 16;
-  while (cap < 2 * slots) cap *= 2;
-  w.table.assign(cap, -1);
-  w.keys.clear(), w.key_at.clear();
-  int32_t key[4 + 64];  // chunk, length, offset in the first block, then its blocks (<= 64)
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    const int64_t s = seqs[i], L = lens[s];
-    for (int64_t c = 0; c * kChunk < L; ++c) {
-      const int64_t p0 = c * kChunk, n = std::min(kChunk, L - p0);
-      const int64_t b0 = p0 / BS, b1 = (p0 + n - 1) / BS;
-      const int64_t klen = 3 + b1 - b0 + 1;  // a chunk spans at most kChunk blocks
-      key[0] = static_cast<int32_t>(c), key[1] = static_cast<int32_t>(n);
-      key[2] = static_cast<int32_t>(p0 % BS);
-      std::memcpy(key + 3, tables + s * MB + b0, (b1 - b0 + 1) * sizeof(int32_t));
-      uint64_t h = 1469598103934665603ull;  // FNV-1a over the key's ints
-      for (int64_t x = 0; x < klen; ++x) h = (h ^ static_cast<uint32_t>(key[x])) * 1099511628211ull;
-      int64_t at = static_cast<int64_t>(h & static_cast<uint64_t>(cap - 1)), u;
-      for (;; at = (at + 1) & (cap - 1)) {
-        u = w.table[at];
-        if (u < 0) break;
-        const int32_t* k = w.keys.data() + w.key_at[u];
-        if (k[0] == klen && std::memcmp(k + 1, key, klen * sizeof(int32_t)) == 0) break;
-      }
-      if (u < 0) {  // a chunk not seen yet: a new group
-        u = ngroups++;
-        w.table[at] = u;
-        w.key_at.push_back(static_cast<int64_t>(w.keys.size()));
-        w.keys.push_back(static_cast<int32_t>(klen));
-        w.keys.insert(w.keys.end(), key, key + klen);
-        if (static_cast<int64_t>(groups.size()) < ngroups) groups.emplace_back();
-        groups[u].seq = s, groups[u].chunk = c, groups[u].n = n;
-        groups[u].members.clear();
-      }
-      groups[u].members.push_back(i);
-    }
-  }
+  std::vector<std::pair<int64_t, int64_t>>& items = w.items;
+  const int32_t shape[4] = {static_cast<int32_t>(S), static_cast<int32_t>(MB),
+                            static_cast<int32_t>(BS), static_cast<int32_t>(KVH)};
+  const auto same_inputs = [&] {
+    const int32_t* f = w.made_for.data();
+    return static_cast<int64_t>(w.made_for.size()) == 4 + (S + 1) + S + S * MB &&
+           std::memcmp(f, shape, sizeof shape) == 0 &&
+           std::memcmp(f + 4, qsl, (S + 1) * sizeof(int32_t)) == 0 &&
+           std::memcmp(f + 5 + S, lens, S * sizeof(int32_t)) == 0 &&
+           std::memcmp(f + 5 + 2 * S, tables, S * MB * sizeof(int32_t)) == 0;
+  };
+  if (!same_inputs()) make_plan(w, qsl, lens, tables, S, MB, BS, KVH, shape);
+  if (seqs.empty()) return;
+  const int64_t ngroups = w.ngroups, slots = w.slots;
   // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk. Not cleared: each
   // (slot, kvh, g) is written by exactly one work item before the merge reads it.
   if (static_cast<int64_t>(w.pm.size()) < slots * KVH * G)
@@ -341,15 +383,6 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   float* const pm = w.pm.data();
   float* const pl = w.pl.data();
   float* const pacc = w.pacc.data();
-  // Work items (group, kv head), the largest first, taken in turn by each thread.
-  std::vector<std::pair<int64_t, int64_t>>& items = w.items;
-  items.clear();
-  for (int64_t u = 0; u < ngroups; ++u)
-    for (int64_t h = 0; h < KVH; ++h) items.emplace_back(u, h);
-  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
-    return groups[a.first].members.size() * groups[a.first].n >
-           groups[b.first].members.size() * groups[b.first].n;
-  });
   // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
   // thread that starts early cannot also take a late one's first item); then they are taken in
   // turn from next.

@@ -157,6 +157,50 @@ def test_decode_attention_equals_sdpa_over_the_gathered_context(seq_lens, kvh, h
         assert torch.equal(alone[0], out[i])  # the same bits alone as in the batch
 
 
+def test_decode_attention_makes_its_plan_again_for_other_rows_or_tables():
+    """A decode step's layers reuse the first layer's plan (which chunks are shared, the work
+    items) while the rows and tables are the same: a call whose only change is one block id, one
+    sequence's length or one row start must not read through the old plan."""
+    seq_lens = [70, 130, 40]
+    kc, vc, meta, tables = _cache_and_meta(seq_lens, [1, 1, 1], seed=5)
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(5))
+
+    def run(qsl, lens, bt):
+        out = torch.full_like(q, float("nan"))
+        cpu_ops.decode_attention(out, q, kc, vc, qsl, lens, bt, 0.125)
+        return out
+
+    qsl, lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
+    # rows 0 and 1 on the same first 4 blocks: their first chunk is one group (read once) ...
+    shared = bt.clone()
+    shared[1, :4] = bt[0, :4]
+    got = run(qsl, lens, shared)
+    assert torch.equal(run(qsl, lens, shared), got)  # the plan reused: the same bits
+    torch.testing.assert_close(
+        got[1], _sdpa_decode(q[1], kc, vc, shared[1, :9].tolist(), 130, 16, 0.125),
+        rtol=1e-5, atol=1e-5)
+    # ... and apart: a stale plan would give row 1 the first chunk of row 0's blocks
+    first = run(qsl, lens, bt)
+    for i, (t, n) in enumerate(zip(tables, seq_lens)):
+        torch.testing.assert_close(first[i], _sdpa_decode(q[i], kc, vc, t, n, 16, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+    # one length changed
+    lens2 = lens.clone()
+    lens2[2] = 33
+    shorter = run(qsl, lens2, bt)
+    torch.testing.assert_close(shorter[2], _sdpa_decode(q[2], kc, vc, tables[2], 33, 16, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    # row 1 no longer a decode row (query_len 2 with row 2's start moved): its out rows untouched
+    qsl2 = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    q_long = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(6))
+    out = torch.full_like(q_long, float("nan"))
+    cpu_ops.decode_attention(out, q_long, kc, vc, qsl2, lens, bt, 0.125)
+    assert out[1:3].isnan().all() and not out[0].isnan().any() and not out[3].isnan().any()
+    torch.testing.assert_close(out[3], _sdpa_decode(q_long[3], kc, vc, tables[2], 40, 16, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(qsl, lens, bt), first)  # and back
+
+
 def _shared_tables(block_size, shared, own, seed):
     """Block tables of sequences that share the first ``shared[i]`` blocks of one common prefix
     table, each followed by ``own[i]`` blocks of its own; a shuffled cache over all of them."""
