@@ -95,7 +95,7 @@ Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 # 4,144 / 2,493; 16 rows 9,518 / 5,866 / 7,502 / 16,305: from 16 rows an fp32 copy of the
 # head would be faster, but it is not kept (113 MB beside the 28 MB of codes).
 # On CPUs with AMX-INT8 (Sapphire Rapids and later Xeons) the same kernels run their integer dots
-# on AMX tiles from 16 rows (4-bit) and 6 (int8), with the same bits
+# on AMX tiles from 16 rows (4-bit: whole 8-row blocks) and 6 (int8), with the same bits
 # (``cpu_linear.int8_amx``; SALTSERVE_AMX=0 turns it off): per layer's four projections
 # (2026-12-06, Xeon, 16-bit activations, medians of interleaved calls) VNNI / AMX 16 rows
 # 535 / 456 us, 32 rows 962 / 760; the head 16 rows 2,984 / 1,782.

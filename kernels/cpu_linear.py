@@ -98,14 +98,18 @@ def load() -> bool:
                 bindir = os.path.dirname(sys.executable)
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                build("saltserve_cpu",
-                      [str(p) for p in (SOURCE, Q4_SOURCE, Q4_VNNI_SOURCE, *OPS_SOURCES)],
-                      is_python_module=False, verbose=False,
-                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
-                                    "-fopenmp"],
-                      extra_ldflags=["-fopenmp"])
+                flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+                sources = [str(p) for p in (SOURCE, Q4_SOURCE, Q4_VNNI_SOURCE, *OPS_SOURCES)]
+                try:
+                    build("saltserve_cpu", sources, is_python_module=False, verbose=False,
+                          extra_cflags=flags, extra_ldflags=["-fopenmp"])
+                except Exception:  # noqa: BLE001 - e.g. an assembler without AMX: build without
+                    logger.warning("CPU kernel build failed; building again without AMX")
+                    build("saltserve_cpu", sources, is_python_module=False, verbose=False,
+                          extra_cflags=[*flags, "-DSALTSERVE_HAVE_AMX=0"],
+                          extra_ldflags=["-fopenmp"])
                 for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni",
-                           "int8_amx", "rms_norm", "add_rms_norm",
+                           "int8_amx", "int8_amx_calls", "rms_norm", "add_rms_norm",
                            "decode_attention", "rotary_neox_", "reshape_and_cache",
                            "decode_layer", "decode_layers", "silu_and_mul"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
@@ -220,14 +224,19 @@ def int8_dot_isa() -> str:
 
 
 def int8_amx(enabled: bool | None = None) -> bool:
-    """Whether ``q4_linear_vnni`` (from 16 rows) and ``q8_linear_vnni`` (from 6) run their
-    integer dots on AMX-INT8 tiles (Sapphire Rapids and later Xeons), where the CPU has AMX,
+    """Whether ``q4_linear_vnni`` (from 16 rows: its whole 8-row blocks) and ``q8_linear_vnni``
+    (from 6) run their integer dots on AMX-INT8 tiles (Sapphire Rapids and later Xeons), where the CPU has AMX,
     Linux grants the tile registers and ``SALTSERVE_AMX=0`` is not set: the same exact dots and
     fp32 epilogue as the VNNI path, so the same bits, 1.2-1.7x faster at 16+ rows (measured in
     kernels/cpu/q4_vnni.cpp). ``enabled`` switches it for this process (tests and benchmarks
     compare the paths in one process); True only takes effect where AMX is available. Requires
-    ``load()``."""
+    ``load()``. ``int8_amx_calls()`` counts the calls that took it."""
     return bool(torch.ops.saltserve_cpu.int8_amx(-1 if enabled is None else int(enabled)))
+
+
+def int8_amx_calls() -> int:
+    """How many ``q4_linear_vnni`` / ``q8_linear_vnni`` calls in this process ran on AMX."""
+    return int(torch.ops.saltserve_cpu.int8_amx_calls())
 
 
 def pack_q4_vnni(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor

@@ -252,6 +252,7 @@ void make_plan(Scratch& w, const int32_t* qsl, const int32_t* lens, const int32_
   std::vector<int64_t>& first = w.first;
   std::vector<Group>& groups = w.groups;
   std::vector<std::pair<int64_t, int64_t>>& items = w.items;
+  w.made_for.clear();  // no plan until this one is whole (an allocation may throw)
   seqs.clear(), first.clear(), items.clear();
   int64_t slots = 0, ngroups = 0;
   for (int64_t s = 0; s < S; ++s) {

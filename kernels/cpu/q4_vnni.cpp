@@ -22,7 +22,8 @@
 // the same order whatever the other rows of the call, so a row has the same bits alone or in a
 // batch (as our other decode kernels).
 //
-// Compiled for AVX-512 by function attributes only, so the extension still loads on AVX2 CPUs;
+// Compiled for AVX-512 by function attributes (and the AMX part below by a target pragma), so the
+// extension still loads on AVX2 CPUs;
 // there (or with SALTSERVE_VNNI=0) the same layout runs through AVX2's vpmaddubsw + vpmaddwd
 // (8 outputs a ymm, tile_avx2 below): the same exact integer dots and the same fp32 operations
 // in the same order, so the two paths give the same bits (tests/kernels/test_cpu_linear.py
@@ -320,26 +321,33 @@ void tile_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const float*
 // epilogue, about 25 cycles a group more than the tile work itself), so the gain is 1.2-1.7x,
 // not the tile unit's 16x.
 
-// Rows from which the AMX path runs: 4-bit layers unpack each output tile's codes first (and
-// at 8 rows tied the VNNI tiles, lost at 10-12: part-filled 8-row blocks), the int8 layers read
-// their codes as stored. 2 threads, Xeon with AMX, medians of 15 interleaved calls, VNNI / AMX:
-// a layer's four 4-bit projections 16 rows 535 / 456 us, 32 rows 962 / 760; the Q8_0 LM head
-// (49,152 x 576) 6 rows 1,116 / 902, 16 rows 2,984 / 1,782.
+// Rows from which the AMX path runs. A 4-bit layer unpacks each output tile's codes first and
+// pays for whole 8-row blocks: from 16 rows its whole blocks run on AMX and the rest (< 8 rows)
+// on the VNNI tiles (at 8-13 rows the two were within the noise); the int8 layers read their
+// codes as stored and run every row on AMX from 6. 2 threads, Xeon with AMX, medians of 15
+// interleaved calls, VNNI / AMX, us: a layer's four 4-bit projections (all on AMX) 4 rows
+// 201 / 311, 8 rows 304-385 / 304-350, 16 rows 604-623 / 468-507, 24 rows 823 / 655, 32 rows
+// 1,151 / 838, 128 rows 4,854 / 3,414; 17 rows (16 + 1 on VNNI) 586 / 595; the Q8_0 LM head
+// (49,152 x 576) 4 rows 1,046 / 1,121, 6 rows 1,299 / 1,117, 16 rows 3,195-3,454 / 1,917-2,098.
 constexpr int64_t kAmxMinRowsQ4 = 16;
 constexpr int64_t kAmxMinRowsQ8 = 6;
 
-// AMX intrinsics need GCC 11 or clang 12; with an older compiler the VNNI path runs alone.
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define SALTSERVE_AMX 1
+// AMX intrinsics as written here need GCC 11 (its target pragma; clang ignores it) and an
+// assembler that knows the tile instructions, on Linux (arch_prctl). Where the build fails
+// anyway, kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_AMX=0: the VNNI path alone.
+#ifndef SALTSERVE_HAVE_AMX
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && \
+    __GNUC__ >= 11
+#define SALTSERVE_HAVE_AMX 1
 #else
-#define SALTSERVE_AMX 0
+#define SALTSERVE_HAVE_AMX 0
+#endif
 #endif
 
 // AMX-INT8 on this CPU and the tile registers granted to this process by Linux (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once per process).
 bool amx_available() {
-#if SALTSERVE_AMX
+#if SALTSERVE_HAVE_AMX
   static const bool ok = [] {
     if (!use_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
       return false;
@@ -352,9 +360,11 @@ bool amx_available() {
 #endif
 }
 
-// Whether the AMX path runs: available, and not SALTSERVE_AMX=0 (read once per process) or
-// switched off by int8_amx(0) (tests and benchmarks compare the two paths in one process).
+// Whether the AMX path runs: available, and not the environment's SALTSERVE_AMX=0 (read once
+// per process) or switched off by int8_amx(0) (tests and benchmarks compare the two paths in
+// one process).
 std::atomic<int> amx_switch{-1};  // -1: not read yet, else 0 / 1
+std::atomic<int64_t> amx_calls{0};  // calls that took the AMX path (int8_amx_calls, for tests)
 
 bool use_amx() {
   int on = amx_switch.load(std::memory_order_relaxed);
@@ -373,6 +383,8 @@ bool int8_amx(int64_t mode) {
   return use_amx();
 }
 
+int64_t int8_amx_calls() { return amx_calls.load(std::memory_order_relaxed); }
+
 // The activations of 8 rows as one A tile: rows 0-7 their int8 codes qx, rows 8-15 their
 // residuals rx (16-bit activations; with 8-bit ones rows 8-15 are unused), so one TDPBSUD gives
 // both dots of 8 rows (C rows 0-7 and 8-15). act_row() is where row m of each lives in the
@@ -381,7 +393,7 @@ inline int8_t* act_row(int8_t* buf, int64_t m, int64_t K, bool residual) {
   return buf + ((m / 8) * 16 + (residual ? 8 : 0) + m % 8) * K;
 }
 
-#if SALTSERVE_AMX
+#if SALTSERVE_HAVE_AMX
 // Compiled for AMX by a target pragma (which, unlike a function attribute, also covers the
 // lambdas below); called only where use_amx() holds.
 #pragma GCC push_options
@@ -439,19 +451,61 @@ AMX_TARGET inline void amx_store(int set, int32_t* d) {
     _tile_stored(5, d, 64);
 }
 
-// Groups 0 .. G of one 8-row block, two in flight: group g's dots start two groups ahead
-// (dots(g), on tile set g & 1), are stored to buffer g & 1 once that set is needed again, and
-// are scaled (epilogue(g)) one group later, so neither the dots' latency nor the wait for the
-// tile stores to reach L1 (they do not forward to loads) holds up every group.
-template <typename Dots, typename Epilogue>
-AMX_TARGET inline void amx_pipeline(int64_t G, Dots&& dots, Epilogue&& epilogue,
-                                    int32_t (*d)[256]) {
-  dots(0);
-  if (G > 1) dots(1);
-  for (int64_t g = 0; g <= G; ++g) {
-    if (g < G) amx_store(g & 1, d[g & 1]);
-    if (g > 0) epilogue(g - 1);
-    if (g + 2 < G) dots(g + 2);  // after the epilogue: by then the store has read the tile
+// Groups 0 .. G of one 8-row block, two in flight: group g's dots start two groups ahead (on
+// tile set g & 1), are stored to buffer g & 1 once that set is needed again, and are scaled one
+// group later, so neither the dots' latency nor the wait for the tile stores to reach L1 (they
+// do not forward to loads) holds up every group. Written out in each kernel (no lambdas): the
+// accumulators' address must not escape, or the tile stores' memory clobber keeps them in
+// memory.
+#define AMX_PIPELINE(G, DOTS, EPILOGUE)                      \
+  do {                                                       \
+    DOTS(0);                                                 \
+    if ((G) > 1) DOTS(1);                                    \
+    for (int64_t g_ = 0; g_ <= (G); ++g_) {                  \
+      if (g_ < (G)) amx_store(g_ & 1, d[g_ & 1]);            \
+      if (g_ > 0) EPILOGUE(g_ - 1);                          \
+      if (g_ + 2 < (G)) DOTS(g_ + 2); /* the store has read the tile by now */ \
+    }                                                        \
+  } while (0)
+
+// One group's scaling of 8 rows' dots dg (rows 0-7 qx, 8-15 rx) into acc, tile<>'s operations
+// in tile<>'s order. All 8 rows (rows past M are computed and never stored).
+template <bool Fine>
+AMX_TARGET __attribute__((always_inline)) inline void q4_epilogue(
+    __m512* acc, const int32_t* dg, const uint16_t* smg, const float* dx, const float* xsum,
+    int64_t m0, int64_t G, int64_t g) {
+  const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg)));
+  const __m512 mn =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg + kTile)));
+  for (int j = 0; j < 8; ++j) {
+    __m512i idot = _mm512_load_si512(dg + 16 * j);
+    const int64_t mg = (m0 + j) * G + g;
+    float dxs = dx[mg];
+    if (Fine) {
+      idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
+      dxs *= 1.f / 256.f;
+    }
+    const __m512 p = _mm512_cvtepi32_ps(idot);
+    acc[j] = _mm512_fmadd_ps(p, _mm512_mul_ps(sc, _mm512_set1_ps(dxs)), acc[j]);
+    acc[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[mg]), acc[j]);
+  }
+}
+
+// tile8<>'s scaling of one group, as q4_epilogue.
+template <bool Fine>
+AMX_TARGET __attribute__((always_inline)) inline void q8_epilogue(
+    __m512* acc, const int32_t* dg, const float* dx, const int32_t* corr, int64_t m0, int64_t G,
+    int64_t g) {
+  for (int j = 0; j < 8; ++j) {
+    __m512i idot = _mm512_load_si512(dg + 16 * j);
+    const int64_t mg = (m0 + j) * G + g;
+    float dxs = dx[mg];
+    if (Fine) {
+      idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
+      dxs *= 1.f / 256.f;
+    }
+    idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(corr[mg]));
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_set1_ps(dxs), acc[j]);
   }
 }
 
@@ -480,32 +534,17 @@ AMX_TARGET void rows_of_tile_amx(const int8_t* act, const float* dx, const float
     }
   }
   asm volatile("" ::: "memory");
+  const uint8_t* up = unpacked.data();
   alignas(64) int32_t d[2][256];
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     __m512 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
     const int8_t* a = act + (m0 / 8) * 16 * K;
-    const auto dots = [&](int64_t g) { amx_dots(g & 1, a + g * kGroup, K, unpacked.data() + g * 512); };
-    const auto epilogue = [&](int64_t g) {
-      const int32_t* dg = d[g & 1];
-      const uint16_t* smg = sm + g * 2 * kTile;
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg)));
-      const __m512 mn =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg + kTile)));
-      for (int j = 0; j < 8; ++j) {  // all 8 (acc stays in registers); rows past M unused
-        __m512i idot = _mm512_load_si512(dg + 16 * j);
-        const int64_t mg = (m0 + j) * G + g;
-        float dxs = dx[mg];
-        if (Fine) {
-          idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
-          dxs *= 1.f / 256.f;
-        }
-        const __m512 p = _mm512_cvtepi32_ps(idot);
-        acc[j] = _mm512_fmadd_ps(p, _mm512_mul_ps(sc, _mm512_set1_ps(dxs)), acc[j]);
-        acc[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[mg]), acc[j]);
-      }
-    };
-    amx_pipeline(G, dots, epilogue, d);
+#define Q4_DOTS(g) amx_dots((g) & 1, a + (g) * kGroup, K, up + (g) * 512)
+#define Q4_EPILOGUE(g) q4_epilogue<Fine>(acc, d[(g) & 1], sm + (g) * 2 * kTile, dx, xsum, m0, G, g)
+    AMX_PIPELINE(G, Q4_DOTS, Q4_EPILOGUE);
+#undef Q4_DOTS
+#undef Q4_EPILOGUE
     for (int j = 0; j < 8 && m0 + j < M; ++j) {
       __m512 v = acc[j];
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
@@ -528,25 +567,15 @@ AMX_TARGET void rows_of_tile8_amx(const int8_t* act, const float* dx, const int3
     __m512 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
     const int8_t* a = act + (m0 / 8) * 16 * K;
-    const auto dots = [&](int64_t g) {
-      if (m0 == 0) prefetch_ahead(c + g * 2 * kTileBytes, 2 * kTileBytes, nullptr);
-      amx_dots(g & 1, a + g * kGroup, K, c + g * 2 * kTileBytes);
-    };
-    const auto epilogue = [&](int64_t g) {
-      const int32_t* dg = d[g & 1];
-      for (int j = 0; j < 8; ++j) {
-        __m512i idot = _mm512_load_si512(dg + 16 * j);
-        const int64_t mg = (m0 + j) * G + g;
-        float dxs = dx[mg];
-        if (Fine) {
-          idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
-          dxs *= 1.f / 256.f;
-        }
-        idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(corr[mg]));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_set1_ps(dxs), acc[j]);
-      }
-    };
-    amx_pipeline(G, dots, epilogue, d);
+#define Q8_DOTS(g)                                                                 \
+  do {                                                                             \
+    if (m0 == 0) prefetch_ahead(c + (g) * 2 * kTileBytes, 2 * kTileBytes, nullptr); \
+    amx_dots((g) & 1, a + (g) * kGroup, K, c + (g) * 2 * kTileBytes);              \
+  } while (0)
+#define Q8_EPILOGUE(g) q8_epilogue<Fine>(acc, d[(g) & 1], dx, corr, m0, G, g)
+    AMX_PIPELINE(G, Q8_DOTS, Q8_EPILOGUE);
+#undef Q8_DOTS
+#undef Q8_EPILOGUE
     const __m512 sc = _mm512_loadu_ps(scale + n0);
     for (int j = 0; j < 8 && m0 + j < M; ++j) {
       __m512 v = _mm512_mul_ps(acc[j], sc);
@@ -585,11 +614,14 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
                                  const uint8_t* codes, const uint16_t* scale_min,
                                  const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                                  int64_t t, bool amx) {
-  if (amx) {  // qx: act_row's buffer
-    rows_of_tile_amx<Fine>(qx, dx, xsum, codes, scale_min, bias, y, M, K, N, t);
-    return;
-  }
   const int64_t G = K / kGroup;
+  if (amx) {  // qx: act_row's buffer. Whole 8-row blocks on AMX, the rest (< 8 rows) below
+    const int64_t full = M / 8 * 8;
+    rows_of_tile_amx<Fine>(qx, dx, xsum, codes, scale_min, bias, y, full, K, N, t);
+    if (full == M) return;
+    const int8_t* last = qx + (full / 8) * 16 * K;  // the last block: its qx rows, then rx rows
+    qx = last, rx = last + 8 * K, dx += full * G, xsum += full * G, y += full * N, M -= full;
+  }
   const uint8_t* c = codes + t * G * kTileBytes;
   const uint16_t* sm = scale_min + t * G * 2 * kTile;
   const int64_t n0 = t * kTile;
@@ -619,8 +651,9 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
   });
 }
 
-// The quantized activations of a call (qx, rx [M, K] int8; dx, xsum, corr [M, G]), kept by the
-// calling thread across calls: a decode step makes about 120 of them, each of a few KB.
+// The quantized activations of a call (qx, rx [M, K] int8, or act: act_row's; dx, xsum, corr
+// [M rounded up to 8, G]), kept by the calling thread across calls: a decode step makes about
+// 120 of them, each of a few KB.
 struct ActScratch {
   std::vector<int8_t> qx, rx, act;  // act: the AMX path's [ceil(M / 8)][16][K] (act_row)
   std::vector<float> dx, xsum;
@@ -677,7 +710,8 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                 "q4_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  const bool amx = M >= kAmxMinRowsQ4 && use_amx();
+  const bool amx = G > 0 && M >= kAmxMinRowsQ4 && use_amx();
+  if (amx) amx_calls.fetch_add(1, std::memory_order_relaxed);
   ActScratch& a = act_scratch(M, K, G, amx);
   std::vector<float>&dx = a.dx, &xsum = a.xsum;
   const float* xp = x.data_ptr<float>();
@@ -872,7 +906,8 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
                 "q8_linear_vnni: bias [N] float32 expected");
     bp = bias->data_ptr<float>();
   }
-  const bool amx = M >= kAmxMinRowsQ8 && use_amx();
+  const bool amx = G > 0 && M >= kAmxMinRowsQ8 && use_amx();
+  if (amx) amx_calls.fetch_add(1, std::memory_order_relaxed);
   ActScratch& a = act_scratch(M, K, G, amx);
   std::vector<float>&dx = a.dx, &xsum = a.xsum;
   std::vector<int32_t>& corr = a.corr;
@@ -920,6 +955,7 @@ TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
   m.def("q4_linear_vnni(Tensor x, Tensor codes, Tensor scale_min, Tensor? bias, "
         "int act_bits) -> Tensor");
   m.def("int8_amx(int mode) -> bool");
+  m.def("int8_amx_calls() -> int");
 }
 
 TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
@@ -927,4 +963,7 @@ TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
   m.impl("q8_linear_vnni", &q8_linear_vnni);
 }
 
-TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) { m.impl("int8_amx", &int8_amx); }
+TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) {
+  m.impl("int8_amx", &int8_amx);
+  m.impl("int8_amx_calls", &int8_amx_calls);
+}

@@ -340,18 +340,32 @@ def test_the_amx_and_vnni_paths_give_the_same_bits(act_bits):
     x[7, 64:96] = 1e-40
     x[9, :32] = 3e4
     rows = (5, 6, 8, 15, 16, 17, 24, 33, 41)
+    # one, two and three groups (the two tile sets' pipeline at its ends), and no input at all
+    small = {k: (cpu_linear.pack_q4_vnni(codes[:, :k], scale[:, :k // 32], minimum[:, :k // 32]),
+                 cpu_linear.pack_q8_vnni(q[:, :k])) for k in (32, 64, 96)}
     before = cpu_linear.int8_amx()
-    results = {}
+    results, calls = {}, {}
     try:
         for on in (True, False):
             assert cpu_linear.int8_amx(on) is on
             assert cpu_linear.int8_dot_isa() == ("avx512_vnni+amx_int8" if on else "avx512_vnni")
-            results[on] = {
-                **{("q4", m): cpu_linear.q4_linear_vnni(x[:m], vc, vsm, b, act_bits) for m in rows},
-                **{("q8", m): cpu_linear.q8_linear_vnni(x[:m], q8, s8, b[:48], act_bits)
-                   for m in rows}}
+            start = cpu_linear.int8_amx_calls()
+            out = {("q4", m): cpu_linear.q4_linear_vnni(x[:m], vc, vsm, b, act_bits) for m in rows}
+            out.update({("q8", m): cpu_linear.q8_linear_vnni(x[:m], q8, s8, b[:48], act_bits)
+                        for m in rows})
+            for k, ((c4, sm4), c8) in small.items():
+                out[("q4", k, "k")] = cpu_linear.q4_linear_vnni(x[:17, :k], c4, sm4, b, act_bits)
+                out[("q8", k, "k")] = cpu_linear.q8_linear_vnni(x[:17, :k], c8, s8, None, act_bits)
+            out[("q8", 0, "k")] = cpu_linear.q8_linear_vnni(
+                x[:8, :0], torch.empty(3, 0, 512, dtype=torch.uint8), s8, b[:48], act_bits)
+            calls[on] = cpu_linear.int8_amx_calls() - start
+            results[on] = out
     finally:
         cpu_linear.int8_amx(before)
+    # on: every 4-bit call from 16 rows, every int8 one from 6 (none with no input); off: none
+    assert calls[True] == sum(m >= 16 for m in rows) + sum(m >= 6 for m in rows) + 6
+    assert calls[False] == 0
+    assert torch.equal(results[True][("q8", 0, "k")], b[:48].expand(8, 48))
     for key, got in results[True].items():
         assert torch.isfinite(got).all(), key
         assert torch.equal(got, results[False][key]), key
