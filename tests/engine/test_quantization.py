@@ -526,3 +526,39 @@ def test_gguf_served_through_the_vnni_kernel_agrees_with_fp32(make_llm_engine, t
     assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.9, (agree, total)
     (res,) = run_to_completion(engine, [_req("free", prompts[0], 8)])
     assert "Paris" in tokenizer.decode(res.token_ids)
+
+
+@pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
+def test_a_flooding_tenant_leaves_another_tenants_gguf_tokens_as_they_are(make_llm_engine,
+                                                                           tokenizer):
+    """Tenant A floods 20 requests beside tenant B's one. B's steps then hold 21 rows, and the
+    4-bit layers and the LM head run them on AMX tiles where the CPU has AMX (a call counter
+    shows it). B alone runs a single row per decode step, on the VNNI tiles. The paths give the
+    same bits, so B's tokens and logprobs equal its run alone. A's prompts never hit B's cache
+    (the run alone is B's own first request: 0 cached), while B's own repeat does."""
+    engine = make_llm_engine(quantization="gguf")
+    b_ids = _chat(tokenizer, "Why is the sky blue?")
+
+    def b_request(rid: str, salt: bytes) -> EngineRequest:
+        return EngineRequest(rid, tuple(b_ids), SamplingParams(max_tokens=12, temperature=0.0,
+                                                               logprobs=2),
+                             tenant_id="b", cache_salt=salt)
+
+    (alone,) = run_to_completion(engine, [b_request("b-alone", b"b" * 16)])
+    assert alone.num_cached_tokens == 0
+    flood = [EngineRequest(f"a{i}", tuple(_chat(tokenizer, f"Count to {i + 3}.")),
+                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                           tenant_id="a", cache_salt=b"a" * 16) for i in range(20)]
+    calls = cpu_linear.int8_amx_calls()
+    # B under a new salt of its own: no cached block, the same prefill as alone
+    results = run_to_completion(engine, [*flood, b_request("b-flooded", b"c" * 16)])
+    beside = results[-1]
+    assert beside.num_cached_tokens == 0
+    assert all(len(r.token_ids) == 24 for r in results[:-1])
+    if cpu_linear.int8_amx():
+        assert cpu_linear.int8_amx_calls() > calls
+    assert beside.token_ids == alone.token_ids and len(alone.token_ids) >= 4
+    for got, want in zip(beside.logprobs, alone.logprobs):
+        assert got == want  # the same floats, not close ones
+    (again,) = run_to_completion(engine, [b_request("b-again", b"b" * 16)])
+    assert again.num_cached_tokens > 0 and again.token_ids == alone.token_ids
