@@ -534,8 +534,8 @@ def test_a_flooding_tenant_leaves_another_tenants_gguf_tokens_as_they_are(make_l
     """Tenant A floods 20 requests beside tenant B's one. B's steps then hold 21 rows, and the
     4-bit layers and the LM head run them on AMX tiles where the CPU has AMX (a call counter
     shows it). B alone runs a single row per decode step, on the VNNI tiles. The paths give the
-    same bits, so B's tokens and logprobs equal its run alone. A's prompts never hit B's cache
-    (the run alone is B's own first request: 0 cached), while B's own repeat does."""
+    same bits, so B's tokens and logprobs equal its run alone. B's first request and its run
+    under a new salt find nothing cached (so nothing of A's), while B's own repeat hits."""
     engine = make_llm_engine(quantization="gguf")
     b_ids = _chat(tokenizer, "Why is the sky blue?")
 
