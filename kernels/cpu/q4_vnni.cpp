@@ -394,8 +394,8 @@ inline int8_t* act_row(int8_t* buf, int64_t m, int64_t K, bool residual) {
 }
 
 #if SALTSERVE_HAVE_AMX
-// Compiled for AMX by a target pragma (which, unlike a function attribute, also covers the
-// lambdas below); called only where use_amx() holds.
+// Compiled for AMX by a target pragma (every function down to pop_options, the inlined
+// epilogues and the config's initializer included); called only where use_amx() holds.
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,f16c")
 #define AMX_TARGET
