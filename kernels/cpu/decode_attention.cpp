@@ -228,16 +228,16 @@ struct Group {
 };
 struct Scratch {
   std::vector<int64_t> seqs, first;  // decode sequences; index of each one's first chunk slot
-  std::vector<Group> groups;         // groups[0 .. ngroups)
+  std::vector<Group> groups;         // the plan's first groups (kept across calls); items name them
   std::vector<int32_t> keys;         // each group's key, flat: keys[key_at[u] ..]
   std::vector<int64_t> key_at, table;  // table: open addressing over key hashes, -1 empty
   std::vector<float> pm, pl, pacc;
   std::vector<std::pair<int64_t, int64_t>> items;
-  // The plan above (seqs .. items, ngroups, slots) was made for these inputs: a decode step
+  // The plan above (seqs .. items, slots) was made for these inputs: a decode step
   // calls this once a layer with the same rows and tables, so layers 2 .. L reuse layer 1's
   // (its grouping cost 24 us a layer at 16 sequences on a 1,750-token prefix).
   std::vector<int32_t> made_for;  // S, MB, BS, KVH, then qsl, lens and tables
-  int64_t ngroups = 0, slots = 0;
+  int64_t slots = 0;  // partial slots: every decode sequence's chunks
 };
 
 // The plan of a call, stored in w with the inputs it was made for (decode_attention's, checked
@@ -305,7 +305,7 @@ void make_plan(Scratch& w, const int32_t* qsl, const int32_t* lens, const int32_
     return groups[a.first].members.size() * groups[a.first].n >
            groups[b.first].members.size() * groups[b.first].n;
   });
-  w.ngroups = ngroups, w.slots = slots;
+  w.slots = slots;
   w.made_for.assign(shape, shape + 4);
   w.made_for.insert(w.made_for.end(), qsl, qsl + S + 1);
   w.made_for.insert(w.made_for.end(), lens, lens + S);
@@ -375,7 +375,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   };
   if (!same_inputs()) make_plan(w, qsl, lens, tables, S, MB, BS, KVH, shape);
   if (seqs.empty()) return;
-  const int64_t ngroups = w.ngroups, slots = w.slots;
+  const int64_t slots = w.slots;
   // Partials [slot, kvh, g]: m, l and acc[D]; slot = first[i] + chunk. Not cleared: each
   // (slot, kvh, g) is written by exactly one work item before the merge reads it.
   if (static_cast<int64_t>(w.pm.size()) < slots * KVH * G)

@@ -468,6 +468,20 @@ AMX_TARGET inline void amx_store(int set, int32_t* d) {
     }                                                        \
   } while (0)
 
+// Row j's integer dot of one group from 8 rows' dots dg (rows 0-7 qx, 8-15 rx), and its
+// activation step: with 16-bit activations 256 idot(qx) + idot(rx) and dx / 256, as tile<> and
+// tile8<> combine them.
+template <bool Fine>
+AMX_TARGET __attribute__((always_inline)) inline __m512i row_dot(const int32_t* dg, int j,
+                                                                 float& dxs) {
+  __m512i idot = _mm512_load_si512(dg + 16 * j);
+  if (Fine) {
+    idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
+    dxs *= 1.f / 256.f;  // exact: a power of two
+  }
+  return idot;
+}
+
 // One group's scaling of 8 rows' dots dg (rows 0-7 qx, 8-15 rx) into acc, tile<>'s operations
 // in tile<>'s order. All 8 rows (rows past M are computed and never stored).
 template <bool Fine>
@@ -478,14 +492,9 @@ AMX_TARGET __attribute__((always_inline)) inline void q4_epilogue(
   const __m512 mn =
       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smg + kTile)));
   for (int j = 0; j < 8; ++j) {
-    __m512i idot = _mm512_load_si512(dg + 16 * j);
     const int64_t mg = (m0 + j) * G + g;
     float dxs = dx[mg];
-    if (Fine) {
-      idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
-      dxs *= 1.f / 256.f;
-    }
-    const __m512 p = _mm512_cvtepi32_ps(idot);
+    const __m512 p = _mm512_cvtepi32_ps(row_dot<Fine>(dg, j, dxs));
     acc[j] = _mm512_fmadd_ps(p, _mm512_mul_ps(sc, _mm512_set1_ps(dxs)), acc[j]);
     acc[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[mg]), acc[j]);
   }
@@ -497,14 +506,10 @@ AMX_TARGET __attribute__((always_inline)) inline void q8_epilogue(
     __m512* acc, const int32_t* dg, const float* dx, const int32_t* corr, int64_t m0, int64_t G,
     int64_t g) {
   for (int j = 0; j < 8; ++j) {
-    __m512i idot = _mm512_load_si512(dg + 16 * j);
     const int64_t mg = (m0 + j) * G + g;
     float dxs = dx[mg];
-    if (Fine) {
-      idot = _mm512_add_epi32(_mm512_slli_epi32(idot, 8), _mm512_load_si512(dg + 16 * (8 + j)));
-      dxs *= 1.f / 256.f;
-    }
-    idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(corr[mg]));
+    const __m512i idot =
+        _mm512_sub_epi32(row_dot<Fine>(dg, j, dxs), _mm512_set1_epi32(corr[mg]));
     acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_set1_ps(dxs), acc[j]);
   }
 }
