@@ -114,6 +114,14 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
             and _int32_cpu_metadata(meta))
 
 
+def bf16_decode_attention_usable(head_dim: int) -> bool:
+    """Whether ``decode_attention`` takes bf16 caches here: our kernels loaded, a CPU with
+    avx512_bf16 (its VDPBF16PS does the products) and head_dim a multiple of 32."""
+    return (cpu_linear.loaded() and head_dim % 32 == 0
+            and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+            <= cpu_linear.cpu_flags())
+
+
 def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, num_heads: int) -> bool:
     """Whether ``decode_layer``'s attention, rotation and cache write take these operands
@@ -206,15 +214,18 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     Args:
         out: [num_tokens, num_heads, head_dim] fp32, contiguous.
         query: the same shape, fp32 (copied when not contiguous).
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32; this
-            step's K/V already written.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32, or both
+            bf16 (``bf16_decode_attention_usable``: Q and P are then rounded to bf16 and the
+            products summed in fp32, as FlashAttention does on GPUs; relative error about 3e-3
+            against fp32 arithmetic on the same bf16 K/V); this step's K/V already written.
         query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32;
         block_tables: [num_seqs, max_blocks] int32 (``AttentionMetadata``'s).
         scale: softmax scale.
 
     Raises:
-        RuntimeError: shapes or dtypes it does not take, a seq_len past its block table, or a
-            block id outside the cache (checked before anything is read).
+        RuntimeError: shapes or dtypes it does not take (bf16 caches without avx512_bf16, or a
+            head_dim that is not a multiple of 32), a seq_len past its block table, or a block id
+            outside the cache (checked before anything is read).
     """
     torch.ops.saltserve_cpu.decode_attention(out, query.contiguous(), key_cache, value_cache,
                                              query_start_loc, seq_lens, block_tables, scale)

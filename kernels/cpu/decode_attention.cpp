@@ -120,57 +120,35 @@ inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc[r] + d0 + 8 * i, a[r][i]);
 }
 
-// Asks for rows[0 .. n)'s D floats (their cache lines) to be brought into L1.
-inline void prefetch_rows(const float* const* rows, int64_t n, int64_t D) {
+// Asks for rows[0 .. n)'s bytes bytes (their cache lines) to be brought into L1.
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < D; b += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + b), _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + b, _MM_HINT_T0);
 }
 
 // The next work item's K then V rows, prefetched a few at a time between this item's register
 // tiles: a burst of hundreds of prefetches stalls on the core's fill buffers, spread out they
 // overlap the arithmetic.
+template <typename T>
 struct Prefetcher {
-  const float* const* k;
-  const float* const* v;
+  const T* const* k;
+  const T* const* v;
   int64_t n, done = 0, per = 0;
-  Prefetcher(const float* const* k_, const float* const* v_, int64_t n_, int64_t steps)
+  Prefetcher(const T* const* k_, const T* const* v_, int64_t n_, int64_t steps)
       : k(k_), v(v_), n(n_), per((2 * n_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
-  void step(int64_t D, bool all = false) {
+  void step(int64_t bytes, bool all = false) {
     for (int64_t e = all ? 2 * n : std::min(done + per, 2 * n); done < e; ++done)
-      prefetch_rows((done < n ? k + done : v + done - n), 1, D);
+      prefetch_rows((done < n ? k + done : v + done - n), 1, bytes);
   }
 };
 
-// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
-// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
-// next_k, next_v: the next work item's rows (next_n of each; 0: none), prefetched while this
-// one computes (Prefetcher).
-void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
-             int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
-             float* const* acc, const float* const* next_k, const float* const* next_v,
-             int64_t next_n) {
-  constexpr int64_t ld = kChunk;
-  Prefetcher ahead(next_k, next_v, next_n, 2 * ((nq + 2) / 3));  // a step a 3-row tile
-  int64_t i = 0;
-  for (; i + 3 <= nq; i += 3) {  // 3 rows: one sequence's query heads of a KV head (SmolLM2)
-    ahead.step(D);
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) score_tile<3, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
-    for (; j < n; ++j) score_tile<3, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
-  }
-  for (; i + 2 <= nq; i += 2) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) score_tile<2, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
-    for (; j < n; ++j) score_tile<2, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
-  }
-  for (; i < nq; ++i) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) score_tile<1, 8>(q + i, k + j, D, sc, s + i * ld + j, ld);
-    for (; j < n; ++j) score_tile<1, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
-  }
-  ahead.step(D);  // rows left over from tiles of 2 and 1 rows
-  for (i = 0; i < nq; ++i) {  // softmax numerators and sums per row
+// Softmax numerators of rows s[i * ld + 0 .. n), i < nq, in place: s = exp(s - m_i), with the
+// row max in *m[i] and the sum of the numerators in *l[i].
+void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
+                  float* const* l) {
+  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators and sums per row
     float* si = s + i * ld;
     // The row's max, 8 lanes at a time (std::fmax is a libm call per element: 16% of the
     // kernel at 16 shared rows); max is exact in any order, and scores are finite.
@@ -203,13 +181,44 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     *m[i] = mx;
     *l[i] = sum;
   }
+}
+
+// One partial softmax: nq query rows over n <= kChunk positions (row pointers k[j], v[j]).
+// Writes m[i], l[i] and acc[i][0 .. D) = sum_j exp(s_ij - m_i) v_j; s is scratch [nq, kChunk].
+// next_k, next_v: the next work item's rows (next_n of each; 0: none), prefetched while this
+// one computes (Prefetcher).
+void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
+             int64_t n, int64_t D, float sc, float* s, float* const* m, float* const* l,
+             float* const* acc, const float* const* next_k, const float* const* next_v,
+             int64_t next_n) {
+  constexpr int64_t ld = kChunk;
+  Prefetcher<float> ahead(next_k, next_v, next_n, 2 * ((nq + 2) / 3));  // a step a 3-row tile
+  int64_t i = 0;
+  for (; i + 3 <= nq; i += 3) {  // 3 rows: one sequence's query heads of a KV head (SmolLM2)
+    ahead.step(D * 4);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) score_tile<3, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
+    for (; j < n; ++j) score_tile<3, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
+  }
+  for (; i + 2 <= nq; i += 2) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) score_tile<2, 4>(q + i, k + j, D, sc, s + i * ld + j, ld);
+    for (; j < n; ++j) score_tile<2, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
+  }
+  for (; i < nq; ++i) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) score_tile<1, 8>(q + i, k + j, D, sc, s + i * ld + j, ld);
+    for (; j < n; ++j) score_tile<1, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
+  }
+  ahead.step(D * 4);  // rows left over from tiles of 2 and 1 rows
+  softmax_rows(s, ld, nq, n, m, l);
   for (i = 0; i + 3 <= nq; i += 3) {
-    ahead.step(D);
+    ahead.step(D * 4);
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) pv_tile<3, 4>(s + i * ld, ld, v, n, d0, acc + i);
     for (; d0 < D; d0 += 8) pv_tile<3, 1>(s + i * ld, ld, v, n, d0, acc + i);
   }
-  ahead.step(D, true);  // what tiles of 2 and 1 rows left
+  ahead.step(D * 4, true);  // what tiles of 2 and 1 rows left
   for (; i + 2 <= nq; i += 2) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) pv_tile<2, 4>(s + i * ld, ld, v, n, d0, acc + i);
@@ -220,6 +229,200 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     for (; d0 + 32 <= D; d0 += 32) pv_tile<1, 4>(s + i * ld, ld, v, n, d0, acc + i);
     for (; d0 < D; d0 += 8) pv_tile<1, 1>(s + i * ld, ld, v, n, d0, acc + i);
   }
+}
+
+// bf16 caches (--kv-cache-dtype bfloat16): the same plan, chunks and merge, with the products
+// on avx512_bf16's VDPBF16PS (pairs of bf16 products summed into fp32 lanes). Q is rounded to
+// bf16 once a call, scores and the softmax stay fp32, and P is rounded to bf16 for P V, as
+// FlashAttention does on GPUs (bf16 Q, K, P and V, fp32 sums). Every row runs the same arithmetic
+// whatever its tile or group, so a row's bits still do not depend on its batch.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+#endif
+namespace bf16 {
+
+inline __m256 half_sum(__m512 a) {  // lanes k + (k + 8): a zmm accumulator to 8 lanes
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
+// Scores of R query rows against the chunk's positions 0 .. 16 NB, K packed by pack_k:
+// s[r * ld + p] = (q_r . k_p) * sc, each score one chain of VDPBF16PS over the D / 2 element
+// pairs in order (a lane of one accumulator): no reduction, and the same for every tile.
+template <int R, int NB>
+inline void score_tile(const uint16_t* const* q, const __m512i* kt, int64_t D, float sc, float* s,
+                       int64_t ld) {
+  __m512 a[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) a[r][b] = _mm512_setzero_ps();
+  const int32_t* q32[R];
+  for (int r = 0; r < R; ++r) q32[r] = reinterpret_cast<const int32_t*>(q[r]);
+  for (int64_t t = 0; t < D / 2; ++t) {
+    __m512bh kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kt + t * (kChunk / 16) + b);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(q32[r][t]);
+      for (int b = 0; b < NB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], w, kv[b]);
+    }
+  }
+  const __m512 scv = _mm512_set1_ps(sc);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + r * ld + 16 * b, _mm512_mul_ps(a[r][b], scv));
+}
+
+template <int R>
+inline void score_rows(const uint16_t* const* q, const __m512i* kt, int64_t nb, int64_t D, float sc,
+                       float* s, int64_t ld) {
+  switch (nb) {
+    case 1: return score_tile<R, 1>(q, kt, D, sc, s, ld);
+    case 2: return score_tile<R, 2>(q, kt, D, sc, s, ld);
+    case 3: return score_tile<R, 3>(q, kt, D, sc, s, ld);
+    default: return score_tile<R, 4>(q, kt, D, sc, s, ld);
+  }
+}
+
+// 16 x 16 dwords transposed in registers.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// K rows k[0 .. n) (D bf16 each) as element pairs by position: kt[t][p] = (k_p[2t], k_p[2t + 1])
+// as one dword, [D / 2][kChunk] dwords ([D / 2][kChunk / 16] zmm); positions n .. 16 ceil(n / 16)
+// are zero.
+inline void pack_k(const uint16_t* const* k, int64_t n, int64_t D, __m512i* kt) {
+  for (int64_t p0 = 0; p0 < n; p0 += 16)
+    for (int64_t c0 = 0; c0 < D / 2; c0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = p0 + i < n ? _mm512_loadu_si512(reinterpret_cast<const int32_t*>(k[p0 + i]) + c0)
+                          : _mm512_setzero_si512();
+      transpose16(r);  // r[c] = column c0 + c over positions p0 .. p0 + 16
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(kt + (c0 + c) * (kChunk / 16) + p0 / 16, r[c]);
+    }
+}
+
+// x[0 .. n) fp32 to bf16 (round to nearest even), n a multiple of 32.
+inline void round_row(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t d = 0; d < n; d += 32)
+    _mm512_storeu_si512(out + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + 16),
+                                                              _mm512_loadu_ps(x + d)));
+}
+
+// acc[r][32 cb .. + 32) = sum over position pairs t of P[r][2t] v_2t + P[r][2t + 1] v_2t+1.
+// pb: P rows as bf16 pairs (pld pairs a row); vp: V of the chunk interleaved by position pairs
+// (pack_v), whose lanes hold columns 8L + i (lo) and 8L + 4 + i (hi) of 128-bit lane L; the two
+// accumulators are put back in column order on the way out.
+template <int R>
+inline void pv_tile(const uint32_t* pb, int64_t pld, const __m512i* vp, int64_t npairs,
+                    int64_t cb, float* const* acc) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  const __m512i* vt = vp + cb * npairs * 2;
+  for (int64_t t = 0; t < npairs; ++t) {
+    const __m512bh lo = (__m512bh)_mm512_loadu_si512(vt + 2 * t);
+    const __m512bh hi = (__m512bh)_mm512_loadu_si512(vt + 2 * t + 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r * pld + t]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], w, lo);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], w, hi);
+    }
+  }
+  // column c of the 32: lane L = c / 8, i = c % 8: lo[4L + i] for i < 4, else hi[4L + i - 4]
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30,
+                                       31);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc[r] + 32 * cb, _mm512_permutex2var_ps(a[r][0], i0, a[r][1]));
+    _mm512_storeu_ps(acc[r] + 32 * cb + 16, _mm512_permutex2var_ps(a[r][0], i1, a[r][1]));
+  }
+}
+
+// V rows v[0 .. n) (D bf16 each) interleaved by position pairs into vp [D / 32][npairs][2] zmm;
+// an odd n's last pair takes a zero row.
+inline void pack_v(const uint16_t* const* v, int64_t n, int64_t D, __m512i* vp) {
+  const int64_t npairs = (n + 1) / 2;
+  for (int64_t cb = 0; cb < D / 32; ++cb)
+    for (int64_t t = 0; t < npairs; ++t) {
+      const __m512i a = _mm512_loadu_si512(v[2 * t] + 32 * cb);
+      const __m512i b = 2 * t + 1 < n ? _mm512_loadu_si512(v[2 * t + 1] + 32 * cb)
+                                      : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (cb * npairs + t) * 2, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vp + (cb * npairs + t) * 2 + 1, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+// partial() for bf16 rows: q [nq] rows of D bf16 (rounded Q), k and v cache rows; pb scratch
+// [nq, kChunk / 2] pairs, kt scratch [D / 2, kChunk / 16] zmm, vp [D / 32, kChunk / 2, 2] zmm.
+void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
+             const uint16_t* const* v, int64_t n, int64_t D, float sc, float* s, uint32_t* pb,
+             __m512i* kt, __m512i* vp, float* const* m, float* const* l, float* const* acc,
+             const uint16_t* const* next_k, const uint16_t* const* next_v, int64_t next_n) {
+  constexpr int64_t ld = kChunk, pld = kChunk / 2;
+  Prefetcher<uint16_t> ahead(next_k, next_v, next_n, 2 * ((nq + 5) / 6));
+  pack_k(k, n, D, kt);
+  const int64_t nb = (n + 15) / 16;
+  int64_t i = 0;
+  for (; i + 6 <= nq; i += 6) {
+    ahead.step(D * 2);
+    score_rows<6>(q + i, kt, nb, D, sc, s + i * ld, ld);
+  }
+  for (; i + 3 <= nq; i += 3) score_rows<3>(q + i, kt, nb, D, sc, s + i * ld, ld);
+  for (; i < nq; ++i) score_rows<1>(q + i, kt, nb, D, sc, s + i * ld, ld);
+  ahead.step(D * 2);
+  softmax_rows(s, ld, nq, n, m, l);
+  const int64_t npairs = (n + 1) / 2, padded = (n + 31) / 32 * 32;
+  for (i = 0; i < nq; ++i) {  // P rows to bf16 pairs, zero past n
+    float* si = s + i * ld;
+    for (int64_t j = n; j < padded; ++j) si[j] = 0.f;
+    round_row(si, padded, reinterpret_cast<uint16_t*>(pb + i * pld));
+  }
+  pack_v(v, n, D, vp);
+  for (i = 0; i + 6 <= nq; i += 6) {
+    ahead.step(D * 2);
+    for (int64_t cb = 0; cb < D / 32; ++cb) pv_tile<6>(pb + i * pld, pld, vp, npairs, cb, acc + i);
+  }
+  ahead.step(D * 2, true);
+  for (; i + 3 <= nq; i += 3)
+    for (int64_t cb = 0; cb < D / 32; ++cb) pv_tile<3>(pb + i * pld, pld, vp, npairs, cb, acc + i);
+  for (; i < nq; ++i)
+    for (int64_t cb = 0; cb < D / 32; ++cb) pv_tile<1>(pb + i * pld, pld, vp, npairs, cb, acc + i);
+}
+
+// round_row, not inlined into callers built without avx512_bf16.
+void round_rows(const float* x, int64_t n, uint16_t* out) { round_row(x, n, out); }
+
+}  // namespace bf16
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+bool cpu_has_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
 }
 
 struct Group {
@@ -323,9 +526,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && D % 8 == 0 && KVH > 0 && H % KVH == 0,
               "decode_attention: head_dim a multiple of 8, num_heads a multiple of num_kv_heads");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
+  const bool half = key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (key_cache.scalar_type() == at::kFloat || half) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "decode_attention: float32 query and out, float32 or bfloat16 caches");
+  TORCH_CHECK(!half || (cpu_has_avx512_bf16() && D % 32 == 0),
+              "decode_attention: bfloat16 caches need avx512_bf16 and a head_dim multiple of 32");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
               "decode_attention: int32 query_start_loc, seq_lens and block_tables expected");
@@ -349,8 +556,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
                   "decode_attention: block id out of range");
   }
   const float* q = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
+  const float* kc = half ? nullptr : key_cache.data_ptr<float>();
+  const float* vc = half ? nullptr : value_cache.data_ptr<float>();
+  const uint16_t* kb = half ? reinterpret_cast<const uint16_t*>(key_cache.data_ptr()) : nullptr;
+  const uint16_t* vb = half ? reinterpret_cast<const uint16_t*>(value_cache.data_ptr()) : nullptr;
   float* o = out.data_ptr<float>();
   const int64_t G = H / KVH;
   const float sc = static_cast<float>(scale);
@@ -384,6 +593,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   float* const pm = w.pm.data();
   float* const pl = w.pl.data();
   float* const pacc = w.pacc.data();
+  // bf16 caches: the query rows rounded to bf16 once, for every work item that reads them.
+  thread_local std::vector<uint16_t> qround;
+  const uint16_t* qh = nullptr;
+  if (half) {
+    qround.resize(query.numel());
+    for (const int64_t s : seqs) bf16::round_rows(q + qsl[s] * H * D, H * D, qround.data() + qsl[s] * H * D);
+    qh = qround.data();
+  }
   // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
   // thread that starts early cannot also take a late one's first item); then they are taken in
   // turn from next.
@@ -393,55 +610,73 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   at::parallel_for(0, nthreads, 1, [&](int64_t own, int64_t own_end) {
     auto claim = [&]() -> int64_t { return own < own_end ? own++ : next.fetch_add(1); };
     struct Rows {  // each thread's own, kept across calls
-      std::vector<const float*> qr, kr, vr, next_kr, next_vr;
+      std::vector<const float*> qr, kr, vr, next_kr, next_vr;             // float32 caches
+      std::vector<const uint16_t*> qh, kh, vh, next_kh, next_vh;          // bfloat16 caches
       std::vector<float*> mr, lr, ar;
       std::vector<float> sbuf;
+      std::vector<uint32_t> pb;
+      std::vector<__m512i> kt, vp;
     };
     thread_local Rows r;
     r.kr.resize(kChunk), r.vr.resize(kChunk), r.next_kr.resize(kChunk), r.next_vr.resize(kChunk);
+    r.kh.resize(kChunk), r.vh.resize(kChunk), r.next_kh.resize(kChunk), r.next_vh.resize(kChunk);
     // Item it's K and V row pointers (positions chunk * kChunk + j of its table, kv head kvh).
-    auto rows_of = [&](int64_t it, std::vector<const float*>& kr, std::vector<const float*>& vr) {
+    auto rows_of = [&](int64_t it, auto* k0, auto* v0, auto& kr, auto& vr) {
       const Group& grp = groups[items[it].first];
       const int64_t kvh = items[it].second;
       const int32_t* table = tables + grp.seq * MB;
       for (int64_t j = 0; j < grp.n; ++j) {
         const int64_t p = grp.chunk * kChunk + j;
         const int64_t off = ((table[p / BS] * BS + p % BS) * KVH + kvh) * D;
-        kr[j] = kc + off;
-        vr[j] = vc + off;
+        kr[j] = k0 + off;
+        vr[j] = v0 + off;
       }
       return grp.n;
     };
     // Each item's K and V lines are asked for while the item before it computes (its rows sit
     // kvh * D apart in the cache, a row a position: demand misses one at a time would leave
     // the score tiles waiting). The thread claims its next item before computing this one.
+    const int64_t row_bytes = D * key_cache.element_size();
     int64_t it = claim();
     if (it < num_items) {
-      const int64_t n = rows_of(it, r.kr, r.vr);
-      prefetch_rows(r.kr.data(), n, D);
-      prefetch_rows(r.vr.data(), n, D);
+      const int64_t n = half ? rows_of(it, kb, vb, r.kh, r.vh) : rows_of(it, kc, vc, r.kr, r.vr);
+      if (half) prefetch_rows(r.kh.data(), n, row_bytes), prefetch_rows(r.vh.data(), n, row_bytes);
+      else prefetch_rows(r.kr.data(), n, row_bytes), prefetch_rows(r.vr.data(), n, row_bytes);
     }
     while (it < num_items) {
       const int64_t nx = claim();
-      const int64_t next_n = nx < num_items ? rows_of(nx, r.next_kr, r.next_vr) : 0;
+      const int64_t next_n = nx >= num_items ? 0
+                             : half ? rows_of(nx, kb, vb, r.next_kh, r.next_vh)
+                                    : rows_of(nx, kc, vc, r.next_kr, r.next_vr);
       const Group& grp = groups[items[it].first];
       const int64_t kvh = items[it].second;
-      r.qr.clear(), r.mr.clear(), r.lr.clear(), r.ar.clear();
+      r.qr.clear(), r.qh.clear(), r.mr.clear(), r.lr.clear(), r.ar.clear();
       for (const int64_t i : grp.members) {
         const int64_t row = qsl[seqs[i]];
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
-          r.qr.push_back(q + (row * H + kvh * G + g) * D);
+          if (half) r.qh.push_back(qh + (row * H + kvh * G + g) * D);
+          else r.qr.push_back(q + (row * H + kvh * G + g) * D);
           r.mr.push_back(pm + slot + g);
           r.lr.push_back(pl + slot + g);
           r.ar.push_back(pacc + (slot + g) * D);
         }
       }
-      r.sbuf.resize(r.qr.size() * kChunk);
-      partial(r.qr.data(), static_cast<int64_t>(r.qr.size()), r.kr.data(), r.vr.data(), grp.n,
-              D, sc, r.sbuf.data(), r.mr.data(), r.lr.data(), r.ar.data(), r.next_kr.data(),
-              r.next_vr.data(), next_n);
-      std::swap(r.kr, r.next_kr), std::swap(r.vr, r.next_vr);
+      const int64_t nq = static_cast<int64_t>(r.mr.size());
+      r.sbuf.resize(nq * kChunk);
+      if (half) {
+        r.pb.resize(nq * kChunk / 2);
+        r.kt.resize(D / 2 * kChunk / 16), r.vp.resize(D / 32 * kChunk);
+        bf16::partial(r.qh.data(), nq, r.kh.data(), r.vh.data(), grp.n, D, sc, r.sbuf.data(),
+                      r.pb.data(), r.kt.data(), r.vp.data(), r.mr.data(), r.lr.data(), r.ar.data(),
+                      r.next_kh.data(), r.next_vh.data(), next_n);
+        std::swap(r.kh, r.next_kh), std::swap(r.vh, r.next_vh);
+      } else {
+        partial(r.qr.data(), nq, r.kr.data(), r.vr.data(), grp.n, D, sc, r.sbuf.data(),
+                r.mr.data(), r.lr.data(), r.ar.data(), r.next_kr.data(), r.next_vr.data(),
+                next_n);
+        std::swap(r.kr, r.next_kr), std::swap(r.vr, r.next_vr);
+      }
       it = nx;
     }
   });

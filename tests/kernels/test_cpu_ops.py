@@ -297,6 +297,68 @@ def test_a_chunk_shared_by_many_rows_gives_each_row_its_bits_alone(kvh, h, d):
                                                         16, 0.125), rtol=1e-5, atol=1e-5)
 
 
+_BF16 = pytest.mark.skipif(not cpu_ops.bf16_decode_attention_usable(64),
+                           reason="bf16 caches need our kernels and avx512_bf16")
+
+
+def _bf16_reference(q_row, kc, vc, table, seq_len, block_size, scale):
+    """``_sdpa_decode`` in fp64 over the bf16 caches' values: what the bf16 path rounds from."""
+    return _sdpa_decode(q_row.double(), kc.double(), vc.double(), table, seq_len, block_size,
+                        scale).float()
+
+
+@_BF16
+@pytest.mark.parametrize("kvh,h", [(3, 9), (1, 4), (2, 2)])
+@pytest.mark.parametrize("d", [64, 32, 128])
+@pytest.mark.parametrize("n_seqs,tokens", [(16, 300), (3, 77), (1, 1)])
+def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, h, d, n_seqs,
+                                                                           tokens):
+    """bf16 caches (VDPBF16PS products, Q and P rounded to bf16, fp32 sums and softmax): 16 rows
+    on one prefix (chunks shared by up to 48 query rows: 6-row tiles), short odd lengths (a
+    last position pair with one row, a 16-position block cut short) and one position. Each row
+    has the bits it has alone, and is within bf16 rounding of exact attention over the same
+    bf16 K/V: a swapped column, pair or position would be off by the size of V itself."""
+    q, kc, vc, qsl, lens, bt, tables = _many_sharing(n_seqs, kvh, h, d, tokens=max(tokens, 40),
+                                                     seed=d + h)
+    if tokens < 40:  # short contexts: cut every row to its own few positions
+        lens = torch.tensor([max(1, tokens - 3 * i) for i in range(n_seqs)], dtype=torch.int32)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.decode_attention(out, q, kb, vb, qsl, lens, bt, 0.125)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    worst = 0.0
+    for i in range(n_seqs):
+        alone = torch.empty(1, h, d)
+        cpu_ops.decode_attention(alone, q[i:i + 1], kb, vb, one, lens[i:i + 1],
+                                 bt[i:i + 1].contiguous(), 0.125)
+        assert torch.equal(alone[0], out[i]), i
+        ref = _bf16_reference(q[i], kb.float(), vb.float(), tables[i], int(lens[i]), 16, 0.125)
+        worst = max(worst, ((out[i] - ref).abs().max() / ref.abs().max()).item())
+    assert worst < 1.5e-2, worst  # bf16 Q and P: about 3e-3
+    # One position: a softmax weight of 1, so V's row exactly; more: bf16 rounding shows.
+    assert (worst == 0) == (tokens == 1), worst
+
+
+@_BF16
+def test_decode_attention_on_bf16_caches_skips_prefill_rows_and_refuses_what_it_cannot_take():
+    """A prefill row between decode rows is left as it was; bf16 K with fp32 V, and a head_dim
+    that is not a multiple of 32, are refused before anything is written."""
+    q, kc, vc, qsl, lens, bt, tables = _many_sharing(3, 3, 9, 64, tokens=100, seed=5)
+    qsl = torch.tensor([0, 1, 3, 4], dtype=torch.int32)  # row 1: a 2-token prefill chunk
+    q = torch.cat([q[:1], q[1:2].repeat(2, 1, 1), q[2:]])
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.decode_attention(out, q, kc.bfloat16(), vc.bfloat16(), qsl, lens, bt, 0.125)
+    assert torch.isnan(out[1:3]).all() and not torch.isnan(out[[0, 3]]).any()
+    untouched = torch.full_like(q, 7.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
+        cpu_ops.decode_attention(untouched, q, kc.bfloat16(), vc, qsl, lens, bt, 0.125)
+    q72, k72, v72, qsl72, lens72, bt72, _ = _many_sharing(2, 3, 9, 72, tokens=60, seed=6)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.decode_attention(torch.full_like(q72, 7.0), q72, k72.bfloat16(), v72.bfloat16(),
+                                 qsl72, lens72, bt72, 0.125)
+    assert (untouched == 7.0).all()
+
+
 @pytest.mark.parametrize("block_size,tables", [(64, [[5, 6], [7, 5]]), (16, [[0, 1, 2, 3, 4],
                                                                            [5, 0, 1, 2, 3]])])
 def test_decode_attention_keeps_a_block_at_two_places_apart(block_size, tables):
