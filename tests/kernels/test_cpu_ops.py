@@ -343,7 +343,7 @@ def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, 
 def test_decode_attention_on_bf16_caches_skips_prefill_rows_and_refuses_what_it_cannot_take():
     """A prefill row between decode rows is left as it was; bf16 K with fp32 V, and a head_dim
     that is not a multiple of 32, are refused before anything is written."""
-    q, kc, vc, qsl, lens, bt, tables = _many_sharing(3, 3, 9, 64, tokens=100, seed=5)
+    q, kc, vc, qsl, lens, bt, _ = _many_sharing(3, 3, 9, 64, tokens=100, seed=5)
     qsl = torch.tensor([0, 1, 3, 4], dtype=torch.int32)  # row 1: a 2-token prefill chunk
     q = torch.cat([q[:1], q[1:2].repeat(2, 1, 1), q[2:]])
     out = torch.full_like(q, float("nan"))
