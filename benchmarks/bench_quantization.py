@@ -2,7 +2,8 @@
 limit, the step split into model and engine time, and fidelity to fp32 (issue 15).
 
 For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``; ``gguf-a8`` and
-``gguf-torch``, two variants of gguf described at ``FORMATS``), in one run:
+``gguf-torch``, two variants of gguf, and ``fp32-kv16``, ``gguf-kv16`` over a bf16 KV cache,
+described at ``FORMATS``), in one run:
 
 1. Decode: one stream and 16 concurrent streams, 64 tokens each (``ignore_eos``), tokens/s and
    the mean step time split into model time (``ModelRunner.execute``: inputs, forward,
@@ -55,7 +56,10 @@ from kernels import cpu_linear
 
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
-           "gguf-a8": {"quantization": "gguf"}, "gguf-torch": {"quantization": "gguf"}}
+           "gguf-a8": {"quantization": "gguf"}, "gguf-torch": {"quantization": "gguf"},
+           "fp32-kv16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+           "gguf-kv16": {"quantization": "gguf", "kv_cache_dtype": "bfloat16"}}
+# fp32-kv16, gguf-kv16: fp32 and gguf weights over a bf16 KV cache (--kv-cache-dtype bfloat16).
 # gguf-a8: gguf with our int8-dot kernels' 8-bit activation rounding (llama.cpp's Q8_1;
 # engine.quantization.VNNI_ACT_BITS, 16 for every other format). gguf-torch: gguf with our
 # int8-dot kernels off (VNNI_KERNELS): torch's int4 and int8 kernels, the dense copy from

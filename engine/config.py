@@ -18,6 +18,7 @@ from engine.block_hash import HASH_ALGOS
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # names engine.model_runner.resolve_dtype maps
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # auto = the model's dtype (vLLM --kv-cache-dtype)
 # Weight-only quantization (engine.quantization): int8 per channel; gguf = the GGUF's own 4-bit
 QUANTIZATIONS = ("int8", "gguf")
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
@@ -118,6 +119,12 @@ class EngineConfig:
                 "kernels), or bf16 from 24 on CPUs with avx512_bf16. Not token-identical to "
                 "float32 (docs/benchmarks.md).",
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache dtype (vLLM --kv-cache-dtype): auto = the model's --dtype; bfloat16 "
+                "halves a block's bytes (twice the blocks in the same budget) and, on CPUs with "
+                "avx512_bf16, runs decode attention on bf16 products (Q, K, P and V in bf16, "
+                "fp32 sums and softmax). Not token-identical to float32 (docs/benchmarks.md).",
+        "choices": KV_CACHE_DTYPES})
     device: str = field(default="auto", metadata={
         "help": "Device; auto = cuda when available, else cpu (vLLM --device).",
         "choices": DEVICES})
@@ -169,6 +176,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -165,9 +165,10 @@ class LLMEngine:
         weights = (f"{self.model.weight_bytes() / 1e6:.0f} MB of weights read per token"
                    if self.model is not None and hasattr(self.model, "weight_bytes") else "")
         dense_note = getattr(executor, "dense_note", "")
-        logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
+        kv_dtype = getattr(executor, "kv_cache_dtype", executor.dtype)
+        logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d, "
                     "prefix caching %s (%s), attention %s, %s %s, quantization %s%s%s",
-                    num_blocks, bs, num_blocks * per_block / 2**20, max_model_len,
+                    num_blocks, bs, num_blocks * per_block / 2**20, kv_dtype, max_model_len,
                     "on" if config.enable_prefix_caching else "off",
                     config.prefix_caching_hash_algo, executor.attention_backend,
                     executor.device, executor.dtype, config.quantization or "none",

@@ -42,11 +42,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` -> the model's dtype; ``bfloat16`` -> bf16 (vLLM's flag).
+
+    Raises:
+        ValueError: an unknown name, or bf16 under a non-bf16 model on CUDA (the Triton kernels
+            read the cache in the model's dtype).
+    """
+    if name == "auto":
+        return dtype
+    if name != "bfloat16":
+        raise ValueError(f"--kv-cache-dtype must be auto or bfloat16, got {name!r}")
+    if device.type != "cpu" and dtype != torch.bfloat16:
+        raise ValueError("--kv-cache-dtype bfloat16 under a --dtype other than bfloat16 runs on "
+                         "CPU only")
+    return torch.bfloat16
+
+
 class ModelRunner:
     """The torch ``ModelExecutor``: owns the model, its attention backend and the KV cache.
 
     The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    in the model's dtype, allocated by ``initialize_kv_cache``.
+    in ``--kv-cache-dtype`` (the model's dtype, or bf16), allocated by ``initialize_kv_cache``.
 
     Args:
         model: a loaded model from ``engine.models.loader.load_model``.
@@ -59,6 +76,8 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.torch_device, self.torch_dtype = device, dtype
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
         # CPU steps of one token run on one_token_step_threads torch threads, others on
         # this thread's count at load (see EngineConfig.one_token_step_threads).
         self.step_threads = torch.get_num_threads()
@@ -89,6 +108,7 @@ class ModelRunner:
         """
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # raises before loading
         check_quantization(config.quantization, device)
         if device.type == "cpu" and dtype == torch.float32:
             cpu_linear.load()  # our small-batch fp32 kernel; F.linear if it cannot be built
@@ -99,7 +119,7 @@ class ModelRunner:
         return cls(model, config, device, dtype)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return self.model.config.kv_bytes_per_block(block_size, elem)
 
     def kv_cache_budget_bytes(self) -> int:
@@ -116,7 +136,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
                                      cfg.num_key_value_heads, cfg.head_dim,
-                                     device=self.torch_device, dtype=self.torch_dtype)
+                                     device=self.torch_device, dtype=self.kv_dtype)
 
     def release(self, request_id: str) -> None:
         """Drops per-request state (the seeded RNG) when a request finishes."""

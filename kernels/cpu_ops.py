@@ -20,6 +20,7 @@ depends on the other rows of its batch.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,12 +103,22 @@ def _int32_cpu_metadata(meta: AttentionMetadata) -> bool:
                for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
 
 
+def _caches_usable(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """fp32 caches, or bf16 ones that ``decode_attention`` takes on this CPU."""
+    if key_cache.dtype != value_cache.dtype:
+        return False
+    return key_cache.dtype == torch.float32 or (
+        key_cache.dtype == torch.bfloat16 and key_cache.dim() == 4
+        and bf16_decode_attention_usable(key_cache.shape[-1]))
+
+
 def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether ``decode_attention`` runs for these operands (fp32 on CPU, kernels loaded, the
-    metadata's int32 tensors as the engine builds them)."""
+    """Whether ``decode_attention`` runs for these operands (an fp32 query on CPU, kernels
+    loaded, fp32 caches or bf16 ones where ``bf16_decode_attention_usable``, the metadata's
+    int32 tensors as the engine builds them)."""
     return (cpu_linear.loaded() and query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == torch.float32 and value_cache.dtype == torch.float32
+            and _caches_usable(key_cache, value_cache)
             and query.dim() == 3 and key_cache.dim() == 4 and query.shape[-1] % 8 == 0
             and query.shape[1] % key_cache.shape[2] == 0
             and key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -117,19 +128,23 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
 def bf16_decode_attention_usable(head_dim: int) -> bool:
     """Whether ``decode_attention`` takes bf16 caches here: our kernels loaded, a CPU with
     avx512_bf16 (its VDPBF16PS does the products) and head_dim a multiple of 32."""
-    return (cpu_linear.loaded() and head_dim % 32 == 0
-            and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
-            <= cpu_linear.cpu_flags())
+    return cpu_linear.loaded() and head_dim % 32 == 0 and _cpu_has_avx512_bf16()
+
+
+@functools.cache
+def _cpu_has_avx512_bf16() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_linear.cpu_flags()
 
 
 def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, num_heads: int) -> bool:
     """Whether ``decode_layer``'s attention, rotation and cache write take these operands
-    (fp32 caches on CPU, head_dim a multiple of 16, the metadata's tensors as the engine builds
-    them); the caller checks that every row is a decode."""
+    (fp32 caches on CPU, or bf16 ones where ``bf16_decode_attention_usable``; head_dim a
+    multiple of 16, the metadata's tensors as the engine builds them); the caller checks that
+    every row is a decode."""
     head_dim = key_cache.shape[-1]
     return (cpu_linear.loaded() and key_cache.device.type == "cpu" and key_cache.dim() == 4
-            and key_cache.dtype == torch.float32 and value_cache.dtype == torch.float32
+            and _caches_usable(key_cache, value_cache)
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and head_dim % 16 == 0 and num_heads % key_cache.shape[2] == 0
             and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.device.type == "cpu"
@@ -265,19 +280,23 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided).
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], both of
+            key's dtype, or both bf16 under fp32 rows (``--kv-cache-dtype bfloat16``: rounded
+            to nearest even, as ``Tensor.to`` does).
         slot_mapping: [num_tokens] int64, every entry a valid slot.
 
     Raises:
         RuntimeError: a slot outside the cache (nothing written), or shapes that do not match.
     """
     if (cpu_linear.loaded() and key.device.type == "cpu" and key.dtype == torch.float32
-            and key_cache.dtype == torch.float32 and key.stride(2) == 1 and value.stride(2) == 1
+            and key_cache.dtype in (torch.float32, torch.bfloat16) and key.stride(2) == 1 and value.stride(2) == 1
             and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
             and key_cache.is_contiguous() and value_cache.is_contiguous()):
         torch.ops.saltserve_cpu.reshape_and_cache(key, value, key_cache, value_cache,
                                                   slot_mapping)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                           key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                             value.to(value_cache.dtype))

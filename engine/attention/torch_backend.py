@@ -28,7 +28,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], key's dtype
+            or both bf16 (``--kv-cache-dtype bfloat16``: the rows are rounded to it).
         slot_mapping: [num_tokens] int64, every entry a valid slot.
     """
     cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -97,8 +98,9 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
 
     Args:
         query: [num_tokens, num_heads, head_dim].
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; this step's K/V
-            must already be written.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+            or bf16 (read as query's dtype; our CPU kernel computes on bf16 itself); this
+            step's K/V must already be written.
         meta: batch description.
         scale: softmax scale, usually head_dim ** -0.5.
 
@@ -130,8 +132,8 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
             continue
         start = starts[i]
         q = query[start:start + q_len].transpose(0, 1).unsqueeze(0)       # [1, H, q, D]
-        k = _gather(key_cache, meta, i, seq_len).transpose(0, 1).unsqueeze(0)
-        v = _gather(value_cache, meta, i, seq_len).transpose(0, 1).unsqueeze(0)
+        k = _gather(key_cache, meta, i, seq_len).to(query.dtype).transpose(0, 1).unsqueeze(0)
+        v = _gather(value_cache, meta, i, seq_len).to(query.dtype).transpose(0, 1).unsqueeze(0)
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -219,16 +221,16 @@ def _decode_cascade(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     q = query[rows].view(B, num_kv_heads, G, head_dim)                       # [B, KVH, G, D]
 
     prefix_slots = meta.token_slots[idx[0], :P]
-    kp = flat_k[prefix_slots].permute(1, 0, 2)                               # [KVH, P, D]
-    vp = flat_v[prefix_slots].permute(1, 0, 2)
+    kp = flat_k[prefix_slots].to(q.dtype).permute(1, 0, 2)                   # [KVH, P, D]
+    vp = flat_v[prefix_slots].to(q.dtype).permute(1, 0, 2)
     qp = q.permute(1, 0, 2, 3).reshape(num_kv_heads, B * G, head_dim)        # [KVH, B*G, D]
     o1, lse1 = _attend(qp, kp, vp, None, scale)
     o1 = o1.view(num_kv_heads, B, G, head_dim).permute(1, 0, 2, 3)           # [B, KVH, G, D]
     lse1 = lse1.view(num_kv_heads, B, G).permute(1, 0, 2)                    # [B, KVH, G]
 
     suffix_slots = meta.token_slots[idx, P:L]                                # [B, S]
-    ks = flat_k[suffix_slots].permute(0, 2, 1, 3)                            # [B, KVH, S, D]
-    vs = flat_v[suffix_slots].permute(0, 2, 1, 3)
+    ks = flat_k[suffix_slots].to(q.dtype).permute(0, 2, 1, 3)                # [B, KVH, S, D]
+    vs = flat_v[suffix_slots].to(q.dtype).permute(0, 2, 1, 3)
     lens = torch.tensor(seq_lens, device=query.device)
     keep = (P + torch.arange(L - P, device=query.device))[None, :] < lens[:, None]  # [B, S]
     o2, lse2 = _attend(q, ks, vs, keep[:, None, None, :], scale)             # [B, KVH, G, *]
@@ -262,6 +264,7 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     lens = torch.tensor(seq_lens, device=query.device)
     mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
     q = query[rows].unsqueeze(2)                                           # [B, H, 1, D]
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache under fp32 rows (--kv-cache-dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[rows] = o.squeeze(2)
 

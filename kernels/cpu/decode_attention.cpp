@@ -232,30 +232,35 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
 }
 
 // bf16 caches (--kv-cache-dtype bfloat16): the same plan, chunks and merge, with the products
-// on avx512_bf16's VDPBF16PS (pairs of bf16 products summed into fp32 lanes). Q is rounded to
-// bf16 once a call, scores and the softmax stay fp32, and P is rounded to bf16 for P V, as
-// FlashAttention does on GPUs (bf16 Q, K, P and V, fp32 sums). Every row runs the same arithmetic
-// whatever its tile or group, so a row's bits still do not depend on its batch.
+// on avx512_bf16's VDPBF16PS (pairs of bf16 products summed into fp32 lanes). K and V are bf16
+// already; Q (once a call) and P (a chunk's softmax numerators) are each split into a bf16 high
+// part and a bf16 low part (x - hi, rounded), and both parts are multiplied: each product of a
+// bf16 pair is exact in fp32, so the result is fp32 attention over the cache's bf16 values to
+// about 3e-6 relative (one bf16 part each: 2e-3, the error FlashAttention's bf16 Q and P give on
+// GPUs; with it a prefix-cache hit changed the bundled model's greedy tokens, so it is not kept).
+// The split costs a second VDPBF16PS per product; against the fp32 path on Zen 4, 2 threads, per
+// layer: 16 rows on a 1,780-token prefix 0.69 -> 0.60 ms, one sequence at 1,780 positions 0.093
+// -> 0.083, 16 unshared at 300 0.27 -> 0.24 (one part: 0.44, 0.076, 0.21). Scores and softmax
+// stay fp32. Every row runs the same arithmetic whatever its tile or group, so a row's bits
+// still do not depend on its batch.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 #endif
 namespace bf16 {
 
-inline __m256 half_sum(__m512 a) {  // lanes k + (k + 8): a zmm accumulator to 8 lanes
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-}
-
 // Scores of R query rows against the chunk's positions 0 .. 16 NB, K packed by pack_k:
 // s[r * ld + p] = (q_r . k_p) * sc, each score one chain of VDPBF16PS over the D / 2 element
-// pairs in order (a lane of one accumulator): no reduction, and the same for every tile.
+// pairs in order, the high part's then the low part's (a lane of one accumulator): no
+// reduction, and the same for every tile. (A dot-product form like the fp32 tiles, reducing a
+// zmm per score, ran 0.8x the fp32 path: the reduction outweighed two VDPBF16PS at D = 64.)
 template <int R, int NB>
 inline void score_tile(const uint16_t* const* q, const __m512i* kt, int64_t D, float sc, float* s,
                        int64_t ld) {
   __m512 a[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) a[r][b] = _mm512_setzero_ps();
-  const int32_t* q32[R];
+  const int32_t* q32[R];  // each row: D bf16 of Q's high part, then D of its low part
   for (int r = 0; r < R; ++r) q32[r] = reinterpret_cast<const int32_t*>(q[r]);
   for (int64_t t = 0; t < D / 2; ++t) {
     __m512bh kv[NB];
@@ -263,6 +268,8 @@ inline void score_tile(const uint16_t* const* q, const __m512i* kt, int64_t D, f
     for (int r = 0; r < R; ++r) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(q32[r][t]);
       for (int b = 0; b < NB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], w, kv[b]);
+      const __m512bh wl = (__m512bh)_mm512_set1_epi32(q32[r][t + D / 2]);
+      for (int b = 0; b < NB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], wl, kv[b]);
     }
   }
   const __m512 scv = _mm512_set1_ps(sc);
@@ -331,7 +338,8 @@ inline void round_row(const float* x, int64_t n, uint16_t* out) {
 }
 
 // acc[r][32 cb .. + 32) = sum over position pairs t of P[r][2t] v_2t + P[r][2t + 1] v_2t+1.
-// pb: P rows as bf16 pairs (pld pairs a row); vp: V of the chunk interleaved by position pairs
+// pb: P rows as bf16 pairs (pld a row: kChunk / 2 pairs of the high part, then the low
+// part's; high then low per pair t); vp: V of the chunk interleaved by position pairs
 // (pack_v), whose lanes hold columns 8L + i (lo) and 8L + 4 + i (hi) of 128-bit lane L; the two
 // accumulators are put back in column order on the way out.
 template <int R>
@@ -347,6 +355,10 @@ inline void pv_tile(const uint32_t* pb, int64_t pld, const __m512i* vp, int64_t 
       const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r * pld + t]));
       a[r][0] = _mm512_dpbf16_ps(a[r][0], w, lo);
       a[r][1] = _mm512_dpbf16_ps(a[r][1], w, hi);
+      const __m512bh wl =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r * pld + kChunk / 2 + t]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], wl, lo);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], wl, hi);
     }
   }
   // column c of the 32: lane L = c / 8, i = c % 8: lo[4L + i] for i < 4, else hi[4L + i - 4]
@@ -373,13 +385,14 @@ inline void pack_v(const uint16_t* const* v, int64_t n, int64_t D, __m512i* vp) 
     }
 }
 
-// partial() for bf16 rows: q [nq] rows of D bf16 (rounded Q), k and v cache rows; pb scratch
-// [nq, kChunk / 2] pairs, kt scratch [D / 2, kChunk / 16] zmm, vp [D / 32, kChunk / 2, 2] zmm.
+// partial() for bf16 rows: q [nq] rows of 2 D bf16 (Q's high part, then its low part), k and v
+// cache rows; pb scratch [nq, kChunk] pairs, kt [D / 2, kChunk / 16] zmm, vp [D / 32,
+// kChunk / 2, 2] zmm.
 void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
              const uint16_t* const* v, int64_t n, int64_t D, float sc, float* s, uint32_t* pb,
              __m512i* kt, __m512i* vp, float* const* m, float* const* l, float* const* acc,
              const uint16_t* const* next_k, const uint16_t* const* next_v, int64_t next_n) {
-  constexpr int64_t ld = kChunk, pld = kChunk / 2;
+  constexpr int64_t ld = kChunk, pld = kChunk;  // P rows: kChunk / 2 high pairs, then low
   Prefetcher<uint16_t> ahead(next_k, next_v, next_n, 2 * ((nq + 5) / 6));
   pack_k(k, n, D, kt);
   const int64_t nb = (n + 15) / 16;
@@ -393,10 +406,17 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
   ahead.step(D * 2);
   softmax_rows(s, ld, nq, n, m, l);
   const int64_t npairs = (n + 1) / 2, padded = (n + 31) / 32 * 32;
-  for (i = 0; i < nq; ++i) {  // P rows to bf16 pairs, zero past n
+  for (i = 0; i < nq; ++i) {  // P rows to bf16 pairs, high and low parts, zero past n
     float* si = s + i * ld;
     for (int64_t j = n; j < padded; ++j) si[j] = 0.f;
-    round_row(si, padded, reinterpret_cast<uint16_t*>(pb + i * pld));
+    uint16_t* ph = reinterpret_cast<uint16_t*>(pb + i * pld);
+    round_row(si, padded, ph);
+    for (int64_t d = 0; d < padded; d += 16) {  // the low part: p - hi, rounded
+      const __m512 h = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(ph + d)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + kChunk + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_loadu_ps(si + d), h)));
+    }
   }
   pack_v(v, n, D, vp);
   for (i = 0; i + 6 <= nq; i += 6) {
@@ -410,8 +430,19 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
     for (int64_t cb = 0; cb < D / 32; ++cb) pv_tile<1>(pb + i * pld, pld, vp, npairs, cb, acc + i);
 }
 
-// round_row, not inlined into callers built without avx512_bf16.
-void round_rows(const float* x, int64_t n, uint16_t* out) { round_row(x, n, out); }
+// rows [rows, D] fp32 to [rows, 2 D] bf16: each row's high part (round_row), then its low part
+// (x - hi, rounded); not inlined into callers built without avx512_bf16.
+void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
+  for (int64_t i = 0; i < rows; ++i, x += D, out += 2 * D) {
+    round_row(x, D, out);
+    for (int64_t d = 0; d < D; d += 16) {  // the low part: x - hi, rounded
+      const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(out + d)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + D + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_loadu_ps(x + d), hi)));
+    }
+  }
+}
 
 }  // namespace bf16
 #if defined(__GNUC__) && !defined(__clang__)
@@ -593,12 +624,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   float* const pm = w.pm.data();
   float* const pl = w.pl.data();
   float* const pacc = w.pacc.data();
-  // bf16 caches: the query rows rounded to bf16 once, for every work item that reads them.
+  // bf16 caches: the query rows split into bf16 high and low parts once, for every work item
+  // that reads them.
   thread_local std::vector<uint16_t> qround;
   const uint16_t* qh = nullptr;
   if (half) {
-    qround.resize(query.numel());
-    for (const int64_t s : seqs) bf16::round_rows(q + qsl[s] * H * D, H * D, qround.data() + qsl[s] * H * D);
+    qround.resize(2 * query.numel());
+    for (const int64_t s : seqs) bf16::round_rows(q + qsl[s] * H * D, H, D, qround.data() + 2 * qsl[s] * H * D);
     qh = qround.data();
   }
   // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
@@ -655,7 +687,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t row = qsl[seqs[i]];
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
-          if (half) r.qh.push_back(qh + (row * H + kvh * G + g) * D);
+          if (half) r.qh.push_back(qh + 2 * (row * H + kvh * G + g) * D);
           else r.qr.push_back(q + (row * H + kvh * G + g) * D);
           r.mr.push_back(pm + slot + g);
           r.lr.push_back(pl + slot + g);
@@ -665,7 +697,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t nq = static_cast<int64_t>(r.mr.size());
       r.sbuf.resize(nq * kChunk);
       if (half) {
-        r.pb.resize(nq * kChunk / 2);
+        r.pb.resize(nq * kChunk);
         r.kt.resize(D / 2 * kChunk / 16), r.vp.resize(D / 32 * kChunk);
         bf16::partial(r.qh.data(), nq, r.kh.data(), r.vh.data(), grp.n, D, sc, r.sbuf.data(),
                       r.pb.data(), r.kt.data(), r.vp.data(), r.mr.data(), r.lr.data(), r.ar.data(),

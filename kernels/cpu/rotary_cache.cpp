@@ -68,10 +68,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                   key_cache.sizes() == value_cache.sizes() &&
                   key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
               "reshape_and_cache: key, value [T, KVH, D] and caches [blocks, block_size, KVH, D]");
+  const bool half = key_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
-                  key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "reshape_and_cache: float32 only");
+                  (key_cache.scalar_type() == at::kFloat || half) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "reshape_and_cache: float32 rows into float32 or bfloat16 caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
               "reshape_and_cache: slot_mapping [T] int64 expected");
@@ -86,6 +87,19 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                 " outside the cache (", slots, " slots)");
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
+  if (half) {  // rounded to nearest even, as torch's .to(torch.bfloat16)
+    at::BFloat16* kh = key_cache.data_ptr<at::BFloat16>();
+    at::BFloat16* vh = value_cache.data_ptr<at::BFloat16>();
+    const int64_t n = KVH * D;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* ks = kp + t * key.stride(0);
+      const float* vs = vp + t * value.stride(0);
+      at::BFloat16* kd = kh + sm[t] * n;
+      at::BFloat16* vd = vh + sm[t] * n;
+      for (int64_t i = 0; i < n; ++i) kd[i] = at::BFloat16(ks[i]), vd[i] = at::BFloat16(vs[i]);
+    }
+    return;
+  }
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
   const size_t row = static_cast<size_t>(KVH * D) * sizeof(float);

@@ -121,9 +121,9 @@ def _decode_step(seq_lens: list[int], query_lens: list[int] | None = None
     return meta, torch.tensor(positions)
 
 
-def _caches(num_seqs: int) -> torch.Tensor:
+def _caches(num_seqs: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(2, 2, 4 * num_seqs, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    return torch.randn(2, 2, 4 * num_seqs, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
 
 
 @pytest.fixture(params=[False, True], ids=["fp32-copy", "bf16-copy"])
@@ -144,15 +144,22 @@ CASES = [(None, False, 1), (None, True, 3), (None, False, 32), (None, False, 33)
          ("gguf", False, 32)]
 
 
+BF16_KV = pytest.mark.skipif(not cpu_ops.bf16_decode_attention_usable(HEAD_DIM),
+                             reason="bf16 KV caches need our kernels and avx512_bf16")
+
+
 @pytest.mark.parametrize(("quantization", "bias", "rows"), CASES)
-def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, rows, native_bf16):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_KV)],
+                         ids=["fp32-kv", "bf16-kv"])
+def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, rows, native_bf16,
+                                                          kv_dtype):
     model = _model(quantization, bias)
     seq_lens = [3 + 7 * s for s in range(rows)]  # 3 .. 227: one to four blocks deep
     seq_lens = [1 + (n - 1) % 60 for n in seq_lens]
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(rows, HIDDEN, generator=gen)
     residual = torch.randn(rows, HIDDEN, generator=gen)
-    caches = _caches(rows)
+    caches = _caches(rows, kv_dtype)  # bf16: --kv-cache-dtype bfloat16
     meta, positions = _decode_step(seq_lens)
     cos, sin = model.rotary.cos_sin(positions, torch.float32)
     layer = model.layers[1]
@@ -365,9 +372,13 @@ def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
                               caches[0], meta, *args[4:])
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [
+    (None, "auto"), ("gguf", "auto"),
+    pytest.param("gguf", "bfloat16", marks=pytest.mark.skipif(
+        not cpu_ops.bf16_decode_attention_usable(64), reason="needs avx512_bf16"))])
 def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, tokenizer,
-                                                              fused_layer_calls, quantization):
+                                                              fused_layer_calls, quantization,
+                                                              kv_cache_dtype):
     calls = fused_layer_calls
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):",
                                              "Once upon a time, in a small village,")]
@@ -376,7 +387,7 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
     # Every layer of a step in one call (the default), a call a layer, and the per-op layers.
     for mode, (fused, whole) in {"whole": (True, True), "one": (True, False),
                                  "per-op": (False, False)}.items():
-        engine = make_llm_engine(quantization=quantization)
+        engine = make_llm_engine(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         engine.model.fused_decode, engine.model.fused_decode_whole = fused, whole
         calls.clear()
         for n in (1, 3):  # one stream, then three
