@@ -121,9 +121,10 @@ class EngineConfig:
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache dtype (vLLM --kv-cache-dtype): auto = the model's --dtype; bfloat16 "
-                "halves a block's bytes (twice the blocks in the same budget) and, on CPUs with "
-                "avx512_bf16, runs decode attention on bf16 products (Q, K, P and V in bf16, "
-                "fp32 sums and softmax). Not token-identical to float32 (docs/benchmarks.md).",
+                "(under --dtype float32 or bfloat16) halves a block's bytes: twice the blocks "
+                "in the same budget. Attention stays fp32 over the cached bf16 values (on CPUs "
+                "with avx512_bf16 through bf16 products of split high and low parts); rounding "
+                "K and V makes it not token-identical to float32 (docs/benchmarks.md).",
         "choices": KV_CACHE_DTYPES})
     device: str = field(default="auto", metadata={
         "help": "Device; auto = cuda when available, else cpu (vLLM --device).",
@@ -211,3 +212,4 @@ class CacheInfo:
     dtype: str
     device: str
     attention_backend: str
+    kv_cache_dtype: str

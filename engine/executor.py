@@ -42,6 +42,8 @@ class ModelExecutor(Protocol):
         device: e.g. ``"cpu"``, ``"cuda:0"``.
         dtype: e.g. ``"float32"``.
         attention_backend: the resolved backend name (``"torch"`` | ``"triton"``).
+        kv_cache_dtype: optional, the KV cache's dtype name (``--kv-cache-dtype``); read with
+            ``dtype`` as its default.
     """
 
     device: str

@@ -139,7 +139,8 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.cache_info = CacheInfo(num_blocks, bs, max_model_len, per_block, tuple(sorted(eos)),
-                                    executor.dtype, executor.device, executor.attention_backend)
+                                    executor.dtype, executor.device, executor.attention_backend,
+                                    getattr(executor, "kv_cache_dtype", executor.dtype))
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, bs,
                                                get_hash_fn(config.prefix_caching_hash_algo),
@@ -165,7 +166,7 @@ class LLMEngine:
         weights = (f"{self.model.weight_bytes() / 1e6:.0f} MB of weights read per token"
                    if self.model is not None and hasattr(self.model, "weight_bytes") else "")
         dense_note = getattr(executor, "dense_note", "")
-        kv_dtype = getattr(executor, "kv_cache_dtype", executor.dtype)
+        kv_dtype = self.cache_info.kv_cache_dtype
         logger.info("engine ready: %d KV blocks x %d tokens (%.1f MiB, %s), max_model_len %d, "
                     "prefix caching %s (%s), attention %s, %s %s, quantization %s%s%s",
                     num_blocks, bs, num_blocks * per_block / 2**20, kv_dtype, max_model_len,

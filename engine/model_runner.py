@@ -18,7 +18,7 @@ from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.thread_tuner import ThreadTuner
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +42,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """``--kv-cache-dtype``: ``auto`` -> the model's dtype; ``bfloat16`` -> bf16 (vLLM's flag).
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, attention_backend: str
+                           ) -> torch.dtype:
+    """``--kv-cache-dtype`` (vLLM's flag): ``auto`` -> the model's dtype; ``bfloat16`` -> bf16.
 
     Raises:
-        ValueError: an unknown name, or bf16 under a non-bf16 model on CUDA (the Triton kernels
-            read the cache in the model's dtype).
+        ValueError: an unknown name; bf16 under a model dtype other than fp32 or bf16 (the
+            torch path reads the cache in the model's dtype); bf16 under an fp32 model on the
+            triton backend (its kernels take the cache in the model's dtype).
     """
     if name == "auto":
         return dtype
     if name != "bfloat16":
         raise ValueError(f"--kv-cache-dtype must be auto or bfloat16, got {name!r}")
-    if device.type != "cpu" and dtype != torch.bfloat16:
-        raise ValueError("--kv-cache-dtype bfloat16 under a --dtype other than bfloat16 runs on "
-                         "CPU only")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("--kv-cache-dtype bfloat16 needs --dtype float32 or bfloat16")
+    if attention_backend == "triton" and dtype != torch.bfloat16:
+        raise ValueError("--kv-cache-dtype bfloat16 on the triton attention backend needs "
+                         "--dtype bfloat16 (its kernels read the cache in the model's dtype); "
+                         "or use --attention-backend torch")
     return torch.bfloat16
 
 
@@ -76,8 +81,15 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.torch_device, self.torch_dtype = device, dtype
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, model.attn.name)
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
+        head_dim = getattr(getattr(model, "config", None), "head_dim", 0)
+        if (device.type == "cpu" and dtype == torch.float32 and self.kv_dtype == torch.bfloat16
+                and model.attn.name == "torch" and cpu_linear.loaded()
+                and not cpu_ops.bf16_decode_attention_usable(head_dim)):
+            logger.warning("--kv-cache-dtype bfloat16: our bf16 decode attention does not run "
+                           "here (it needs avx512_bf16 and a head_dim multiple of 32); the "
+                           "torch path reads the cache widened to fp32, more slowly")
         # CPU steps of one token run on one_token_step_threads torch threads, others on
         # this thread's count at load (see EngineConfig.one_token_step_threads).
         self.step_threads = torch.get_num_threads()
@@ -108,11 +120,11 @@ class ModelRunner:
         """
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # raises before loading
         check_quantization(config.quantization, device)
         if device.type == "cpu" and dtype == torch.float32:
             cpu_linear.load()  # our small-batch fp32 kernel; F.linear if it cannot be built
         attn = get_attention_backend(config.attention_backend, device)
+        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, attn.name)  # raises before loading
         model = load_model(config.model, model_config, max_model_len, dtype, device, attn,
                            config.quantization)
         torch.manual_seed(config.seed)

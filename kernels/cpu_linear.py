@@ -104,13 +104,16 @@ def load() -> bool:
                     build("saltserve_cpu", sources, is_python_module=False, verbose=False,
                           extra_cflags=flags, extra_ldflags=["-fopenmp"])
                 except Exception:  # noqa: BLE001 - e.g. an assembler without AMX: build without
-                    logger.warning("CPU kernel build failed; building again without AMX")
+                    logger.warning("CPU kernel build failed; building again without AMX and "
+                                   "the bf16 KV cache path")
                     build("saltserve_cpu", sources, is_python_module=False, verbose=False,
-                          extra_cflags=[*flags, "-DSALTSERVE_HAVE_AMX=0"],
+                          extra_cflags=[*flags, "-DSALTSERVE_HAVE_AMX=0",
+                                        "-DSALTSERVE_HAVE_BF16=0"],
                           extra_ldflags=["-fopenmp"])
                 for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni",
                            "int8_amx", "int8_amx_calls", "rms_norm", "add_rms_norm",
-                           "decode_attention", "rotary_neox_", "reshape_and_cache",
+                           "decode_attention", "bf16_kv_cache", "rotary_neox_",
+                           "reshape_and_cache",
                            "decode_layer", "decode_layers", "silu_and_mul"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear

@@ -126,14 +126,15 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
 
 
 def bf16_decode_attention_usable(head_dim: int) -> bool:
-    """Whether ``decode_attention`` takes bf16 caches here: our kernels loaded, a CPU with
-    avx512_bf16 (its VDPBF16PS does the products) and head_dim a multiple of 32."""
-    return cpu_linear.loaded() and head_dim % 32 == 0 and _cpu_has_avx512_bf16()
+    """Whether ``decode_attention`` takes bf16 caches here: our kernels loaded with their bf16
+    path (GCC 11+), a CPU with avx512_bf16 (its VDPBF16PS does the products) and head_dim a
+    multiple of 32."""
+    return cpu_linear.loaded() and head_dim % 32 == 0 and _bf16_kv_cache()
 
 
 @functools.cache
-def _cpu_has_avx512_bf16() -> bool:
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_linear.cpu_flags()
+def _bf16_kv_cache() -> bool:
+    return bool(torch.ops.saltserve_cpu.bf16_kv_cache())
 
 
 def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -230,9 +231,10 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         out: [num_tokens, num_heads, head_dim] fp32, contiguous.
         query: the same shape, fp32 (copied when not contiguous).
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32, or both
-            bf16 (``bf16_decode_attention_usable``: Q and P are then rounded to bf16 and the
-            products summed in fp32, as FlashAttention does on GPUs; relative error about 3e-3
-            against fp32 arithmetic on the same bf16 K/V); this step's K/V already written.
+            bf16 (``bf16_decode_attention_usable``: Q and P are then split into bf16 high and
+            low parts, each multiplied with K and V on VDPBF16PS and summed in fp32: fp32
+            attention over the cache's bf16 values to about 3e-6 relative); this step's K/V
+            already written.
         query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32;
         block_tables: [num_seqs, max_blocks] int32 (``AttentionMetadata``'s).
         scale: softmax scale.

@@ -7,7 +7,8 @@
 //
 // Layouts (engine/attention/metadata.py):
 //   query, out:  [num_tokens, num_heads, head_dim] fp32
-//   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32
+//   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32, or both bf16
+//   (--kv-cache-dtype bfloat16: avx512_bf16 and a head_dim multiple of 32; namespace bf16 below)
 //   query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, max_blocks]
 //   int32. Sequences whose query_len is not 1 are skipped (their out rows are not written).
 //
@@ -243,10 +244,19 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
 // -> 0.083, 16 unshared at 300 0.27 -> 0.24 (one part: 0.44, 0.076, 0.21). Scores and softmax
 // stay fp32. Every row runs the same arithmetic whatever its tile or group, so a row's bits
 // still do not depend on its batch.
-#if defined(__GNUC__) && !defined(__clang__)
+// The bf16 path as written needs GCC 11's target pragma (clang ignores it) and an assembler that
+// knows avx512_bf16; kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_BF16=0 where the
+// build fails, and bf16 caches are then refused (bf16_kv_cache() says so; the torch path reads them).
+#ifndef SALTSERVE_HAVE_BF16
+#if defined(__x86_64__) && !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11
+#define SALTSERVE_HAVE_BF16 1
+#else
+#define SALTSERVE_HAVE_BF16 0
+#endif
+#endif
+#if SALTSERVE_HAVE_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
-#endif
 namespace bf16 {
 
 // Scores of R query rows against the chunk's positions 0 .. 16 NB, K packed by pack_k:
@@ -445,15 +455,19 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 }
 
 }  // namespace bf16
-#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
-#endif
+#endif  // SALTSERVE_HAVE_BF16
 
-bool cpu_has_avx512_bf16() {
+// Whether bf16 caches run here: the bf16 path built, and a CPU with avx512_bf16.
+bool bf16_kv_cache() {
+#if SALTSERVE_HAVE_BF16
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("avx512bf16");
   return ok;
+#else
+  return false;
+#endif
 }
 
 struct Group {
@@ -562,7 +576,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
                   (key_cache.scalar_type() == at::kFloat || half) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "decode_attention: float32 query and out, float32 or bfloat16 caches");
-  TORCH_CHECK(!half || (cpu_has_avx512_bf16() && D % 32 == 0),
+  TORCH_CHECK(!half || (bf16_kv_cache() && D % 32 == 0),
               "decode_attention: bfloat16 caches need avx512_bf16 and a head_dim multiple of 32");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
@@ -626,13 +640,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   float* const pacc = w.pacc.data();
   // bf16 caches: the query rows split into bf16 high and low parts once, for every work item
   // that reads them.
+  // Row i of seqs (a decode row) at qh + 2 i H D: H heads of D high then D low parts.
   thread_local std::vector<uint16_t> qround;
   const uint16_t* qh = nullptr;
+#if SALTSERVE_HAVE_BF16
   if (half) {
-    qround.resize(2 * query.numel());
-    for (const int64_t s : seqs) bf16::round_rows(q + qsl[s] * H * D, H, D, qround.data() + 2 * qsl[s] * H * D);
+    qround.resize(2 * seqs.size() * H * D);
+    for (size_t i = 0; i < seqs.size(); ++i)
+      bf16::round_rows(q + qsl[seqs[i]] * H * D, H, D, qround.data() + 2 * i * H * D);
     qh = qround.data();
   }
+#endif
   // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
   // thread that starts early cannot also take a late one's first item); then they are taken in
   // turn from next.
@@ -687,7 +705,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t row = qsl[seqs[i]];
         const int64_t slot = ((first[i] + grp.chunk) * KVH + kvh) * G;
         for (int64_t g = 0; g < G; ++g) {
-          if (half) r.qh.push_back(qh + 2 * (row * H + kvh * G + g) * D);
+          if (half) r.qh.push_back(qh + 2 * (i * H + kvh * G + g) * D);
           else r.qr.push_back(q + (row * H + kvh * G + g) * D);
           r.mr.push_back(pm + slot + g);
           r.lr.push_back(pl + slot + g);
@@ -697,11 +715,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t nq = static_cast<int64_t>(r.mr.size());
       r.sbuf.resize(nq * kChunk);
       if (half) {
+#if SALTSERVE_HAVE_BF16
         r.pb.resize(nq * kChunk);
         r.kt.resize(D / 2 * kChunk / 16), r.vp.resize(D / 32 * kChunk);
         bf16::partial(r.qh.data(), nq, r.kh.data(), r.vh.data(), grp.n, D, sc, r.sbuf.data(),
                       r.pb.data(), r.kt.data(), r.vp.data(), r.mr.data(), r.lr.data(), r.ar.data(),
                       r.next_kh.data(), r.next_vh.data(), next_n);
+#endif
         std::swap(r.kh, r.next_kh), std::swap(r.vh, r.next_vh);
       } else {
         partial(r.qr.data(), nq, r.kr.data(), r.vr.data(), grp.n, D, sc, r.sbuf.data(),
@@ -745,7 +765,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // A step of many long rows (2,048 prefill rows over 8 K positions: 600 MB of partials, 260 K
   // groups) must not stay on the thread's heap for good: only an ordinary step's is kept.
   if (w.pacc.capacity() * sizeof(float) > kKeepBytes || w.groups.size() > kKeepGroups)
-    w = Scratch();
+    w = Scratch(), qround = std::vector<uint16_t>();
 }
 
 }  // namespace
@@ -753,6 +773,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> ()");
+  m.def("bf16_kv_cache() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) { m.impl("bf16_kv_cache", &bf16_kv_cache); }

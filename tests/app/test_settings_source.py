@@ -18,6 +18,7 @@ from engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
@@ -26,7 +27,8 @@ from engine.config import (
 ENGINE_FIELDS = [f for f in fields(EngineConfig) if f.name != "model"]
 CHOICE_CONSTANTS = {"prefix_caching_hash_algo": HASH_ALGOS, "dtype": DTYPES, "device": DEVICES,
                     "attention_backend": ATTENTION_BACKENDS,
-                    "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS}
+                    "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS,
+                    "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 @pytest.fixture(autouse=True)

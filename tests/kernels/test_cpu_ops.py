@@ -314,7 +314,7 @@ def _bf16_reference(q_row, kc, vc, table, seq_len, block_size, scale):
 def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, h, d, n_seqs,
                                                                            tokens):
     """bf16 caches (VDPBF16PS products of Q's and P's bf16 high and low parts with K and V, fp32
-    sums and softmax): 16 rows on one prefix (chunks shared by up to 48 query rows: 6-row
+    sums and softmax): 16 rows on one prefix (chunks shared by up to 64 query rows: 6-row
     tiles), short odd lengths (a last position pair with one row, a 16-position block cut
     short) and one position. Each row has the bits it has alone, and is within fp32 rounding
     (not bf16's: 2e-3) of exact attention over the same bf16 K/V: a swapped column, pair or
@@ -353,11 +353,13 @@ def test_decode_attention_on_bf16_caches_skips_prefill_rows_and_refuses_what_it_
     untouched = torch.full_like(q, 7.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
         cpu_ops.decode_attention(untouched, q, kc.bfloat16(), vc, qsl, lens, bt, 0.125)
-    q72, k72, v72, qsl72, lens72, bt72, _ = _many_sharing(2, 3, 9, 72, tokens=60, seed=6)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu_ops.decode_attention(torch.full_like(q72, 7.0), q72, k72.bfloat16(), v72.bfloat16(),
-                                 qsl72, lens72, bt72, 0.125)
     assert (untouched == 7.0).all()
+    q72, k72, v72, qsl72, lens72, bt72, _ = _many_sharing(2, 3, 9, 72, tokens=60, seed=6)
+    untouched72 = torch.full_like(q72, 7.0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.decode_attention(untouched72, q72, k72.bfloat16(), v72.bfloat16(), qsl72, lens72,
+                                 bt72, 0.125)
+    assert (untouched72 == 7.0).all()
 
 
 @pytest.mark.parametrize("block_size,tables", [(64, [[5, 6], [7, 5]]), (16, [[0, 1, 2, 3, 4],
