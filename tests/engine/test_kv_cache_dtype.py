@@ -73,7 +73,7 @@ def test_the_bundled_model_answers_on_a_bf16_cache_close_to_fp32(make_llm_engine
     """Greedy decoding on a bf16 cache, through our bf16 kernel and (monkeypatched off, as on a
     CPU without avx512_bf16) through the torch path that reads the cache widened to fp32: both
     compute fp32 attention over the same bf16 values (per call within 5e-6, measured), so they
-    give the same tokens. Their logprobs differ by up to ~2e-2, not fp32's ~1e-5: a 1e-6
+    give the same tokens (here; at least the first 12 of 24 anywhere). Their logprobs differ by up to ~2e-2, not fp32's ~1e-5: a 1e-6
     difference upstream of a K/V write now and then flips that element's bf16 rounding (one
     bf16 ulp, 4e-3), which later layers and tokens carry; the same happens between a prefix-
     cache hit and a miss, or a prefill beside other requests and alone. The capital question is
@@ -92,8 +92,12 @@ def test_the_bundled_model_answers_on_a_bf16_cache_close_to_fp32(make_llm_engine
     assert "Paris" in tokenizer.decode(via_kernel[0].token_ids)
     worst = 0.0
     for a, b in zip(via_kernel, via_torch):
-        assert a.token_ids == b.token_ids
-        worst = max(worst, *(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)))
+        # Identical here (Zen 4); a near-tie elsewhere may part them late, not early.
+        same = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                    len(a.token_ids))
+        assert a.token_ids == b.token_ids or same >= 12, (same, a.token_ids, b.token_ids)
+        worst = max(worst, *(abs(x.logprob - y.logprob)
+                             for x, y in zip(a.logprobs[:same], b.logprobs[:same])))
     assert worst < 0.1, worst
     agree = total = 0
     for i, (p, want) in enumerate(zip(prompts, ref)):
@@ -109,13 +113,14 @@ def test_the_bundled_model_answers_on_a_bf16_cache_close_to_fp32(make_llm_engine
 @pytest.mark.skipif(not BF16_KERNEL, reason="needs our kernels and avx512_bf16")
 def test_a_flooding_tenant_leaves_another_tenants_bf16_cache_tokens_as_they_are(
         make_llm_engine, tokenizer):
-    """On a bf16 cache, tenant A floods 20 requests beside tenant B's one: B's tokens and
-    logprobs are the bits of its run alone (its rows' attention does not depend on the batch).
+    """On a bf16 cache (gguf weights, whose int8-dot kernels give a row the same bits in any
+    batch), tenant A floods 20 requests beside tenant B's one: B's tokens and logprobs are the
+    bits of its run alone (its rows' attention does not depend on the batch either).
     B's first request and its run under a new salt find nothing cached (so nothing of A's);
     B's own repeat hits. (Its tokens may differ from the miss's: its uncached rows attend
     through our kernel, not SDPA, and on a bf16 cache a 1e-6 difference can flip a K/V
     rounding; see the test above.)"""
-    engine = make_llm_engine(kv_cache_dtype="bfloat16")
+    engine = make_llm_engine(kv_cache_dtype="bfloat16", quantization="gguf")
     b_ids = _chat(tokenizer, "Why is the sky blue?")
 
     def b_request(rid: str, salt: bytes) -> EngineRequest:
