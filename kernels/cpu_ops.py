@@ -173,8 +173,8 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, first: bool,
             ``LinearMethod.decode_spec``s: four tensors each (three operands, the bias; None
             where unused), a kind and a group size each.
         cos, sin: [num_tokens, 1, head_dim] fp32 contiguous.
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; this step's
-            K/V are written at ``meta.slot_mapping``.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (fp32, or bf16:
+            ``decode_layer_usable``); this step's K/V are written at ``meta.slot_mapping``.
 
     Returns:
         The layer's MLP output [num_tokens, hidden_size] (the layer's output is it plus the
@@ -205,7 +205,8 @@ def decode_layers(hidden: torch.Tensor, norms: list[torch.Tensor], eps: float,
     Args:
         hidden: [num_tokens, hidden_size] fp32, the embeddings; it becomes the residual
             stream (updated in place).
-        kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] fp32.
+        kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] fp32, or
+            bf16 where ``bf16_decode_attention_usable`` (``--kv-cache-dtype bfloat16``).
 
     Returns:
         (the last layer's MLP output, the residual stream: ``hidden`` itself); the model's
