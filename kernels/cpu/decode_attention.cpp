@@ -347,6 +347,18 @@ inline void round_row(const float* x, int64_t n, uint16_t* out) {
                                                               _mm512_loadu_ps(x + d)));
 }
 
+// x[0 .. n) (n a multiple of 32) as a bf16 high part out[0 .. n) (round_row) and a bf16 low
+// part out[lo .. lo + n) = x - hi, rounded: hi + lo is x to about 2^-17 relative.
+inline void split_row(const float* x, int64_t n, uint16_t* out, int64_t lo) {
+  round_row(x, n, out);
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(out + d)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + lo + d),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_loadu_ps(x + d), hi)));
+  }
+}
+
 // acc[r][32 cb .. + 32) = sum over position pairs t of P[r][2t] v_2t + P[r][2t + 1] v_2t+1.
 // pb: P rows as bf16 pairs (pld a row: kChunk / 2 pairs of the high part, then the low
 // part's; high then low per pair t); vp: V of the chunk interleaved by position pairs
@@ -419,14 +431,7 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
   for (i = 0; i < nq; ++i) {  // P rows to bf16 pairs, high and low parts, zero past n
     float* si = s + i * ld;
     for (int64_t j = n; j < padded; ++j) si[j] = 0.f;
-    uint16_t* ph = reinterpret_cast<uint16_t*>(pb + i * pld);
-    round_row(si, padded, ph);
-    for (int64_t d = 0; d < padded; d += 16) {  // the low part: p - hi, rounded
-      const __m512 h = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(ph + d)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + kChunk + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_loadu_ps(si + d), h)));
-    }
+    split_row(si, padded, reinterpret_cast<uint16_t*>(pb + i * pld), kChunk);
   }
   pack_v(v, n, D, vp);
   for (i = 0; i + 6 <= nq; i += 6) {
@@ -440,18 +445,10 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
     for (int64_t cb = 0; cb < D / 32; ++cb) pv_tile<1>(pb + i * pld, pld, vp, npairs, cb, acc + i);
 }
 
-// rows [rows, D] fp32 to [rows, 2 D] bf16: each row's high part (round_row), then its low part
-// (x - hi, rounded); not inlined into callers built without avx512_bf16.
+// rows [rows, D] fp32 to [rows, 2 D] bf16: each row's high part, then its low part (split_row);
+// not inlined into callers built without avx512_bf16.
 void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
-  for (int64_t i = 0; i < rows; ++i, x += D, out += 2 * D) {
-    round_row(x, D, out);
-    for (int64_t d = 0; d < D; d += 16) {  // the low part: x - hi, rounded
-      const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(out + d)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + D + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_loadu_ps(x + d), hi)));
-    }
-  }
+  for (int64_t i = 0; i < rows; ++i, x += D, out += 2 * D) split_row(x, D, out, D);
 }
 
 }  // namespace bf16
