@@ -164,6 +164,7 @@ def serve(**opts: Any) -> None:
     configure_logging(settings.log_format, settings.log_level, replica_id)
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
     try:
+        settings.engine_config(settings.data_dir / "models")  # a bad engine flag: before any write
         boot = bootstrap(settings)
         verifier = make_jwt_verifier(settings)
         console_sessions = ConsoleSessions(settings.console_session_idle_s,

@@ -155,7 +155,8 @@ class ServerMetrics:
         self.cache_config = Gauge(PREFIX + "cache_config_info", "KV cache configuration "
                                   "(labels); the value is always 1.",
                                   ["model_name", "block_size", "num_gpu_blocks", "device",
-                                   "enable_prefix_caching"], registry=self.registry)
+                                   "enable_prefix_caching", "cache_dtype"],
+                                  registry=self.registry)
         tl = ["model_name", "tenant"]
         r = self.registry
         self.requests = Counter(

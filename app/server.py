@@ -203,7 +203,7 @@ def create_app(engine: EngineClient, repo: TenantRepository,
     app.state.metrics = ServerMetrics(info.served_model_name)
     app.state.metrics.cache_config.labels(
         info.served_model_name, str(info.block_size), str(info.num_blocks), info.device,
-        str(info.enable_prefix_caching).lower()).set(1)
+        str(info.enable_prefix_caching).lower(), info.cache_dtype).set(1)
     refusals = app.state.metrics.admin_auth_refusals
     app.state.admin_refusals = AdminRefusals(lambda reason: refusals.labels(reason=reason).inc())
     app.state.metrics_token = metrics_token or None

@@ -121,8 +121,8 @@ class EngineConfig:
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache dtype (vLLM --kv-cache-dtype): auto = the model's --dtype; bfloat16 "
-                "(under --dtype float32 or bfloat16) halves a block's bytes: twice the blocks "
-                "in the same budget. Attention stays fp32 over the cached bf16 values (on CPUs "
+                "under --dtype float32 (auto on CPU) halves a block's bytes: twice the blocks "
+                "in the same budget (under --dtype bfloat16 it is what auto gives). Attention stays fp32 over the cached bf16 values (on CPUs "
                 "with avx512_bf16 through bf16 products of split high and low parts); rounding "
                 "K and V makes it not token-identical to float32 (docs/benchmarks.md).",
         "choices": KV_CACHE_DTYPES})
@@ -178,8 +178,10 @@ class EngineConfig:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES} (no fp8 "
+                             f"here), got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ValueError("--kv-cache-dtype bfloat16 needs --dtype float32 or bfloat16")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

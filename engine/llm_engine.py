@@ -158,6 +158,7 @@ class LLMEngine:
             vocab_size=model_cfg.vocab_size, block_size=bs, num_blocks=num_blocks,
             eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer,
             device=str(executor.device), enable_prefix_caching=config.enable_prefix_caching,
+            cache_dtype=self.cache_info.kv_cache_dtype,
             default_sampling=sampling_defaults(config, model_dir),
             grammar_compiler=GrammarCompiler(tokenizer, model_cfg.vocab_size))
         if self.model_info.default_sampling:

@@ -48,6 +48,7 @@ class ModelInfo:
         block_size: tokens per KV block (``cached_tokens`` is a multiple of it).
         num_blocks: KV blocks in the pool.
         device: where the model runs (``cpu``, ``cuda``, ...).
+        cache_dtype: the KV cache's dtype (``float32``, ``bfloat16``: ``--kv-cache-dtype``).
         enable_prefix_caching: whether the engine caches prefixes at all (per-tenant switches
             come on top).
         eos_token_ids: token ids that end generation unless ``ignore_eos``.
@@ -64,6 +65,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     device: str = "cpu"
     enable_prefix_caching: bool = True
+    cache_dtype: str = "float32"
     tokenizer: Any = field(default=None, repr=False, compare=False)
     # Sampling defaults for fields a request omits (``engine.config.sampling_defaults``).
     default_sampling: dict[str, float] = field(default_factory=dict, compare=False)

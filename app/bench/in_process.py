@@ -68,7 +68,8 @@ class InProcessEngine:
         i = self.info
         return {"model_name": i.served_model_name, "block_size": str(i.block_size),
                 "num_gpu_blocks": str(i.num_blocks), "device": i.device,
-                "enable_prefix_caching": str(i.enable_prefix_caching)}
+                "enable_prefix_caching": str(i.enable_prefix_caching),
+                "cache_dtype": i.cache_dtype}
 
     def close(self) -> None:
         """Stops the engine and the streams' loop (idempotent)."""

@@ -47,6 +47,7 @@ def test_bench_profiles_in_process_reads_the_engines_own_counters(model_dir, tmp
     assert metrics["hit_rate_agrees"] and metrics["evicted_blocks_per_request"] == 0
     assert 0 < metrics["kv_usage_peak"] <= 1
     assert report["cache_config"]["block_size"] == "16"
+    assert report["cache_config"]["cache_dtype"] == "float32"
 
 
 def test_a_refused_request_fails_alone_and_the_engine_goes_on(model_dir):

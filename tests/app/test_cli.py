@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from app.cli import main
@@ -86,3 +87,19 @@ def test_serve_with_a_model_folder_without_config_is_a_one_line_error(tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert f"--model {empty}: not a Hugging Face model folder (no config.json" in r.output
     assert not (data / "saltserve.db").exists() and not list(data.glob("*.db"))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-cache-dtype", "bfloat16", "--dtype", "float16"],
+     "--kv-cache-dtype bfloat16 needs --dtype float32 or bfloat16"),
+    (["--block-size", "0"], "--block-size must be in [1, 256]"),
+])
+def test_serve_with_a_bad_engine_flag_fails_before_writing_the_data_dir(tmp_path, flags,
+                                                                        message):
+    """An engine flag that EngineConfig refuses is a one-line usage error, before the data dir
+    gets a database, keys or a demo tenant (it was checked after them)."""
+    data = tmp_path / "data"
+    r = CliRunner().invoke(main, ["serve", "--port", "1", "--data-dir", str(data), *flags])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert message in r.output
+    assert not data.exists() or not any(data.iterdir())

@@ -270,6 +270,7 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
         assert run["metrics"]["hit_rate_agrees"], run["metrics"]
         assert 0 < run["metrics"]["kv_usage_peak"] <= 1
     assert report["cache_config"]["block_size"] == "16"
+    assert report["cache_config"]["cache_dtype"] == "float32"  # --kv-cache-dtype auto, fp32
     assert "ours (cache on) vs caching off: throughput" in r.output
     # The peer (a tenant of its own: its first prompt is cold) hits like ours; generate never.
     peer_run, hf = shared["peers"]["self"], shared["hf_generate"]
@@ -399,11 +400,14 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype):
     """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights (fp32
     activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not,
-    and a prefix hit; a hostile request is refused alone and the server goes on."""
-    with serve(model_dir, tmp_path, "--quantization", "gguf") as proc:
+    and a prefix hit; a hostile request is refused alone and the server goes on. The same over
+    a bf16 KV cache (``--kv-cache-dtype bfloat16``: half the bytes a block)."""
+    with serve(model_dir, tmp_path, "--quantization", "gguf", "--kv-cache-dtype",
+               kv_cache_dtype) as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
         # Not "What is the capital of France?": fp32's first two tokens there are 0.09 apart
@@ -425,4 +429,7 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path):
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
     assert "cpu float32, quantization gguf (95 MB of weights read per token)" in proc.output, \
         proc.output[-2000:]
+    kv, elem = {"auto": ("float32", 4), "bfloat16": ("bfloat16", 2)}[kv_cache_dtype]
+    mib = 96 * 30 * 2 * 16 * 3 * 64 * elem / 2**20  # 96 blocks, 30 layers, K and V, 3 x 64
+    assert f"engine ready: 96 KV blocks x 16 tokens ({mib:.1f} MiB, {kv})" in proc.output
     assert "Traceback" not in proc.output
