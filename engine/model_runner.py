@@ -83,10 +83,9 @@ class ModelRunner:
         self.torch_device, self.torch_dtype = device, dtype
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, model.attn.name)
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
-        head_dim = getattr(getattr(model, "config", None), "head_dim", 0)
         if (device.type == "cpu" and dtype == torch.float32 and self.kv_dtype == torch.bfloat16
                 and model.attn.name == "torch" and cpu_linear.loaded()
-                and not cpu_ops.bf16_decode_attention_usable(head_dim)):
+                and not cpu_ops.bf16_decode_attention_usable(model.config.head_dim)):
             logger.warning("--kv-cache-dtype bfloat16: our bf16 decode attention does not run "
                            "here (it needs avx512_bf16 and a head_dim multiple of 32); the "
                            "torch path reads the cache widened to fp32, more slowly")

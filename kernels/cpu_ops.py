@@ -104,12 +104,12 @@ def _int32_cpu_metadata(meta: AttentionMetadata) -> bool:
 
 
 def _caches_usable(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """fp32 caches, or bf16 ones that ``decode_attention`` takes on this CPU."""
+    """fp32 caches, or bf16 ones that ``decode_attention`` takes on this CPU (the callers check
+    the caches' shape)."""
     if key_cache.dtype != value_cache.dtype:
         return False
     return key_cache.dtype == torch.float32 or (
-        key_cache.dtype == torch.bfloat16 and key_cache.dim() == 4
-        and bf16_decode_attention_usable(key_cache.shape[-1]))
+        key_cache.dtype == torch.bfloat16 and bf16_decode_attention_usable(key_cache.shape[-1]))
 
 
 def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
