@@ -259,6 +259,7 @@ void tile_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const float*
     for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* c = codes + g * kTileBytes + 32 * h;
+      if (h == 0 && m0 == 0) prefetch_ahead(c, kTileBytes, scale_min + g * 2 * kTile);
       __m256i w[8];
       for (int s = 0; s < 4; ++s) {
         const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64));
@@ -661,6 +662,7 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
 // 120 of them, each of a few KB.
 struct ActScratch {
   std::vector<int8_t> qx, rx, act;  // act: the AMX path's [ceil(M / 8)][16][K] (act_row)
+  std::vector<int16_t> a16;          // tile8_avx2's [M, K]: 256 qx + rx, or qx
   std::vector<float> dx, xsum;
   std::vector<int32_t> corr;
 };
@@ -797,54 +799,52 @@ VNNI_TARGET void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
   }
 }
 
-// tile8 with AVX2: halves of 8 outputs as tile_avx2. The codes back to int8 (u ^ 0x80 = q);
-// vpmaddubsw takes |q| (<= 128, unsigned) and the activations with q's sign (vpsignb; |a| <= 127
-// so no wrap), pairs <= 32,512 in int16, then vpmaddwd by ones into int32: idot(q, a) exactly,
-// tile8's dot after its correction, without one.
+// tile8 with AVX2: halves of 8 outputs as tile_avx2. The activations come as one int16 per
+// input, a16 = 256 qx + rx with 16 bits (|a16| <= 32,639), qx with 8; the codes back to int8
+// (u ^ 0x80 = q) widened to int16 (vpmovsxbw: 4 outputs x 4 inputs a ymm), and vpmaddwd adds
+// q * a16 in pairs into int32 (the group's 32 products per output <= 2^27 in magnitude): the
+// group's dot is idot(q, 256 qx + rx) = 256 idot(q, qx) + idot(q, rx) exactly, tile8's after its
+// correction. One vpmaddwd + vpaddd per 16 products, where vpsignb + vpmaddubsw + vpmaddwd +
+// vpaddd took 32 (twice, for qx and rx, with 16 bits): at 16 rows the LM head in 16-bit
+// activations is about twice as fast. A group's two int32 accumulators of 4 outputs are summed
+// by vphaddd into outputs 0 1 4 5 | 2 3 6 7; the fp32 accumulator keeps that lane order until
+// the store, which puts it back (a permutation: the lanes' bits are not touched).
 template <int MR, bool Fine>
-void tile8_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const uint8_t* codes,
-                const float* scale, const float* bias, float* y, int64_t K, int64_t N,
-                int64_t m0, int64_t n0) {
+void tile8_avx2(const int16_t* a16, const float* dx, const uint8_t* codes, const float* scale,
+                const float* bias, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
   const int64_t G = K / kGroup;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+  const __m256i unpermute = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[MR];
     for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* c = codes + g * 2 * kTileBytes + 32 * h;
-      __m256i w[8], aw[8];
+      if (h == 0 && m0 == 0) prefetch_ahead(codes + g * 2 * kTileBytes, 2 * kTileBytes, nullptr);
+      __m256i lo[MR], hi[MR];  // outputs 0-3 and 4-7 of the half, int32 pairs
+      for (int j = 0; j < MR; ++j) lo[j] = hi[j] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
-        w[s] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64)), flip);
-        aw[s] = _mm256_abs_epi8(w[s]);
+        const __m256i w0 = _mm256_cvtepi8_epi16(
+            _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + s * 64)), flip));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_xor_si128(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + s * 64 + 16)), flip));
+        for (int j = 0; j < MR; ++j) {
+          int64_t v;
+          std::memcpy(&v, a16 + (m0 + j) * K + g * kGroup + 4 * s, sizeof v);
+          const __m256i b = _mm256_set1_epi64x(v);
+          lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(w0, b));
+          hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(w1, b));
+        }
       }
       for (int j = 0; j < MR; ++j) {
-        const auto dot = [&](const int8_t* a) {
-          __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-          for (int s = 0; s < 8; s += 2) {
-            const __m256i b0 = _mm256_set1_epi32(load4(a + 4 * s));
-            const __m256i b1 = _mm256_set1_epi32(load4(a + 4 * s + 4));
-            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                          aw[s], _mm256_sign_epi8(b0, w[s])), ones));
-            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                          aw[s + 1], _mm256_sign_epi8(b1, w[s + 1])), ones));
-          }
-          return _mm256_add_epi32(i0, i1);
-        };
-        __m256i idot = dot(qx + (m0 + j) * K + g * kGroup);
-        const int64_t mg = (m0 + j) * G + g;
-        float dxs = dx[mg];
-        if (Fine) {
-          idot = _mm256_add_epi32(_mm256_slli_epi32(idot, 8),
-                                  dot(rx + (m0 + j) * K + g * kGroup));
-          dxs *= 1.f / 256.f;
-        }
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_set1_ps(dxs), acc[j]);
+        const float dxs = Fine ? dx[(m0 + j) * G + g] * (1.f / 256.f) : dx[(m0 + j) * G + g];
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[j], hi[j])),
+                                 _mm256_set1_ps(dxs), acc[j]);
       }
     }
     const __m256 sc = _mm256_loadu_ps(scale + n0 + 8 * h);
     for (int j = 0; j < MR; ++j) {
-      __m256 v = _mm256_mul_ps(acc[j], sc);
+      __m256 v = _mm256_mul_ps(_mm256_permutevar8x32_ps(acc[j], unpermute), sc);
       if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
       _mm256_storeu_ps(y + (m0 + j) * N + n0 + 8 * h, v);
     }
@@ -852,9 +852,10 @@ void tile8_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const uint8
 }
 
 template <bool Fine>
-void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx, const int32_t* corr,
-                   const uint8_t* codes, const float* scale, const float* bias, float* y,
-                   int64_t M, int64_t K, int64_t N, int64_t t, bool amx) {
+void rows_of_tile8(const int8_t* qx, const int8_t* rx, const int16_t* a16, const float* dx,
+                   const int32_t* corr, const uint8_t* codes, const float* scale,
+                   const float* bias, float* y, int64_t M, int64_t K, int64_t N, int64_t t,
+                   bool amx) {
   if (amx) {  // qx: act_row's buffer
     rows_of_tile8_amx<Fine>(qx, dx, corr, codes, scale, bias, y, M, K, N, t);
     return;
@@ -878,10 +879,10 @@ void rows_of_tile8(const int8_t* qx, const int8_t* rx, const float* dx, const in
   }
   balanced_rows(M, kMaxRowsAvx2, [&](int64_t rows, int64_t m) {
     switch (rows) {
-      case 4: tile8_avx2<4, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
-      case 3: tile8_avx2<3, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
-      case 2: tile8_avx2<2, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
-      default: tile8_avx2<1, Fine>(qx, rx, dx, c, scale, bias, y, K, N, m, n0); break;
+      case 4: tile8_avx2<4, Fine>(a16, dx, c, scale, bias, y, K, N, m, n0); break;
+      case 3: tile8_avx2<3, Fine>(a16, dx, c, scale, bias, y, K, N, m, n0); break;
+      case 2: tile8_avx2<2, Fine>(a16, dx, c, scale, bias, y, K, N, m, n0); break;
+      default: tile8_avx2<1, Fine>(a16, dx, c, scale, bias, y, K, N, m, n0); break;
     }
   });
 }
@@ -916,6 +917,8 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
   ActScratch& a = act_scratch(M, K, G, amx);
   std::vector<float>&dx = a.dx, &xsum = a.xsum;
   std::vector<int32_t>& corr = a.corr;
+  const bool avx2 = !amx && !use_vnni();
+  if (avx2 && static_cast<int64_t>(a.a16.size()) < M * K) a.a16.resize(M * K);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     int8_t* q = qx_row(a, m, K, amx);
@@ -930,6 +933,10 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
       }
       corr[m * G + g] = fine ? 128 * (256 * s1 + s2) : 128 * s1;
     }
+    if (avx2) {
+      int16_t* w = a.a16.data() + m * K;
+      for (int64_t i = 0; i < K; ++i) w[i] = static_cast<int16_t>(fine ? 256 * q[i] + r[i] : q[i]);
+    }
   }
   const int8_t* qx = amx ? a.act.data() : a.qx.data();  // the AMX path: act_row's buffer
   const int8_t* rx = a.rx.data();
@@ -941,11 +948,11 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
     if (amx) amx_begin();
     for (int64_t t = t0; t < t1; ++t) {
       if (fine)
-        rows_of_tile8<true>(qx, rx, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
-                            N, t, amx);
+        rows_of_tile8<true>(qx, rx, a.a16.data(), dx.data(), corr.data(), cp, sp, bp, yp, M,
+                            K, N, t, amx);
       else
-        rows_of_tile8<false>(qx, nullptr, dx.data(), corr.data(), cp, sp, bp, yp, M, K,
-                             N, t, amx);
+        rows_of_tile8<false>(qx, nullptr, a.a16.data(), dx.data(), corr.data(), cp, sp, bp,
+                             yp, M, K, N, t, amx);
     }
     if (amx) amx_end();
   });
