@@ -217,15 +217,17 @@ def serve(**opts: Any) -> None:
     # timeout_keep_alive above a load balancer's idle-connection lifetime (HAProxy's is a
     # few seconds): the balancer, not the server, closes idle connections, so it never sends a
     # request on one the server is closing.
+    from app.services.preprocess import shutdown_parse_pool
+
+    # on_stop: uvicorn ends the process with the SIGTERM it caught once it has stopped, so the
+    # parse pool is shut down before that (the finally covers the other ways out).
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, log_config=None,
                                            timeout_keep_alive=75),
-                            app, settings.drain_seconds)
+                            app, settings.drain_seconds, on_stop=shutdown_parse_pool)
     try:
         server.run()
     finally:
-        from app.services.preprocess import shutdown_parse_pool
-
         shutdown_parse_pool()
     if client.errored:
         click.echo("saltserve: the inference engine died; exiting with status 1 so that a "

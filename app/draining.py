@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
@@ -16,12 +18,26 @@ class DrainingServer(uvicorn.Server):
     requests are still served) for ``drain_s`` seconds, then starts uvicorn's own graceful
     shutdown (the listener closes; running requests finish). A second signal during the drain,
     or ``drain_s`` 0, starts that shutdown at once.
+
+    ``on_stop`` runs once the server has stopped, before uvicorn raises the caught signal again
+    (its default action ends the process at once: no ``finally`` block or ``atexit`` handler of
+    the caller runs after it, so a process pool left running leaks its semaphores).
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, drain_s: float,
+                 on_stop: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._app, self._drain_s = app, drain_s
+        self._app, self._drain_s, self._on_stop = app, drain_s, on_stop
         self._timer: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if self._on_stop is not None:
+                    self._on_stop()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._timer is not None:  # a second signal: stop now, the timer has nothing to do

@@ -35,11 +35,14 @@ class ServerProcess:
 
 @contextmanager
 def serve(model_dir: Path, data_dir: Path, *args: str, port: int | None = None,
-          startup_timeout_s: float = 180.0) -> Iterator[ServerProcess]:
+          startup_timeout_s: float = 180.0, output_after_s: float = 0.0
+          ) -> Iterator[ServerProcess]:
     """Starts the server on the bundled model (``--max-model-len 512``,
     ``--num-gpu-blocks-override 96`` and ``args``) on ``port`` (default: a free one), waits
     for ``/health``; on exit stops it (SIGTERM, then SIGKILL after 30 s) and keeps its output
-    in ``.output``. The output goes to a file while it runs: a pipe nobody reads fills after
+    in ``.output``, read ``output_after_s`` after it ended (processes it started, such as
+    multiprocessing's resource tracker, print on their own way out). The output goes to a file
+    while it runs: a pipe nobody reads fills after
     64 KiB of log lines and then blocks the server's event loop on its next log write."""
     port = port or free_port()
     env = {**os.environ, "SALTSERVE_DATA_DIR": str(data_dir)}
@@ -73,5 +76,6 @@ def serve(model_dir: Path, data_dir: Path, *args: str, port: int | None = None,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        time.sleep(output_after_s)
         server.output = output()
         log.close()

@@ -1,0 +1,37 @@
+"""The server's stop on SIGTERM: uvicorn raises the caught signal again once it has stopped, and
+the default action of SIGTERM ends the process there, so what must run on the way out runs
+before that (``DrainingServer``'s ``on_stop``)."""
+
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+from fastapi import FastAPI
+
+from app.draining import DrainingServer
+
+
+def test_on_stop_runs_before_uvicorn_raises_the_caught_signal_again():
+    calls: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: calls.append("signal"))
+    try:
+        app = FastAPI()
+        server = DrainingServer(uvicorn.Config(app), app, 0.0,
+                                on_stop=lambda: calls.append("on_stop"))
+        with server.capture_signals():
+            signal.raise_signal(signal.SIGTERM)  # caught by the server: it only stops
+            assert calls == [] and server.should_exit
+        # Then on_stop, then the signal raised again to the handler that was there before.
+        assert calls == ["on_stop", "signal"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_without_a_signal_on_stop_still_runs_once():
+    calls: list[str] = []
+    app = FastAPI()
+    server = DrainingServer(uvicorn.Config(app), app, 0.0, on_stop=lambda: calls.append("stop"))
+    with server.capture_signals():
+        pass
+    assert calls == ["stop"]
