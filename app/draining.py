@@ -20,8 +20,9 @@ class DrainingServer(uvicorn.Server):
     or ``drain_s`` 0, starts that shutdown at once.
 
     ``on_stop`` runs once the server has stopped, before uvicorn raises the caught signal again
-    (its default action ends the process at once: no ``finally`` block or ``atexit`` handler of
-    the caller runs after it, so a process pool left running leaks its semaphores).
+    (SIGTERM's default action then ends the process at once: no ``finally`` block or ``atexit``
+    handler of the caller runs after it, so a process pool left running leaks its semaphores).
+    An exception from it is logged, and the signal is still raised.
     """
 
     def __init__(self, config: uvicorn.Config, app: Any, drain_s: float,
@@ -37,7 +38,10 @@ class DrainingServer(uvicorn.Server):
                 yield
             finally:
                 if self._on_stop is not None:
-                    self._on_stop()
+                    try:
+                        self._on_stop()
+                    except Exception:  # logged: the caught signal must still be raised
+                        logger.exception("stopping: on_stop failed")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._timer is not None:  # a second signal: stop now, the timer has nothing to do

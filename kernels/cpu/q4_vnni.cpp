@@ -807,8 +807,8 @@ VNNI_TARGET void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
 // correction. One vpmaddwd + vpaddd per 16 products, where vpsignb + vpmaddubsw + vpmaddwd +
 // vpaddd took 32 (twice, for qx and rx, with 16 bits): at 16 rows the LM head in 16-bit
 // activations is about twice as fast. A group's two int32 accumulators of 4 outputs are summed
-// by vphaddd into outputs 0 1 4 5 | 2 3 6 7; the fp32 accumulator keeps that lane order until
-// the store, which puts it back (a permutation: the lanes' bits are not touched).
+// by vphaddd into outputs 0 1 4 5 | 2 3 6 7; the fp32 accumulator keeps that lane order over
+// the groups and is put back before the scale (a permutation: the lanes' bits are not touched).
 template <int MR, bool Fine>
 void tile8_avx2(const int16_t* a16, const float* dx, const uint8_t* codes, const float* scale,
                 const float* bias, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
@@ -925,7 +925,7 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
     int8_t* r = fine ? rx_row(a, m, K, amx) : nullptr;
     (use_vnni() ? quantize_row : quantize_row_avx2)(xp + m * K, K, q, r, dx.data() + m * G,
                                                     xsum.data() + m * G);
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < G && !avx2; ++g) {  // tile8 and AMX: the correction of u = q + 128
       int32_t s1 = 0, s2 = 0;
       for (int i = 0; i < kGroup; ++i) {
         s1 += q[g * kGroup + i];

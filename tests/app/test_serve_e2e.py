@@ -408,7 +408,7 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype):
     and a prefix hit; a hostile request is refused alone and the server goes on. The same over
     a bf16 KV cache (``--kv-cache-dtype bfloat16``: half the bytes a block)."""
     with serve(model_dir, tmp_path, "--quantization", "gguf", "--kv-cache-dtype",
-               kv_cache_dtype, output_after_s=2.0) as proc:
+               kv_cache_dtype, wait_for_children=True) as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
         # Not "What is the capital of France?": fp32's first two tokens there are 0.09 apart

@@ -407,7 +407,8 @@ def test_q8_vnni_is_near_the_int8_product_and_rows_keep_their_bits(m, act_bits):
     product (half an int8 step, or 1/256 of one with 16 bits), the same bits alone as in the
     batch, a bias added, and a clear refusal of bad shapes."""
     gen = torch.Generator().manual_seed(m + act_bits)
-    q = torch.randint(-127, 128, (48, 96), generator=gen, dtype=torch.int8)
+    q = torch.randint(-128, 128, (48, 96), generator=gen, dtype=torch.int8)  # Q8_0 holds -128
+    q[0, :32] = -128
     scale = torch.rand(48, generator=gen) * 0.01
     x = torch.randn(m, 96, generator=gen) * 2
     b = torch.randn(48, generator=gen)
