@@ -31,7 +31,8 @@ def test_on_stop_runs_before_uvicorn_raises_the_caught_signal_again():
 def test_without_a_signal_on_stop_still_runs_once():
     calls: list[str] = []
     app = FastAPI()
-    server = DrainingServer(uvicorn.Config(app, log_config=None), app, 0.0, on_stop=lambda: calls.append("stop"))
+    server = DrainingServer(uvicorn.Config(app, log_config=None), app, 0.0,
+                            on_stop=lambda: calls.append("stop"))
     with server.capture_signals():
         pass
     assert calls == ["stop"]
