@@ -310,6 +310,79 @@ void tile_avx2(const int8_t* qx, const int8_t* rx, const float* dx, const float*
   }
 }
 
+// tile_avx2 for one row (a decode step of one sequence), both halves of the tile in one pass
+// over its groups: each group's 256 bytes of codes are loaded once and each activation quad
+// broadcast once for the 16 outputs, where tile_avx2 walks the groups once per half. Per
+// output the same integer dots and the same fp32 operations in the same order, so the same
+// bits as tile_avx2<1, Fine>.
+template <bool Fine>
+void tile_avx2_one_row(const int8_t* qx, const int8_t* rx, const float* dx, const float* xsum,
+                       const uint8_t* codes, const uint16_t* scale_min, const float* bias,
+                       float* y, int64_t K, int64_t m0, int64_t n0, int64_t N) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  const int8_t* q = qx + m0 * K;
+  const int8_t* r = Fine ? rx + m0 * K : nullptr;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = codes + g * kTileBytes;
+    prefetch_ahead(c, kTileBytes, scale_min + g * 2 * kTile);
+    // int16 pair sums: [half][low or high nibbles] for qx, and for rx
+    __m256i sq[2][2], sr[2][2];
+    for (int s = 0; s < 4; ++s) {
+      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64));
+      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64 + 32));
+      const __m256i w00 = _mm256_and_si256(z0, low);
+      const __m256i w01 = _mm256_and_si256(_mm256_srli_epi16(z0, 4), low);
+      const __m256i w10 = _mm256_and_si256(z1, low);
+      const __m256i w11 = _mm256_and_si256(_mm256_srli_epi16(z1, 4), low);
+      const int8_t* qg = q + g * kGroup + 8 * s;
+      const __m256i b0 = _mm256_set1_epi32(load4(qg)), b1 = _mm256_set1_epi32(load4(qg + 4));
+      const __m256i p00 = _mm256_maddubs_epi16(w00, b0), p01 = _mm256_maddubs_epi16(w01, b1);
+      const __m256i p10 = _mm256_maddubs_epi16(w10, b0), p11 = _mm256_maddubs_epi16(w11, b1);
+      if (s == 0) {
+        sq[0][0] = p00, sq[0][1] = p01, sq[1][0] = p10, sq[1][1] = p11;
+      } else {
+        sq[0][0] = _mm256_add_epi16(sq[0][0], p00), sq[0][1] = _mm256_add_epi16(sq[0][1], p01);
+        sq[1][0] = _mm256_add_epi16(sq[1][0], p10), sq[1][1] = _mm256_add_epi16(sq[1][1], p11);
+      }
+      if (Fine) {
+        const int8_t* rg = r + g * kGroup + 8 * s;
+        const __m256i c0 = _mm256_set1_epi32(load4(rg)), c1 = _mm256_set1_epi32(load4(rg + 4));
+        const __m256i t00 = _mm256_maddubs_epi16(w00, c0), t01 = _mm256_maddubs_epi16(w01, c1);
+        const __m256i t10 = _mm256_maddubs_epi16(w10, c0), t11 = _mm256_maddubs_epi16(w11, c1);
+        if (s == 0) {
+          sr[0][0] = t00, sr[0][1] = t01, sr[1][0] = t10, sr[1][1] = t11;
+        } else {
+          sr[0][0] = _mm256_add_epi16(sr[0][0], t00), sr[0][1] = _mm256_add_epi16(sr[0][1], t01);
+          sr[1][0] = _mm256_add_epi16(sr[1][0], t10), sr[1][1] = _mm256_add_epi16(sr[1][1], t11);
+        }
+      }
+    }
+    const int64_t mg = m0 * G + g;
+    const float dxs = Fine ? dx[mg] * (1.f / 256.f) : dx[mg];
+    const uint16_t* sm = scale_min + g * 2 * kTile;
+    for (int h = 0; h < 2; ++h) {
+      __m256i idot = _mm256_madd_epi16(_mm256_add_epi16(sq[h][0], sq[h][1]), ones);
+      if (Fine)
+        idot = _mm256_add_epi32(_mm256_slli_epi32(idot, 8),
+                                _mm256_madd_epi16(_mm256_add_epi16(sr[h][0], sr[h][1]), ones));
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 * h)));
+      const __m256 mn =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile + 8 * h)));
+      __m256& acc = h ? acc1 : acc0;
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(d, _mm256_set1_ps(dxs)), acc);
+      acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[mg]), acc);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = h ? acc1 : acc0;
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
+    _mm256_storeu_ps(y + m0 * N + n0 + 8 * h, v);
+  }
+}
+
 // ---- AMX-INT8: the same integer dots on the tile unit, from kAmxMinRowsQ4 / Q8 rows ----
 // On CPUs with AMX (Sapphire Rapids and later Xeons), TDPBSUD multiplies a 16-row x 32-input
 // tile of int8 activations (one group of every row) by an 8 x 64-byte tile of unsigned codes in
@@ -652,7 +725,7 @@ void rows_of_tile(const int8_t* qx, const int8_t* rx, const float* dx,
       case 4: tile_avx2<4, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
       case 3: tile_avx2<3, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
       case 2: tile_avx2<2, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
-      default: tile_avx2<1, Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, N, m, n0); break;
+      default: tile_avx2_one_row<Fine>(qx, rx, dx, xsum, c, sm, bias, y, K, m, n0, N); break;
     }
   });
 }
