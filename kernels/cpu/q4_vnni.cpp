@@ -329,35 +329,23 @@ void tile_avx2_one_row(const int8_t* qx, const int8_t* rx, const float* dx, cons
     prefetch_ahead(c, kTileBytes, scale_min + g * 2 * kTile);
     // int16 pair sums: [half][low or high nibbles] for qx, and for rx
     __m256i sq[2][2], sr[2][2];
+    for (auto* acc : {&sq, &sr})
+      for (auto& half : *acc) half[0] = half[1] = _mm256_setzero_si256();
     for (int s = 0; s < 4; ++s) {
       const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64));
       const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 64 + 32));
-      const __m256i w00 = _mm256_and_si256(z0, low);
-      const __m256i w01 = _mm256_and_si256(_mm256_srli_epi16(z0, 4), low);
-      const __m256i w10 = _mm256_and_si256(z1, low);
-      const __m256i w11 = _mm256_and_si256(_mm256_srli_epi16(z1, 4), low);
-      const int8_t* qg = q + g * kGroup + 8 * s;
-      const __m256i b0 = _mm256_set1_epi32(load4(qg)), b1 = _mm256_set1_epi32(load4(qg + 4));
-      const __m256i p00 = _mm256_maddubs_epi16(w00, b0), p01 = _mm256_maddubs_epi16(w01, b1);
-      const __m256i p10 = _mm256_maddubs_epi16(w10, b0), p11 = _mm256_maddubs_epi16(w11, b1);
-      if (s == 0) {
-        sq[0][0] = p00, sq[0][1] = p01, sq[1][0] = p10, sq[1][1] = p11;
-      } else {
-        sq[0][0] = _mm256_add_epi16(sq[0][0], p00), sq[0][1] = _mm256_add_epi16(sq[0][1], p01);
-        sq[1][0] = _mm256_add_epi16(sq[1][0], p10), sq[1][1] = _mm256_add_epi16(sq[1][1], p11);
-      }
-      if (Fine) {
-        const int8_t* rg = r + g * kGroup + 8 * s;
-        const __m256i c0 = _mm256_set1_epi32(load4(rg)), c1 = _mm256_set1_epi32(load4(rg + 4));
-        const __m256i t00 = _mm256_maddubs_epi16(w00, c0), t01 = _mm256_maddubs_epi16(w01, c1);
-        const __m256i t10 = _mm256_maddubs_epi16(w10, c0), t11 = _mm256_maddubs_epi16(w11, c1);
-        if (s == 0) {
-          sr[0][0] = t00, sr[0][1] = t01, sr[1][0] = t10, sr[1][1] = t11;
-        } else {
-          sr[0][0] = _mm256_add_epi16(sr[0][0], t00), sr[0][1] = _mm256_add_epi16(sr[0][1], t01);
-          sr[1][0] = _mm256_add_epi16(sr[1][0], t10), sr[1][1] = _mm256_add_epi16(sr[1][1], t11);
-        }
-      }
+      const __m256i w[2][2] = {
+          {_mm256_and_si256(z0, low), _mm256_and_si256(_mm256_srli_epi16(z0, 4), low)},
+          {_mm256_and_si256(z1, low), _mm256_and_si256(_mm256_srli_epi16(z1, 4), low)}};
+      // inputs 8 s .. 8 s + 3 meet the low nibbles, 8 s + 4 .. 8 s + 7 the high ones
+      const auto add_dots = [&](const int8_t* a, __m256i (&acc)[2][2]) {
+        const __m256i b[2] = {_mm256_set1_epi32(load4(a)), _mm256_set1_epi32(load4(a + 4))};
+        for (int h = 0; h < 2; ++h)
+          for (int n = 0; n < 2; ++n)
+            acc[h][n] = _mm256_add_epi16(acc[h][n], _mm256_maddubs_epi16(w[h][n], b[n]));
+      };
+      add_dots(q + g * kGroup + 8 * s, sq);
+      if (Fine) add_dots(r + g * kGroup + 8 * s, sr);
     }
     const int64_t mg = m0 * G + g;
     const float dxs = Fine ? dx[mg] * (1.f / 256.f) : dx[mg];
