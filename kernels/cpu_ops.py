@@ -132,6 +132,16 @@ def bf16_decode_attention_usable(head_dim: int) -> bool:
     return cpu_linear.loaded() and head_dim % 32 == 0 and _bf16_kv_cache()
 
 
+def decode_attention_avx512(enabled: bool | None = None) -> bool:
+    """Whether ``decode_attention`` runs fp32 caches on its AVX-512 tiles (two of the AVX2
+    path's 8-lane registers in each zmm: the same FMA chains and add trees, so the same bits;
+    ``benchmarks/bench_decode_attention.py`` times both). On by default where the CPU has
+    avx512f/bw/vl/dq and the kernels were built with it (GCC). ``enabled`` switches it for this
+    process (tests and benchmarks compare the paths in one process); True only takes effect
+    where it is available. Requires ``cpu_linear.load()``."""
+    return bool(torch.ops.saltserve_cpu.attention_avx512(-1 if enabled is None else int(enabled)))
+
+
 @functools.cache
 def _bf16_kv_cache() -> bool:
     return bool(torch.ops.saltserve_cpu.bf16_kv_cache())

@@ -32,6 +32,7 @@
 // 3-row tile (per layer, walking 30 layers' caches on a 2-vCPU Xeon: 16 on one 1,750-token prefix
 // 0.78 -> 0.63 ms, one sequence at 1,780 positions 0.19 -> 0.12, 16 unshared at 300 0.62 ->
 // 0.45). Working memory is kept per thread across calls (up to kKeepBytes of partials).
+// On AVX-512 CPUs, chunks read for 6+ query rows run on zmm tiles with the same bits (f32x16).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -61,6 +62,10 @@ inline float hsum(__m256 v) {
 
 
 constexpr int64_t kChunk = 64;  // positions per partial softmax
+// Work items of at least this many query rows take the AVX-512 tiles where they are on (f32x16
+// below); fewer rows (a sequence's own chunk: 3 rows for SmolLM2) are bound by reading K/V,
+// and there the zmm tiles were 0.86-0.89x the AVX2 ones (Ice Lake Xeon, 2 threads).
+constexpr int64_t kWideRows = 6;
 constexpr size_t kKeepBytes = 64u << 20;  // partial buffers kept across calls, at most
 constexpr size_t kKeepGroups = 1u << 16;  // groups (chunk keys) kept across calls, at most
 
@@ -230,6 +235,291 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
     for (; d0 + 32 <= D; d0 += 32) pv_tile<1, 4>(s + i * ld, ld, v, n, d0, acc + i);
     for (; d0 < D; d0 += 8) pv_tile<1, 1>(s + i * ld, ld, v, n, d0, acc + i);
   }
+}
+
+// fp32 caches on AVX-512 (avx512f/bw/vl/dq, where the CPU has them and attention_avx512 is on):
+// the AVX2 path's arithmetic, two of its 8-lane registers in each zmm, so the same bits.
+// - Scores: a zmm holds two query rows' 8 columns ([row 2p | row 2p + 1], packed once an item)
+//   against one key row's 8 columns broadcast to both halves: each half is score_tile's FMA
+//   chain for its row, and reduce8x2 is reduce8's tree on both halves at once (half its
+//   shuffles a score, and half the FMA instructions).
+// - P.V: each column's sum over positions is one FMA chain in position order whatever the
+//   register width, so 16-column tiles give pv_tile's bits.
+// - Softmax: exp over 16 lanes (lane for lane exp256's operations), the sum added in 8-lane
+//   halves in softmax_rows's order.
+// A query row left over from the pairs is scored by the AVX2 tile (the same bits again). Since
+// both paths give the same bits, each work item may take either: items of kWideRows rows or more
+// come here. The next item's K/V rows are prefetched at every 8-position score tile (at 48 rows,
+// 2 rows a tile): the AVX2 path's spread (a step a 3-row tile) asks for 30 rows at once, and
+// with it these tiles were 1.10x slower at 48 rows. Prefetch instructions still take a third
+// of this function's own samples with caches that do not fit L3 (waiting for fill buffers).
+// Ice Lake Xeon (AVX-512 with 2 FMA units), 2 threads, 16 sequences on a 1,760-token prefix,
+// 30 layers' caches, interleaved (benchmarks/bench_decode_attention.py): 1.13-1.27x the AVX2
+// path a layer; 16 gguf streams on that prefix in the engine, whole decode steps: 1.17x.
+#ifndef SALTSERVE_HAVE_AVX512
+#if defined(__x86_64__) && !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8
+#define SALTSERVE_HAVE_AVX512 1
+#else
+#define SALTSERVE_HAVE_AVX512 0
+#endif
+#endif
+#if SALTSERVE_HAVE_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace f32x16 {
+
+// _mm256_hadd_ps on each 256-bit half: per 128-bit lane [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+inline __m512 hadd(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// reduce8 on both halves of eight accumulators a[i] = [x_i | y_i]: lanes [x0..x3, y0..y3,
+// x4..x7, y4..y7] hold their sums, each in reduce8's order (lo + hi as its permutes add them).
+__attribute__((always_inline)) inline __m512 reduce8x2(const __m512* a) {
+  const __m512 t0 = hadd(a[0], a[1]), t1 = hadd(a[2], a[3]);
+  const __m512 t2 = hadd(a[4], a[5]), t3 = hadd(a[6], a[7]);
+  const __m512 u0 = hadd(t0, t1), u1 = hadd(t2, t3);
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// Where reduce8x2 puts accumulator a (0..7 of its group)'s first half; the second is 4 lanes on.
+constexpr int lane_of(int a) { return a < 4 ? a : a + 4; }
+
+// Scores of RP row pairs against NP positions: q2[p] is pair p's packed rows (D / 8 blocks of
+// [8 columns of row 2p | the same 8 of row 2p + 1]); s[r * ld + j] = (q_r . k_j) * sc for rows
+// r = 2p, 2p + 1, with score_tile's chains and tree.
+template <int RP, int NP>
+inline void score_pairs(const float* const* q2, const float* const* k, int64_t D, float sc,
+                        float* s, int64_t ld) {
+  constexpr int A = RP * NP, AP = (A + 7) / 8 * 8;  // accumulators; whole groups of 8
+  static_assert(A + RP + 1 <= 32, "32 zmm registers: accumulators, pairs and one key row");
+  __m512 a[AP];
+#pragma GCC unroll 32
+  for (int i = 0; i < AP; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 qv[RP];
+#pragma GCC unroll 4
+    for (int p = 0; p < RP; ++p) qv[p] = _mm512_loadu_ps(q2[p] + 2 * d);
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(k[j] + d));
+#pragma GCC unroll 4
+      for (int p = 0; p < RP; ++p) a[p * NP + j] = _mm512_fmadd_ps(qv[p], kv, a[p * NP + j]);
+    }
+  }
+  const __m512 scv = _mm512_set1_ps(sc);
+  if constexpr (NP == 8) {  // a pair's group: [row 2p 0..3, row 2p+1 0..3, 2p 4..7, 2p+1 4..7]
+    const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+#pragma GCC unroll 4
+    for (int p = 0; p < RP; ++p) {
+      const __m512 v = _mm512_permutexvar_ps(rows, _mm512_mul_ps(reduce8x2(a + 8 * p), scv));
+      _mm256_storeu_ps(s + 2 * p * ld, _mm512_castps512_ps256(v));
+      _mm256_storeu_ps(s + (2 * p + 1) * ld, _mm512_extractf32x8_ps(v, 1));
+    }
+  } else {
+    alignas(64) float sums[AP * 2];
+#pragma GCC unroll 4
+    for (int g = 0; g < AP / 8; ++g)
+      _mm512_store_ps(sums + 16 * g, _mm512_mul_ps(reduce8x2(a + 8 * g), scv));
+    for (int p = 0; p < RP; ++p)
+      for (int j = 0; j < NP; ++j) {
+        const int i = p * NP + j, at = 16 * (i / 8) + lane_of(i % 8);
+        s[2 * p * ld + j] = sums[at];
+        s[(2 * p + 1) * ld + j] = sums[at + 4];
+      }
+  }
+}
+
+// pv_tile on 16-column registers: acc[r][d0 .. d0 + 16 NV) = sum_j w[r * ld + j] * v_j[d0 ..],
+// j in position order. Half: 8 columns (D % 16 == 8), NV = 1. (The loops are unrolled so that
+// GCC keeps a[] in registers; rolled, it stored all 24 accumulators every position.)
+template <int R, int NV, bool Half = false>
+inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n, int64_t d0,
+                    float* const* acc) {
+  static_assert(R * NV + NV <= 32 && (!Half || NV == 1), "32 zmm registers");
+  constexpr __mmask16 mask = Half ? 0x00FF : 0xFFFF;
+  __m512 a[R][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v[j] + d0;
+    __m512 x[NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i)
+      x[i] = Half ? _mm512_maskz_loadu_ps(mask, vj + 16 * i) : _mm512_loadu_ps(vj + 16 * i);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r * ld + j]);
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(wv, x[i], a[r][i]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) _mm512_mask_storeu_ps(acc[r] + d0 + 16 * i, mask, a[r][i]);
+}
+
+// R rows of P.V over every column: 64-column tiles, then 16, then a half register.
+template <int R>
+inline void pv_rows(const float* w, int64_t ld, const float* const* v, int64_t n, int64_t D,
+                    float* const* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_tile<R, 4>(w, ld, v, n, d0, acc);
+  for (; d0 + 16 <= D; d0 += 16) pv_tile<R, 1>(w, ld, v, n, d0, acc);
+  if (d0 < D) pv_tile<R, 1, true>(w, ld, v, n, d0, acc);
+}
+
+// exp256's operations on 16 lanes (the same result lane for lane).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// softmax_rows with 16-lane max and exp; the sum in its 8-lane order, so the same bits.
+void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
+                  float* const* l) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* si = s + i * ld;
+    __m512 mx16 = _mm512_set1_ps(-INFINITY);  // max is exact in any order
+    int64_t j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(si + j0));
+    if (j0 < n) {
+      const __mmask16 rest = static_cast<__mmask16>((1u << (n - j0)) - 1);
+      mx16 = _mm512_max_ps(mx16, _mm512_mask_loadu_ps(mx16, rest, si + j0));
+    }
+    const float mx = _mm512_reduce_max_ps(mx16);
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
+      _mm512_storeu_ps(si + j, e);
+      sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
+      sum8 = _mm256_add_ps(sum8, _mm512_extractf32x8_ps(e, 1));
+    }
+    if (j + 8 <= n) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(si + j), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(si + j, e);
+      sum8 = _mm256_add_ps(sum8, e);
+      j += 8;
+    }
+    float sum = hsum(sum8);
+    if (j < n) {  // the tail through the same exp, padded, added one by one
+      alignas(32) float tail[8];
+      for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? si[j + t] - mx : -INFINITY;
+      _mm256_store_ps(tail, exp256(_mm256_load_ps(tail)));
+      for (int64_t t = 0; j + t < n; ++t) {
+        si[j + t] = tail[t];
+        sum += tail[t];
+      }
+    }
+    *m[i] = mx;
+    *l[i] = sum;
+  }
+}
+
+// partial() on AVX-512: the same outputs, bit for bit. q2: scratch for nq / 2 packed pairs.
+void partial(const float* const* q, int64_t nq, const float* const* k, const float* const* v,
+             int64_t n, int64_t D, float sc, float* s, float* q2, float* const* m,
+             float* const* l, float* const* acc, const float* const* next_k,
+             const float* const* next_v, int64_t next_n) {
+  constexpr int64_t ld = kChunk;
+  const int64_t pairs = nq / 2;
+  for (int64_t p = 0; p < pairs; ++p)  // [8 of row 2p | 8 of row 2p + 1] for each 8 columns
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_storeu_ps(q2 + 2 * (p * D + d), _mm256_loadu_ps(q[2 * p] + d));
+      _mm256_storeu_ps(q2 + 2 * (p * D + d) + 8, _mm256_loadu_ps(q[2 * p + 1] + d));
+    }
+  // The next item's rows are asked for a few at a time, at every tile of 8 positions (at 48
+  // rows, 2 rows a tile: a burst of more fills the core's line fill buffers and stalls on them).
+  const int64_t tiles_8 = (n + 7) / 8;
+  const int64_t steps = ((pairs + 2) / 3 + nq % 2) * tiles_8 + (nq + 5) / 6;
+  Prefetcher<float> ahead(next_k, next_v, next_n, steps);
+  const float* qp[3];
+  int64_t p = 0;
+  for (; p + 3 <= pairs; p += 3) {  // 6 rows: 24 accumulators
+    for (int t = 0; t < 3; ++t) qp[t] = q2 + 2 * (p + t) * D;
+    int64_t j = 0;
+    float* sp = s + 2 * p * ld;
+    for (; j + 8 <= n; j += 8) {
+      ahead.step(D * 4);
+      score_pairs<3, 8>(qp, k + j, D, sc, sp + j, ld);
+    }
+    for (; j < n; ++j) score_pairs<3, 1>(qp, k + j, D, sc, sp + j, ld);
+  }
+  for (; p < pairs; ++p) {
+    qp[0] = q2 + 2 * p * D;
+    int64_t j = 0;
+    float* sp = s + 2 * p * ld;
+    for (; j + 8 <= n; j += 8) {
+      ahead.step(D * 4);
+      score_pairs<1, 8>(qp, k + j, D, sc, sp + j, ld);
+    }
+    for (; j + 4 <= n; j += 4) score_pairs<1, 4>(qp, k + j, D, sc, sp + j, ld);
+    for (; j < n; ++j) score_pairs<1, 1>(qp, k + j, D, sc, sp + j, ld);
+  }
+  if (nq % 2) {  // the row left over: AVX2's tile, the same chains and tree
+    const int64_t i = nq - 1;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      ahead.step(D * 4);
+      score_tile<1, 8>(q + i, k + j, D, sc, s + i * ld + j, ld);
+    }
+    for (; j < n; ++j) score_tile<1, 1>(q + i, k + j, D, sc, s + i * ld + j, ld);
+  }
+  softmax_rows(s, ld, nq, n, m, l);
+  int64_t i = 0;
+  for (; i + 6 <= nq; i += 6) {
+    ahead.step(D * 4);
+    pv_rows<6>(s + i * ld, ld, v, n, D, acc + i);
+  }
+  ahead.step(D * 4, true);
+  for (; i + 3 <= nq; i += 3) pv_rows<3>(s + i * ld, ld, v, n, D, acc + i);
+  for (; i + 2 <= nq; i += 2) pv_rows<2>(s + i * ld, ld, v, n, D, acc + i);
+  for (; i < nq; ++i) pv_rows<1>(s + i * ld, ld, v, n, D, acc + i);
+}
+
+}  // namespace f32x16
+#pragma GCC pop_options
+#endif  // SALTSERVE_HAVE_AVX512
+
+// Whether fp32 caches take the AVX-512 path (f32x16): built, a CPU with avx512f/bw/vl/dq, and
+// not switched off by attention_avx512(0). Both paths give the same bits.
+bool avx512_supported() {
+#if SALTSERVE_HAVE_AVX512
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+#else
+  return false;
+#endif
+}
+std::atomic<int> avx512_on{-1};  // -1: not set yet (then: where supported)
+
+// The switch (tests and benchmarks compare both paths in one process): enabled -1 asks,
+// 0 / 1 turn the AVX-512 path off / on (on only where supported). Returns whether it is on.
+bool attention_avx512(int64_t enabled) {
+  if (enabled >= 0) avx512_on = enabled && avx512_supported();
+  int on = avx512_on.load();
+  if (on < 0) avx512_on = on = avx512_supported();
+  return on;
 }
 
 // bf16 caches (--kv-cache-dtype bfloat16): the same plan, chunks and merge, with the products
@@ -651,6 +941,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // Items [0, nthreads) are the threads' first (each thread's own indices of parallel_for, so a
   // thread that starts early cannot also take a late one's first item); then they are taken in
   // turn from next.
+  // fp32 caches on the AVX-512 tiles (items of kWideRows rows or more)
+  [[maybe_unused]] const bool wide = !half && attention_avx512(-1);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next{nthreads};
@@ -660,7 +952,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       std::vector<const float*> qr, kr, vr, next_kr, next_vr;             // float32 caches
       std::vector<const uint16_t*> qh, kh, vh, next_kh, next_vh;          // bfloat16 caches
       std::vector<float*> mr, lr, ar;
-      std::vector<float> sbuf;
+      std::vector<float> sbuf, q2;
       std::vector<uint32_t> pb;
       std::vector<__m512i> kt, vp;
     };
@@ -721,9 +1013,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #endif
         std::swap(r.kh, r.next_kh), std::swap(r.vh, r.next_vh);
       } else {
-        partial(r.qr.data(), nq, r.kr.data(), r.vr.data(), grp.n, D, sc, r.sbuf.data(),
-                r.mr.data(), r.lr.data(), r.ar.data(), r.next_kr.data(), r.next_vr.data(),
-                next_n);
+#if SALTSERVE_HAVE_AVX512
+        if (wide && nq >= kWideRows) {
+          r.q2.resize(nq * D);
+          f32x16::partial(r.qr.data(), nq, r.kr.data(), r.vr.data(), grp.n, D, sc,
+                          r.sbuf.data(), r.q2.data(), r.mr.data(), r.lr.data(), r.ar.data(),
+                          r.next_kr.data(), r.next_vr.data(), next_n);
+        } else
+#endif
+          partial(r.qr.data(), nq, r.kr.data(), r.vr.data(), grp.n, D, sc, r.sbuf.data(),
+                  r.mr.data(), r.lr.data(), r.ar.data(), r.next_kr.data(), r.next_vr.data(),
+                  next_n);
         std::swap(r.kr, r.next_kr), std::swap(r.vr, r.next_vr);
       }
       it = nx;
@@ -771,8 +1071,12 @@ TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> ()");
   m.def("bf16_kv_cache() -> bool");
+  m.def("attention_avx512(int enabled) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
 
-TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) { m.impl("bf16_kv_cache", &bf16_kv_cache); }
+TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) {
+  m.impl("bf16_kv_cache", &bf16_kv_cache);
+  m.impl("attention_avx512", &attention_avx512);
+}

@@ -297,6 +297,62 @@ def test_a_chunk_shared_by_many_rows_gives_each_row_its_bits_alone(kvh, h, d):
                                                         16, 0.125), rtol=1e-5, atol=1e-5)
 
 
+_AVX512 = pytest.mark.skipif(not (_LOADED and cpu_ops.decode_attention_avx512()),
+                             reason="the AVX-512 attention tiles need avx512f/bw/vl/dq")
+
+
+@pytest.fixture
+def avx2_and_avx512():
+    """Runs ``decode_attention`` on the AVX2 path, then the AVX-512 one; the switch restored."""
+    was = cpu_ops.decode_attention_avx512()
+
+    def both(*args):
+        outs = []
+        for wide in (False, True):
+            assert cpu_ops.decode_attention_avx512(wide) is wide
+            out = torch.full_like(args[0], float("nan"))
+            cpu_ops.decode_attention(out, *args[1:])
+            outs.append(out)
+        return outs
+    yield both
+    cpu_ops.decode_attention_avx512(was)
+
+
+def test_the_avx512_attention_switch_turns_on_only_where_the_cpu_has_it():
+    was = cpu_ops.decode_attention_avx512()
+    try:
+        assert cpu_ops.decode_attention_avx512(False) is False
+        assert cpu_ops.decode_attention_avx512() is False  # it stays off
+        flags = cpu_linear.cpu_flags()
+        assert cpu_ops.decode_attention_avx512(True) is (
+            {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    finally:
+        cpu_ops.decode_attention_avx512(was)
+
+
+@_AVX512
+@pytest.mark.parametrize("kvh,h", [(3, 9), (1, 4), (2, 2), (1, 7), (1, 8)])
+@pytest.mark.parametrize("d", [64, 72, 8, 136, 16])
+def test_the_avx512_and_avx2_attention_paths_give_the_same_bits(kvh, h, d, avx2_and_avx512):
+    """Two AVX2 registers in each zmm are the same FMA chains and add trees, so the same bits:
+    16 sequences on a shared prefix (groups of 16 to 128 query rows: tiles of 3 row pairs, of
+    1 pair, a row left over), and unshared lengths with every remainder of 8 positions (score
+    tiles of 8, 4 and 1 positions; the AVX-512 tiles take items of 6 rows or more, so 7 and 8
+    query rows per KV head reach them). Head dims of 64-column P.V tiles, 16-column ones and a
+    half register (72, 136), 16, and 8 alone."""
+    q, kc, vc, qsl, lens, bt, _ = _many_sharing(16, kvh, h, d, seed=d + h)
+    slow, wide = avx2_and_avx512(q, q, kc, vc, qsl, lens, bt, 0.125)
+    assert not slow.isnan().any()
+    assert torch.equal(slow, wide)
+    seq_lens = [1, 7, 16, 17, 40, 3, 300, 129, 64, 2, 6, 130, 12, 13, 14, 15, 5]
+    kc, vc, meta, _ = _cache_and_meta(seq_lens, [1] * len(seq_lens), kvh=kvh, d=d, seed=d)
+    q = torch.randn(len(seq_lens), h, d, generator=torch.Generator().manual_seed(h))
+    slow, wide = avx2_and_avx512(q, q, kc, vc, meta.query_start_loc, meta.seq_lens,
+                                 meta.block_tables, 0.125)
+    assert not slow.isnan().any()
+    assert torch.equal(slow, wide)
+
+
 _BF16 = pytest.mark.skipif(not cpu_ops.bf16_decode_attention_usable(64),
                            reason="bf16 caches need our kernels and avx512_bf16")
 
