@@ -6,14 +6,22 @@ one torch thread against 59.3 on two on one machine (an AMD EPYC, 2026-12-02, se
 47.7 against 70.3 on another (an Intel Xeon, session 13): whether two OpenMP workers beat one
 depends on how the vCPUs share cores with the event loop, which only the served process can
 see. So while serving, the engine alternates the candidate counts in short blocks, keeps the
-one whose steps took the least (median), and measures again every ``every`` one-token steps.
-The tokens do not depend on the count (each output of our CPU kernels is summed by one thread).
+one whose steps took the least (median), and measures again after ``every`` one-token steps or
+``every_s`` seconds, whichever comes first. The tokens do not depend on the count (each output
+of our CPU kernels is summed by one thread).
+
+Why seconds too: a trial taken while another process held a core chose one thread for an fp32
+server (2 threads 116 ms a step, 1 thread 52 ms); 4,096 one-token steps of a server that mostly
+batches came 20 minutes later, and until then its lone streams ran at 19-20 tok/s where two
+threads give 38 (an Ice Lake Xeon, session 27).
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -25,35 +33,44 @@ class ThreadTuner:
 
     Per trial the candidates run in turn, ``block`` steps each, for ``rounds`` rounds; the
     first step of each block is not counted (the OpenMP pool resizes on it). The candidate
-    with the lowest median step time wins and runs for the next ``every`` one-token steps,
-    then a new trial starts (load on the machine changes).
+    with the lowest median step time wins and runs until ``every`` one-token steps have run or
+    ``every_s`` seconds have passed since the trial ended, then a new trial starts (load on the
+    machine changes).
 
     Args:
         candidates: distinct thread counts >= 1, e.g. ``(1, 2)``.
         block: steps per candidate per round (>= 2).
         rounds: rounds per trial (>= 1).
-        every: one-token steps between trials (>= 0; 0 = never measure again).
+        every: one-token steps between trials (>= 0; 0 = never by count).
+        every_s: seconds between trials (>= 0; 0 = never by time). A trial costs
+            ``trial_steps`` steps, half of them on the slower count: at 60 s, about 1% of an
+            fp32 stream on 2 vCPUs.
+        clock: seconds, monotonic (``time.monotonic``; tests pass their own).
 
     Raises:
-        ValueError: fewer than 2 candidates, a count below 1, or a bad block/rounds/every.
+        ValueError: fewer than 2 candidates, a count below 1, or a bad block, rounds, every
+            or every_s.
     """
 
     candidates: tuple[int, ...]
     block: int = 8
     rounds: int = 3
     every: int = 4096
+    every_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
     chosen: int | None = None  # the winner of the last trial; None before the first ends
     trials: int = 0  # trials finished
     _times: dict[int, list[float]] = field(default_factory=dict, init=False)
     _step: int = field(default=0, init=False)  # one-token steps into the current phase
     _trying: bool = field(default=True, init=False)
+    _chosen_at: float = field(default=0.0, init=False)  # clock() when the last trial ended
 
     def __post_init__(self) -> None:
         if len(set(self.candidates)) < 2 or min(self.candidates) < 1:
             raise ValueError(f"thread candidates must be 2+ distinct counts >= 1, "
                              f"got {self.candidates}")
-        if self.block < 2 or self.rounds < 1 or self.every < 0:
-            raise ValueError("block must be >= 2, rounds >= 1 and every >= 0")
+        if self.block < 2 or self.rounds < 1 or self.every < 0 or not self.every_s >= 0:
+            raise ValueError("block must be >= 2, rounds >= 1, every >= 0 and every_s >= 0")
         self._times = {c: [] for c in self.candidates}
 
     @property
@@ -72,7 +89,8 @@ class ThreadTuner:
         time in seconds; advances the schedule."""
         if not self._trying:
             self._step += 1
-            if self.every and self._step >= self.every:
+            if (self.every and self._step >= self.every) or \
+                    (self.every_s and self.clock() - self._chosen_at >= self.every_s):
                 self._trying, self._step = True, 0
             return
         if self._step % self.block:  # not the first step of its block
@@ -88,3 +106,4 @@ class ThreadTuner:
                     self.chosen)
         self._times = {c: [] for c in self.candidates}
         self._trying, self._step = False, 0
+        self._chosen_at = self.clock()

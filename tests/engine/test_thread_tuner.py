@@ -54,8 +54,24 @@ def test_it_measures_again_after_every_steps_and_follows_a_change():
     assert used == [1, 1, 2, 2] and tuner.chosen == 1 and tuner.trials == 2
 
 
+def test_it_measures_again_after_every_s_seconds_even_between_few_steps():
+    """A server that mostly batches runs few one-token steps: the count must not stay on a
+    choice made under a passing load for thousands of them (session 27: 20 minutes)."""
+    now = [100.0]
+    tuner = ThreadTuner((1, 2), block=2, rounds=1, every=4096, every_s=60, clock=lambda: now[0])
+    drive(tuner, {1: 0.05, 2: 0.12}, 4)  # another process held a core: one thread won
+    assert tuner.chosen == 1
+    now[0] += 59
+    assert drive(tuner, {1: 0.05, 2: 0.025}, 20) == [1] * 20  # not yet a minute
+    now[0] += 1
+    drive(tuner, {1: 0.05, 2: 0.025}, 1)  # the step that sees the minute is up
+    used = drive(tuner, {1: 0.05, 2: 0.025}, 4)
+    assert used == [1, 1, 2, 2] and tuner.chosen == 2 and tuner.trials == 2
+    assert drive(tuner, {1: 0.05, 2: 0.025}, 30) == [2] * 30
+
+
 def test_every_zero_keeps_the_first_choice():
-    tuner = ThreadTuner((3, 4), block=2, rounds=1, every=0)
+    tuner = ThreadTuner((3, 4), block=2, rounds=1, every=0, every_s=0)
     drive(tuner, {3: 0.01, 4: 0.02}, 4)
     assert drive(tuner, {3: 0.05, 4: 0.01}, 1000) == [3] * 1000 and tuner.trials == 1
 
@@ -72,7 +88,9 @@ def test_the_choice_is_logged_without_request_data(caplog):
                                     {"candidates": (0, 1)},
                                     {"candidates": (1, 2), "block": 1},
                                     {"candidates": (1, 2), "rounds": 0},
-                                    {"candidates": (1, 2), "every": -1}])
+                                    {"candidates": (1, 2), "every": -1},
+                                    {"candidates": (1, 2), "every_s": -1.0},
+                                    {"candidates": (1, 2), "every_s": float("nan")}])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ThreadTuner(**kwargs)
