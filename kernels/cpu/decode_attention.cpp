@@ -152,6 +152,20 @@ struct Prefetcher {
   }
 };
 
+// The last n - j (< 8) numerators of a row, exp(si - mx) through exp256 padded with -inf, added
+// one by one to sum (the whole 8-lane blocks' sum); returns the row's sum. Both softmax paths.
+inline float softmax_tail(float* si, int64_t j, int64_t n, float mx, float sum) {
+  if (j >= n) return sum;
+  alignas(32) float tail[8];
+  for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? si[j + t] - mx : -INFINITY;
+  _mm256_store_ps(tail, exp256(_mm256_load_ps(tail)));
+  for (int64_t t = 0; j + t < n; ++t) {
+    si[j + t] = tail[t];
+    sum += tail[t];
+  }
+  return sum;
+}
+
 // Softmax numerators of rows s[i * ld + 0 .. n), i < nq, in place: s = exp(s - m_i), with the
 // row max in *m[i] and the sum of the numerators in *l[i].
 void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
@@ -176,18 +190,8 @@ void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
       _mm256_storeu_ps(si + j, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
-    float sum = hsum(sum8);
-    if (j < n) {  // the tail through the same exp, padded
-      alignas(32) float tail[8];
-      for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? si[j + t] - mx : -INFINITY;
-      _mm256_store_ps(tail, exp256(_mm256_load_ps(tail)));
-      for (int64_t t = 0; j + t < n; ++t) {
-        si[j + t] = tail[t];
-        sum += tail[t];
-      }
-    }
     *m[i] = mx;
-    *l[i] = sum;
+    *l[i] = softmax_tail(si, j, n, mx, hsum(sum8));
   }
 }
 
@@ -422,18 +426,8 @@ void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
       sum8 = _mm256_add_ps(sum8, e);
       j += 8;
     }
-    float sum = hsum(sum8);
-    if (j < n) {  // the tail through the same exp, padded, added one by one
-      alignas(32) float tail[8];
-      for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? si[j + t] - mx : -INFINITY;
-      _mm256_store_ps(tail, exp256(_mm256_load_ps(tail)));
-      for (int64_t t = 0; j + t < n; ++t) {
-        si[j + t] = tail[t];
-        sum += tail[t];
-      }
-    }
     *m[i] = mx;
-    *l[i] = sum;
+    *l[i] = softmax_tail(si, j, n, mx, hsum(sum8));
   }
 }
 
