@@ -11,9 +11,9 @@ one whose steps took the least (median), and measures again after ``every`` one-
 of our CPU kernels is summed by one thread).
 
 Why seconds too: a trial taken while another process held a core chose one thread for an fp32
-server (2 threads 116 ms a step, 1 thread 52 ms); 4,096 one-token steps of a server that mostly
-batches came 20 minutes later, and until then its lone streams ran at 19-20 tok/s where two
-threads give 38 (an Ice Lake Xeon, session 27).
+server (2 threads 116 ms a step, 1 thread 52 ms). A server that mostly batches had not run
+4,096 one-token steps 20 minutes later, and all that time its lone streams ran at 19-20 tok/s
+where two threads give 35-40 (an Ice Lake Xeon, session 27).
 """
 
 from __future__ import annotations
