@@ -152,9 +152,17 @@ struct Prefetcher {
   }
 };
 
-// The last n - j (< 8) numerators of a row, exp(si - mx) through exp256 padded with -inf, added
-// one by one to sum (the whole 8-lane blocks' sum); returns the row's sum. Both softmax paths.
-inline float softmax_tail(float* si, int64_t j, int64_t n, float mx, float sum) {
+// A row's numerators from position j on, in place: whole 8-lane blocks through exp256, added to
+// sum8 in position order, then the last n % 8 (exp256 padded with -inf) added one by one to the
+// blocks' hsum. Returns the row's sum. Both softmax paths end here, so they sum in one order.
+inline float softmax_rest(float* si, int64_t j, int64_t n, float mx, __m256 sum8) {
+  const __m256 mv = _mm256_set1_ps(mx);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
+    _mm256_storeu_ps(si + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
   if (j >= n) return sum;
   alignas(32) float tail[8];
   for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? si[j + t] - mx : -INFINITY;
@@ -182,16 +190,8 @@ void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
     float mx = -INFINITY;
     for (int t = 0; t < 8; ++t) mx = lanes[t] > mx ? lanes[t] : mx;
     for (; j0 < n; ++j0) mx = si[j0] > mx ? si[j0] : mx;
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
-      _mm256_storeu_ps(si + j, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
     *m[i] = mx;
-    *l[i] = softmax_tail(si, j, n, mx, hsum(sum8));
+    *l[i] = softmax_rest(si, 0, n, mx, _mm256_setzero_ps());
   }
 }
 
@@ -378,20 +378,20 @@ inline void pv_rows(const float* w, int64_t ld, const float* const* v, int64_t n
   if (d0 < D) pv_tile<R, 1, true>(w, ld, v, n, d0, acc);
 }
 
-// exp256's operations on 16 lanes (the same result lane for lane).
+// exp256's operations and coefficients on 16 lanes (the same result lane for lane).
 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
-                    _mm512_set1_ps(88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  using namespace saltserve::exp_coef;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kMax)), _mm512_set1_ps(kMax));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP5));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
@@ -420,14 +420,8 @@ void softmax_rows(float* s, int64_t ld, int64_t nq, int64_t n, float* const* m,
       sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
       sum8 = _mm256_add_ps(sum8, _mm512_extractf32x8_ps(e, 1));
     }
-    if (j + 8 <= n) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(si + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(si + j, e);
-      sum8 = _mm256_add_ps(sum8, e);
-      j += 8;
-    }
     *m[i] = mx;
-    *l[i] = softmax_tail(si, j, n, mx, hsum(sum8));
+    *l[i] = softmax_rest(si, j, n, mx, sum8);  // the 8-lane block and tail left, AVX2's way
   }
 }
 
