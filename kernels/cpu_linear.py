@@ -38,7 +38,7 @@ Q4_VNNI_SOURCE = Path(__file__).with_name("cpu") / "q4_vnni.cpp"
 # kernels/cpu_ops.py's fused ops, built into the same extension.
 OPS_SOURCES = [Path(__file__).with_name("cpu") / f for f in ("norm.cpp", "decode_attention.cpp",
                                                         "rotary_cache.cpp", "decode_layer.cpp",
-                                                        "activation.cpp")]
+                                                        "activation.cpp", "sampling.cpp")]
 Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
 Q4_VNNI_TILE = 16  # outputs per tile of kernels/cpu/q4_vnni.cpp (the lanes of a zmm)
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
@@ -115,7 +115,7 @@ def load() -> bool:
                            "decode_attention", "bf16_kv_cache", "attention_avx512",
                            "rotary_neox_",
                            "reshape_and_cache",
-                           "decode_layer", "decode_layers", "silu_and_mul"):
+                           "decode_layer", "decode_layers", "silu_and_mul", "argmax_rows"):
                     getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
             except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
                 why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"

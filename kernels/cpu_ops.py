@@ -97,6 +97,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its maximum (greedy sampling): ``x.max(dim=-1).indices``, the same
+    values (equal maxima: the first; a row with a NaN: its first NaN).
+
+    Args:
+        x: [rows, n] float, n > 0.
+
+    Returns:
+        [rows] int64: our op for contiguous fp32 CPU rows (``kernels/cpu/sampling.cpp``; 43 us
+        of torch's for a [1, 49,152] row), else torch's.
+    """
+    if _our_rows(x) and x.shape[1] > 0:
+        return torch.ops.saltserve_cpu.argmax_rows(x)
+    return x.max(dim=-1).indices
+
+
 def _int32_cpu_metadata(meta: AttentionMetadata) -> bool:
     """The metadata's query_start_loc, seq_lens and block_tables as the engine builds them."""
     return all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"

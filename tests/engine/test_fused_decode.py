@@ -358,8 +358,7 @@ def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
     model = _model("gguf", bias=False)
     meta, positions = _decode_step([9, 12])
     hidden, caches = torch.randn(2, HIDDEN), _caches(2)
-    fused = model._fused_decode_args(hidden, caches, meta)
-    norms, weights, kinds, groups = model._flat_decode_args(2, fused)
+    norms, weights, kinds, groups = model._fused_decode_args(hidden, caches, meta)[1]
     cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
     layer = model.layers[0]
     args = (cos, sin, caches, meta, layer.num_heads, layer.intermediate_size, layer.scale)

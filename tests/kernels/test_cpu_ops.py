@@ -94,6 +94,45 @@ def test_silu_and_mul_refuses_what_it_cannot_take():
         torch.ops.saltserve_cpu.silu_and_mul(torch.randn(2, 8).double())
 
 
+@pytest.mark.parametrize("t,n", [(1, 49152), (1, 1), (3, 7), (5, 8), (2, 17), (16, 1000)])
+def test_argmax_rows_gives_torchs_indices(t, n):
+    """Greedy sampling's argmax: ``x.max(dim=-1).indices`` exactly, on random rows (a tail of
+    n % 8, rows split across threads from 4) and on the rows where only the rule decides:
+    equal maxima (the first, in a lane or the tail), -0.0 beside +0.0, a NaN (the first NaN,
+    even after a larger value), all -inf (masked logits), +inf."""
+    gen = torch.Generator().manual_seed(t * 31 + n)
+    x = torch.randn(t, n, generator=gen) * 5
+    assert torch.equal(torch.ops.saltserve_cpu.argmax_rows(x), x.max(dim=-1).indices)
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+    if n < 8:
+        return
+    rows = torch.full((8, n), -1.0)
+    rows[0, [3, n - 1]] = 2.0  # equal maxima: a lane and the tail
+    rows[1, [n - 1, n - 2]] = 2.0
+    rows[2, 5], rows[2, 2] = 0.0, -0.0  # -0.0 == +0.0: the first
+    rows[3, 1], rows[3, 4], rows[3, n - 1] = 9.0, float("nan"), float("nan")
+    rows[4, n - 1] = float("nan")  # a NaN in the tail only
+    rows[5] = float("-inf")
+    rows[6, [2, 6]] = float("inf")
+    rows[7, 0] = 3.0  # the first position
+    got = torch.ops.saltserve_cpu.argmax_rows(rows)
+    assert torch.equal(got, rows.max(dim=-1).indices)
+    assert got[:3].tolist() == [3, n - 2, 2] and got[3] == 4 and got[5] == 0 and got[6] == 2
+
+
+def test_argmax_rows_falls_back_and_refuses_what_it_cannot_take():
+    x = torch.randn(6, 40)
+    strided = x[:, ::2]  # not contiguous: torch's
+    assert torch.equal(cpu_ops.argmax_rows(strided), strided.max(dim=-1).indices)
+    assert torch.equal(cpu_ops.argmax_rows(x.double()), x.double().max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match=r"\[rows, n\]"):
+        torch.ops.saltserve_cpu.argmax_rows(torch.randn(5))
+    with pytest.raises(RuntimeError, match=r"\[rows, n\]"):
+        torch.ops.saltserve_cpu.argmax_rows(torch.randn(2, 0))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.saltserve_cpu.argmax_rows(x.double())
+
+
 def _block_table(tables):
     """[len(tables), longest] int32 block table, each row its table then zeros."""
     bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
