@@ -234,9 +234,8 @@ class ModelRunner:
             return ExecuteOutput({})
         dev = self.torch_device
         max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        block_tables = torch.tensor([(*t, *(0,) * (max_blocks - len(t))) for t in tables],
+                                    dtype=torch.int32)  # padded with 0 (one call, not a row's)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)

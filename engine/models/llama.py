@@ -9,6 +9,7 @@ transformers' ``LlamaForCausalLM`` (fp32 RMSNorm, fp32 rotary tables) so greedy 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from engine.quantization import (
     make_linear,
 )
 from kernels import cpu_ops
+
+_OWN_BELOW = attrgetter("own_below")
 
 __all__ = ["LlamaForCausalLM", "ModelConfig"]
 
@@ -271,8 +274,7 @@ class LlamaForCausalLM(nn.Module):
         thresholds (every ``dense_from()`` is ``engine.quantization.dense_from_tokens()`` or
         ``int8_dense_from_tokens()``) and each 4-bit layer's ``own_below`` (tests and
         benchmarks change them)."""
-        return (dense_from_tokens(), int8_dense_from_tokens(),
-                *(m.own_below for m in holders))
+        return dense_from_tokens(), int8_dense_from_tokens(), *map(_OWN_BELOW, holders)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32."""

@@ -354,6 +354,31 @@ def test_every_layer_in_one_call_follows_a_layer_rebound_after_a_step():
     assert torch.equal(got, want) and not torch.equal(got, before)
 
 
+def test_the_steps_joined_arguments_are_kept_and_follow_each_threshold(monkeypatch):
+    """The joined arguments are made once per row count and reused by later steps (the same
+    objects), and made again when a 4-bit layer's ``own_below`` or a dense-copy threshold
+    changes after a step has cached them: each step runs the kernels its projections name."""
+    monkeypatch.setattr(quantization, "VNNI_KERNELS", False)  # the Q4 / int4 choice applies
+    model = _model("gguf", bias=False)
+    meta, _ = _decode_step([9, 12])
+    hidden, caches = torch.randn(2, HIDDEN), _caches(2)
+    first = model._fused_decode_args(hidden, caches, meta)
+    assert model._fused_decode_args(hidden, caches, meta) is first
+    qkv = model.layers[1].qkv
+    assert isinstance(qkv, Int4Linear)
+    kinds = first[1][2]
+    qkv.own_below = 3  # two rows now run our Q4 kernel
+    second = model._fused_decode_args(hidden, caches, meta)
+    assert second is not first and second[1][2][4] == SPEC_Q4 and kinds[4] != SPEC_Q4
+    assert second[1][2][:4] == kinds[:4]  # the other layers' projections as before
+    qkv.own_below = 0
+    assert model._fused_decode_args(hidden, caches, meta)[1][2] == kinds
+    monkeypatch.setattr(quantization, "DENSE_FROM_TOKENS_NATIVE_BF16", 2)
+    monkeypatch.setattr(quantization, "DENSE_FROM_TOKENS_OWN_KERNEL", 2)
+    dense = model._fused_decode_args(hidden, caches, meta)[1][2]
+    assert dense != kinds and {k for k in dense} <= {SPEC_DENSE, SPEC_LINEAR_BF16}
+
+
 def test_decode_layers_refuses_lists_that_do_not_match_the_layers():
     model = _model("gguf", bias=False)
     meta, positions = _decode_step([9, 12])

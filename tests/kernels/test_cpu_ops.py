@@ -255,15 +255,15 @@ def _shared_tables(block_size, shared, own, seed):
 
 
 @pytest.mark.parametrize("kvh,h", [(3, 9), (2, 8), (1, 1)])
-@pytest.mark.parametrize("block_size", [16, 24, 128])
+@pytest.mark.parametrize("block_size", [16, 24, 256])
 def test_decode_attention_reads_shared_chunks_once_with_the_same_bits(block_size, kvh, h):
     """Sequences sharing a prefix's blocks (a cached system prompt): the kernel attends each
-    chunk of 64 positions that several sequences hold in the same blocks once for all of their
+    chunk of 128 positions that several sequences hold in the same blocks once for all of their
     heads (kernels/cpu/decode_attention.cpp). Whole shared prefixes, ones that end inside a
     chunk, two tables that are equal but for their lengths, a sequence that shares nothing, and
     a prefill row in between: each decode row's output is the same bits as the sequence alone,
     and SDPA's to fp32 rounding. Block sizes that divide the chunk, that do not (24), and that
-    are larger than it (128). Query heads per KV head of 3 (a sequence's rows fill one 3-row
+    are larger than it (256). Query heads per KV head of 3 (a sequence's rows fill one 3-row
     tile), 4 (tiles of 3 span two sequences' rows) and 1 (every tile spans sequences)."""
     tokens = 700
     per = -(-tokens // block_size)
