@@ -161,8 +161,8 @@ at::Tensor layer_impl(const at::Tensor& hidden, at::Tensor& residual, bool first
                        : add_rms_norm.call(residual, hidden, ln1, eps);
   at::Tensor y = project(weights, p0, kinds[p0], groups[p0], x);  // [T, q | k | v]
   TORCH_CHECK(y.dim() == 2 && y.size(1) == q_size + 2 * kv_size && y.stride(1) == 1,
-              "decode_layer: qkv gives ", y.sizes(), ", expected [T, ", q_size + 2 * kv_size,
-              "]");
+              "decode_layer: qkv gives ", y.sizes(), " with strides ", y.strides(),
+              ", expected [T, ", q_size + 2 * kv_size, "] with unit column stride");
   rotary_neox_.call(y, cos, sin, num_heads + num_kv_heads, head_dim);
   const int64_t ld = y.stride(0);  // y is [T, q | k | v], contiguous (checked by the ops)
   const at::Tensor k = view_of(y, q_size, {T, num_kv_heads, head_dim}, {ld, head_dim, 1});

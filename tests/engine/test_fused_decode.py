@@ -313,11 +313,15 @@ def test_the_model_fuses_decode_steps_only(fused_layer_calls):
 
 @pytest.mark.parametrize("quantization", [None, "gguf", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, pytest.param(torch.bfloat16,
+                                                                     marks=BF16_KV)])
 def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(quantization, rows,
+                                                                  cache_dtype,
                                                                   fused_layer_calls):
     """``decode_layers`` (the step's layers in one C++ call, the default) against
     ``decode_layer`` called a layer at a time and the per-op layers: the same output and the
-    same caches, bit for bit, at 1, 3 and 17 rows (the 4-bit layers' row tiles differ)."""
+    same caches, bit for bit, at 1, 3 and 17 rows (the 4-bit layers' row tiles differ), on fp32
+    and bf16 caches (the second layer's cache views start a layer of bf16 elements on)."""
     model = _model(quantization, bias=quantization is None)
     meta, positions = _decode_step([9 + 3 * i for i in range(rows)])
     ids = torch.arange(rows) % 64
@@ -325,14 +329,16 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(quantization, 
     for fused, whole, kinds in ((True, True, ["whole"] * 2), (True, False, ["one"] * 2),
                                 (False, False, [])):
         model.fused_decode, model.fused_decode_whole = fused, whole
-        caches = _caches(rows)
+        caches = _caches(rows, cache_dtype)
         fused_layer_calls.clear()
         outs.append((model.forward(ids, positions, caches, meta), caches))
         assert [kind for kind, _ in fused_layer_calls] == kinds  # 2 layers
     model.fused_decode_whole = True
     for got, got_caches in outs[:2]:
         assert torch.equal(got, outs[2][0]) and torch.equal(got_caches, outs[2][1])
-    assert not torch.equal(outs[0][1], _caches(rows))  # this step's K/V were written
+    before = _caches(rows, cache_dtype)
+    assert not torch.equal(outs[0][1][0], before[0])  # this step's K/V were written,
+    assert not torch.equal(outs[0][1][1], before[1])  # in both layers
 
 
 def test_every_layer_in_one_call_follows_a_layer_rebound_after_a_step():

@@ -405,12 +405,13 @@ def _bf16_reference(q_row, kc, vc, table, seq_len, block_size, scale):
 @_BF16
 @pytest.mark.parametrize("kvh,h", [(3, 9), (1, 4), (2, 2)])
 @pytest.mark.parametrize("d", [64, 32, 128])
-@pytest.mark.parametrize("n_seqs,tokens", [(16, 300), (3, 77), (1, 1)])
+@pytest.mark.parametrize("n_seqs,tokens", [(16, 300), (4, 120), (3, 77), (1, 1)])
 def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, h, d, n_seqs,
                                                                            tokens):
     """bf16 caches (VDPBF16PS products of Q's and P's bf16 high and low parts with K and V, fp32
     sums and softmax): 16 rows on one prefix (chunks shared by up to 64 query rows: 6-row
-    tiles), short odd lengths (a last position pair with one row, a 16-position block cut
+    tiles), own chunks of 90-109 positions (a second 64-position block of 2 or 3 x 16),
+    short odd lengths (a last position pair with one row, a 16-position block cut
     short) and one position. Each row has the bits it has alone, and is within fp32 rounding
     (not bf16's: 2e-3) of exact attention over the same bf16 K/V: a swapped column, pair or
     position, or a dropped low part, would be far off."""
@@ -457,12 +458,14 @@ def test_decode_attention_on_bf16_caches_skips_prefill_rows_and_refuses_what_it_
     assert (untouched72 == 7.0).all()
 
 
-@pytest.mark.parametrize("block_size,tables", [(64, [[5, 6], [7, 5]]), (16, [[0, 1, 2, 3, 4],
-                                                                           [5, 0, 1, 2, 3]])])
+@pytest.mark.parametrize("block_size,tables", [(128, [[5, 6], [7, 5]]), (64, [[5, 6], [7, 5]]),
+                                               (16, [[0, 1, 2, 3, 4], [5, 0, 1, 2, 3]])])
 def test_decode_attention_keeps_a_block_at_two_places_apart(block_size, tables):
     """Tables that hold the same blocks at other logical places (the engine never builds them:
     block hashes chain to their parent) are accepted, so each row must still get its own
-    chunks' partials: every row equals SDPA over its own table and the sequence alone."""
+    chunks' partials: every row equals SDPA over its own table and the sequence alone. With
+    blocks of one chunk (128), block 5 is chunk 0 of one row and chunk 1 of the other: the two
+    keys differ only by the chunk's index."""
     gen = torch.Generator().manual_seed(11)
     kc = torch.randn(8, block_size, 3, 64, generator=gen)
     vc = torch.randn(8, block_size, 3, 64, generator=gen)
