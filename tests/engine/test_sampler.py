@@ -93,6 +93,81 @@ def test_same_seed_same_tokens_other_seed_differs():
     assert draws(7) != draws(8)
 
 
+def _sorted_reference(logits, top_k, top_p):
+    """The sampler's mask before it ranked only a row's top K, op for op: one full descending
+    sort, the top-k, then the top-p mass over the top-k's renormalised fp32 probabilities; the
+    kept token ids of each row."""
+    vocab = logits.shape[-1]
+    kept = []
+    for row, k, p in zip(logits, top_k, top_p):
+        vals, order = row.sort(descending=True)
+        k = k if 0 < k < vocab else vocab
+        drop = torch.arange(vocab) >= k
+        if p < 1.0:
+            probs = vals.masked_fill(drop, float("-inf")).softmax(-1)
+            drop |= probs.cumsum(-1) - probs >= p
+        drop[0] = False
+        kept.append(set(order[~drop].tolist()))
+    return kept
+
+
+def test_candidates_keep_what_a_full_sort_keeps_on_a_vocabulary_sized_row():
+    """Real-size rows (49,152 tokens): the kept sets of ``_candidates`` equal a full sort's at
+    chat temperatures (a few tokens), with a top-k, and on near-flat rows whose top-p mass
+    spans most of the vocabulary (the candidates grow x4, then one sort)."""
+    from engine.sampler import _candidates
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 49152, generator=gen) * 3
+    cases = [([0] * 6, [0.9] * 6, 0.2), ([0] * 6, [0.95] * 6, 1.0), ([40] * 6, [1.0] * 6, 1.0),
+             ([40, 0, 300, 0, 5, 0], [0.5, 0.9, 0.99, 1.0, 0.9, 0.8], 0.7),
+             ([0] * 6, [0.9] * 6, 50.0)]  # near flat: most of the row
+    for top_k, top_p, temp in cases:
+        z = base / temp
+        vals, order = _candidates(z, top_k, top_p)
+        got = [set(o[torch.isfinite(v)].tolist()) for v, o in zip(vals, order)]
+        want = _sorted_reference(z, top_k, top_p)
+        for g, w in zip(got, want):
+            if len(w) < 1000:
+                assert g == w, (top_k, top_p, temp)
+            else:  # thousands of fp32 terms: the cut may move by their rounding, a token or two
+                assert (g <= w or w <= g) and abs(len(g) - len(w)) <= len(w) // 1000, \
+                    (top_k, top_p, temp, len(g), len(w))
+    assert max(len(k) for k in want) > 20000  # the near-flat case reached the sort
+    assert _candidates(base, [0] * 6, [1.0] * 6)[1] is None  # nothing truncates: the whole row
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch():
+    """A seeded top-p row gets one noise per token id from its own generator, so its token is
+    the same alone, beside an untruncated row (the batch then ranks whole rows) and beside a
+    row with a small top-k; unseeded rows follow the shared RNG."""
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 49152, generator=gen)
+    seeded = Row(SamplingParams(temperature=1.0, top_p=0.9, seed=3))
+    others = [Row(SamplingParams(temperature=1.0)), Row(SamplingParams(temperature=1.0, top_k=2))]
+
+    def draws(batch):
+        g = torch.Generator().manual_seed(3)
+        return [sample_rows(logits[:len(batch)], batch, [g] + [None] * (len(batch) - 1)
+                            ).token_ids[0] for _ in range(12)]
+
+    alone = draws([seeded])
+    assert len(set(alone)) > 3  # it samples
+    assert draws([seeded, others[0]]) == alone
+    assert draws([seeded, others[1]]) == alone
+    assert draws([seeded, *others]) == alone
+
+
+def test_top_p_frequencies_follow_the_renormalised_kept_probabilities():
+    """probs [0.6, 0.3, 0.1] (and 997 tokens at 1e-9): top_p 0.8 keeps tokens 0 and 1, drawn
+    2:1 (the race over the candidates is exact sampling from the truncated distribution)."""
+    probs = torch.full((1, 1000), 1e-9)
+    probs[0, :3] = torch.tensor([0.6, 0.3, 0.1])
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    draws = [sample(probs.log(), [params], [None])[0] for _ in range(3000)]
+    assert set(draws) == {0, 1}
+    assert abs(draws.count(0) / len(draws) - 2 / 3) < 0.035
+
+
 def test_rows_with_different_settings_in_one_batch_each_keep_their_own_rules():
     # One batch: greedy, top-k 2, top-p 0.7 and a seeded row; each row obeys only its settings.
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]] * 4))
