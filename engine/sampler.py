@@ -4,7 +4,8 @@ vLLM v1 semantics).
 
 Per step the work is a few [num_seqs, vocab_size] tensor operations whatever the mix of settings;
 Python only loops over the requests to gather their settings (and to draw from a seeded request's
-own generator), never over the vocabulary.
+own generator), never over the vocabulary. Top-k / top-p rank only each row's largest logits,
+never sort the whole vocabulary unless a row's top-p mass spans most of it.
 """
 
 from __future__ import annotations
@@ -199,9 +200,10 @@ def _candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     smallest subnormal, e.g. 5e-324, would otherwise drop every token).
 
     Only each row's largest ``K`` logits are ranked (``topk``), K = max(64, the rows' top_k),
-    times 4 until every row's cut lies inside them (from a quarter of the row: a sort): sorting a whole row of 49,152 logits took
-    3.5 ms on CPU (about as long as a whole one-stream decode step of the bundled model), and
-    at the temperatures chat clients use the top-p mass lies in a few tokens. The kept sets are
+    times 4 until every row's cut lies inside them (from a quarter of the row: a sort).
+    Sorting a whole row of 49,152 logits took 3.5 ms on CPU (about as long as a whole
+    one-stream decode step of the bundled model), and at the temperatures chat clients use the
+    top-p mass lies in a few tokens. The kept sets are
     those of a full sort (ties at the cut aside, which neither order fixes); the mass is
     summed in the same descending order, its normaliser over the whole row.
     """
