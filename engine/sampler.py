@@ -249,13 +249,34 @@ def _exponential(shape: tuple[int, ...], device: torch.device,
     return torch.rand(shape, device=device, generator=generator).log_().neg_()
 
 
+def _inverse_cdf(z: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``z`` [rows, vocab] (logits / temperature) drawn from its whole
+    softmax with one uniform a row: the first token whose cumulative weight exceeds U times the
+    row's total. Unseeded rows share one draw; a seeded row takes its U from its own generator.
+    Weights are exp(z - max) with the exponent clamped at -87 (no fp32 subnormals; at most
+    1.6e-38 a token). For rows with neither top-k nor top-p, about 3x faster than an Exp(1)
+    noise per token and a softmax (0.98 against about 3 ms for 16 rows of 49,152). Returns
+    [rows] int64."""
+    m = z.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(z.dtype).min)
+    weights = (z - m).clamp_(min=-87.0).exp_().cumsum_(dim=-1)
+    u = torch.rand((z.shape[0], 1), device=z.device, dtype=z.dtype)
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            u[j] = torch.rand(1, device=z.device, dtype=z.dtype, generator=gen)
+    pick = torch.searchsorted(weights, u * weights[:, -1:], right=True)
+    return pick[:, 0].clamp_(max=z.shape[-1] - 1)
+
+
 def _race(z: torch.Tensor, top_k: list[int], top_p: list[float],
           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``z`` [rows, vocab] (logits / temperature): the exponential race
-    over each row's candidates (``_candidates``). Unseeded rows share one draw; a seeded row
+    over each row's candidates (``_candidates``); ``_inverse_cdf`` where no row truncates.
+    Unseeded rows share one draw; a seeded row
     takes one noise per token id from its own generator, so its token does not depend on the
     rows beside it. Returns [rows] int64 token ids."""
     vals, order = _candidates(z, top_k, top_p)
+    if order is None:  # no row truncates: the inverse CDF, one uniform a row
+        return _inverse_cdf(vals, generators)
     probs = vals.softmax(dim=-1)
     q = _exponential(tuple(probs.shape), z.device)
     for j, gen in enumerate(generators):
@@ -281,9 +302,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingInput],
     Sampled rows draw with the exponential race (argmax of probs / Exp(1) noise, as vLLM), so
     unseeded rows share one draw and a seeded row only advances its own generator (one noise
     per token id, so its tokens do not depend on its batch). Rows with a top-k or top-p race
-    over the tokens those leave (``_candidates``, ``_race``), apart from rows without either:
-    unseeded truncated rows draw K noises, not one per vocabulary entry (0.93 ms for 49,152
-    with torch's ``exponential_``), and a whole row is never sorted for one of them.
+    over the tokens those leave (``_candidates``, ``_race``), apart from rows without either
+    (drawn by inverse CDF, one uniform a row: ``_inverse_cdf``): unseeded truncated rows draw
+    K noises, not one per vocabulary entry (0.93 ms for 49,152 with torch's
+    ``exponential_``), and a whole row is never sorted for one of them.
     """
     params = [r.sampling_params for r in rows]
     x = _process(logits, rows)

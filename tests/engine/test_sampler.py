@@ -157,6 +157,33 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch():
     assert draws([seeded, *others]) == alone
 
 
+def test_rows_without_top_k_or_top_p_draw_from_the_whole_softmax_and_never_a_masked_token():
+    """Rows with neither top-k nor top-p are drawn by inverse CDF (one uniform a row): the
+    frequencies of the whole softmax, a -inf token never (first, inside, last), and a seeded
+    row the same tokens alone and beside other rows."""
+    logits = torch.full((1, 1000), float("-inf"))
+    logits[0, 1:4] = torch.tensor([0.0, math.log(2.0), math.log(5.0)])  # p = 1/8, 2/8, 5/8
+    params = SamplingParams(temperature=1.0, top_p=1.0)
+    draws = [sample(logits, [params], [None])[0] for _ in range(4000)]
+    assert set(draws) == {1, 2, 3}
+    for token, p in ((1, 1 / 8), (2, 2 / 8), (3, 5 / 8)):
+        assert abs(draws.count(token) / len(draws) - p) < 0.03, token
+    gen = torch.Generator().manual_seed(13)
+    wide = torch.randn(3, 49152, generator=gen)
+    seeded = Row(SamplingParams(temperature=1.0, top_p=1.0, seed=4))
+    beside = [Row(SamplingParams(temperature=0.7, top_p=1.0)),
+              Row(SamplingParams(temperature=1.0, top_p=0.5))]
+
+    def draws_of(batch):
+        g = torch.Generator().manual_seed(4)
+        return [sample_rows(wide[:len(batch)], batch, [g] + [None] * (len(batch) - 1)
+                            ).token_ids[0] for _ in range(10)]
+
+    alone = draws_of([seeded])
+    assert len(set(alone)) > 5
+    assert draws_of([seeded, beside[0]]) == alone == draws_of([seeded, *beside])
+
+
 def test_top_p_frequencies_follow_the_renormalised_kept_probabilities():
     """probs [0.6, 0.3, 0.1] (and 997 tokens at 1e-9): top_p 0.8 keeps tokens 0 and 1, drawn
     2:1 (the race over the candidates is exact sampling from the truncated distribution)."""
