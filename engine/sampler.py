@@ -203,9 +203,9 @@ def _candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     times 4 until every row's cut lies inside them (from a quarter of the row: a sort).
     Sorting a whole row of 49,152 logits took 3.5 ms on CPU (about as long as a whole
     one-stream decode step of the bundled model), and at the temperatures chat clients use the
-    top-p mass lies in a few tokens. The kept sets are
-    those of a full sort (ties at the cut aside, which neither order fixes); the mass is
-    summed in the same descending order, its normaliser over the whole row.
+    top-p mass lies in a few tokens. The kept sets are those of a full sort (ties at the cut
+    aside, which neither order fixes); the mass is summed in the same descending order, its
+    normaliser over the whole row.
     """
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]
@@ -270,10 +270,9 @@ def _inverse_cdf(z: torch.Tensor, generators: Sequence[torch.Generator | None]) 
 def _race(z: torch.Tensor, top_k: list[int], top_p: list[float],
           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``z`` [rows, vocab] (logits / temperature): the exponential race
-    over each row's candidates (``_candidates``); ``_inverse_cdf`` where no row truncates.
-    Unseeded rows share one draw; a seeded row
-    takes one noise per token id from its own generator, so its token does not depend on the
-    rows beside it. Returns [rows] int64 token ids."""
+    over each row's candidates (``_candidates``), or ``_inverse_cdf`` where no row truncates.
+    Unseeded rows share one draw; a seeded row takes one noise per token id from its own
+    generator, so its token does not depend on the rows beside it. Returns [rows] int64."""
     vals, order = _candidates(z, top_k, top_p)
     if order is None:  # no row truncates: the inverse CDF, one uniform a row
         return _inverse_cdf(vals, generators)
@@ -281,10 +280,8 @@ def _race(z: torch.Tensor, top_k: list[int], top_p: list[float],
     q = _exponential(tuple(probs.shape), z.device)
     for j, gen in enumerate(generators):
         if gen is not None:
-            noise = _exponential((z.shape[-1],), z.device, gen)
-            q[j] = noise if order is None else noise[order[j]]
-    pick = argmax_rows(probs / q)
-    return pick if order is None else order.gather(1, pick[:, None])[:, 0]
+            q[j] = _exponential((z.shape[-1],), z.device, gen)[order[j]]
+    return order.gather(1, argmax_rows(probs / q)[:, None])[:, 0]
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingInput],
