@@ -13,7 +13,9 @@ repeatable; the first is the baseline of the ratios unless ``--baseline`` names 
 4. warm TTFT: the same long prefix again with a new question (median of 3).
 
 Tokens are counted as streamed chunks with text (one token each on our server, vLLM and
-llama.cpp). Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
+llama.cpp). Requests are greedy (temperature 0) unless ``--temperature`` / ``--top-p`` say
+otherwise: every server then samples with those settings (each with its own sampler), which is
+how chat clients usually call them. Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
 16 concurrent >= 10x, cold TTFT <= 0.5x, warm TTFT <= 1.0x.
 
 Usage: ``python benchmarks/bench_servers.py --server ours-gguf=http://127.0.0.1:8000,KEY
@@ -42,15 +44,17 @@ def system_prompt(rng: random.Random, words: int = 1300) -> str:
 
 
 class Server:
-    def __init__(self, name: str, url: str, key: str, model: str | None) -> None:
+    def __init__(self, name: str, url: str, key: str, model: str | None,
+                 sampling: dict[str, float] | None = None) -> None:
         self.name, self.url = name, url
+        self.sampling = sampling or {"temperature": 0}
         self.client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {key}"})
         self.model = model or self.client.get(url + "/v1/models").json()["data"][0]["id"]
 
     def chat(self, messages: list[dict], max_tokens: int) -> tuple[float, float, int]:
         """(TTFT s, seconds from first to last token, tokens streamed)."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": 0, "stream": True}
+                **self.sampling, "stream": True}
         start = time.perf_counter()
         first = last = None
         tokens = 0
@@ -108,12 +112,19 @@ def main() -> None:
                         metavar="NAME=URL[,KEY[,MODEL]]")
     parser.add_argument("--baseline", default=None, help="[the first server]")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="Sent with every request. [0: greedy]")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="Sent with every request when given. [not sent]")
     args = parser.parse_args()
+    sampling = {"temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
     peers = [parse_peer(spec) for spec in args.server]
     rows = {}
     for p in peers:
         print(f"measuring {p.name} at {p.url} ...", flush=True)
-        rows[p.name] = measure(Server(p.name, p.url, p.api_key, p.model), args.seed)
+        rows[p.name] = measure(Server(p.name, p.url, p.api_key, p.model, sampling), args.seed)
     base = rows[args.baseline or peers[0].name]
     print(f"\n{'server':14} {'1 stream':>10} {'16 concurrent':>14} {'cold TTFT':>10} "
           f"{'warm TTFT':>10}   ratios to {args.baseline or peers[0].name}")
