@@ -14,8 +14,9 @@ repeatable; the first is the baseline of the ratios unless ``--baseline`` names 
 
 Tokens are counted as streamed chunks with text (one token each on our server, vLLM and
 llama.cpp). Requests are greedy (temperature 0) unless ``--temperature`` / ``--top-p`` say
-otherwise: every server then samples with those settings and its own defaults for the rest (top_k,
-min_p, ...), which is how chat clients usually call them, but not a like-for-like sampler. Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
+otherwise: every server then samples with those settings and its own defaults for the rest
+(top_k, min_p, ...), which is how chat clients usually call them, but not a like-for-like
+sampler. Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
 16 concurrent >= 10x, cold TTFT <= 0.5x, warm TTFT <= 1.0x.
 
 Usage: ``python benchmarks/bench_servers.py --server ours-gguf=http://127.0.0.1:8000,KEY

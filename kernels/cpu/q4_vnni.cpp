@@ -755,7 +755,8 @@ inline int8_t* rx_row(ActScratch& a, int64_t m, int64_t K, bool amx) {
 // while the others waited. The rows are independent, so the same bits whichever thread rounds
 // a row. A layer's four 4-bit projections, AMX on, 2 threads, weights in cache, medians of 9
 // (Xeon with AMX, 2026-12-06), serial / parallel, us: 16 rows 252-280 / 236-253, 64 rows
-// 855-965 / 737-822, 330 rows (an admission of 15 requests) 4,369-4,765 / 4,070-4,490.
+// 855-965 / 737-822, 330 rows (an admission of 15 requests) 4,369-4,765 / 4,070-4,490. A
+// whole decode step of 16 streams did not move beyond the noise (docs/benchmarks.md, session 29).
 constexpr int64_t kParallelRoundFrom = 4096;  // elements (M * K)
 template <typename F>
 void for_rows(int64_t M, int64_t K, F&& fn) {
