@@ -35,8 +35,7 @@ def test_a_parallel_op_run_on_its_own_thread_leaves_no_pool_behind_but_one_run_h
         print(before, after_own, tasks(), total > 0)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         check=False,
-                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         check=False, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
     before, after_own, after_direct, positive = out.stdout.split()
     assert positive == "True"
