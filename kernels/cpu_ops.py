@@ -158,6 +158,17 @@ def decode_attention_avx512(enabled: bool | None = None) -> bool:
     return bool(torch.ops.saltserve_cpu.attention_avx512(-1 if enabled is None else int(enabled)))
 
 
+def decode_attention_amx(enabled: bool | None = None) -> bool:
+    """Whether ``decode_attention`` runs bf16 caches on AMX-BF16 tiles (TDPBF16PS, 16 query
+    rows a tile) instead of avx512_bf16's VDPBF16PS: the same operands (Q and P as bf16 high and
+    low parts), results equal to fp32 rounding but not bit for bit, so every bf16 item of a call
+    takes the one path. On by default where the CPU has amx-tile and amx-bf16, Linux grants the
+    tile registers, the kernels were built with AMX (GCC 11+) and ``SALTSERVE_AMX=0`` is not
+    set. ``enabled`` switches it for this process (tests and benchmarks compare the paths);
+    True only takes effect where it is available. Requires ``cpu_linear.load()``."""
+    return bool(torch.ops.saltserve_cpu.attention_amx(-1 if enabled is None else int(enabled)))
+
+
 @functools.cache
 def _bf16_kv_cache() -> bool:
     return bool(torch.ops.saltserve_cpu.bf16_kv_cache())

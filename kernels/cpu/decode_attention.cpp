@@ -37,6 +37,10 @@
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <torch/library.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "vec_exp.h"
 
@@ -45,6 +49,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -741,6 +746,267 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 #pragma GCC pop_options
 #endif  // SALTSERVE_HAVE_BF16
 
+// bf16 caches on AMX (Sapphire Rapids and later Xeons, where Linux grants the tile registers
+// and SALTSERVE_AMX=0 is not set): the same operands (Q and P split into bf16 high and low
+// parts, K and V bf16) multiplied on AMX-BF16 tiles, TDPBF16PS with fp32 accumulation, 16 query
+// rows a tile. Why: at 16 sequences on a shared 1,750-token prompt, attention on VDPBF16PS took
+// 33 of a 54 ms gguf decode step (2-vCPU Emerald Rapids Xeon); a tile multiplies 16 rows x 16
+// positions x 32 elements in one instruction. There, per layer (16 rows on a 1,760-token prefix,
+// 30 layers' caches, 2 threads): AMX 0.51 ms, VDPBF16PS 1.11, the fp32 cache's AVX-512 tiles
+// 0.57; whole gguf decode steps at 16 shared streams 34.1 against 50.1 ms (fp32 cache 34.7), one
+// stream unchanged. What is left is not the tiles' arithmetic: per 48-row item about a fifth
+// each for the score tiles, the P.V tiles and the softmax, the rest packing K, V, Q and P.
+// Every row's arithmetic is its own (a C tile row depends only on its A row), in an order
+// fixed by positions and columns, so a row's bits still do not depend on its batch or tile.
+// Its bits differ from VDPBF16PS's (the order of the two products of a pair, and the sum over
+// 16 pairs, are the hardware's), so where AMX runs it runs every bf16 item; the two paths agree
+// to fp32 rounding (a test checks both).
+// Needs GCC 11 and an assembler with the tile instructions, like q4_vnni.cpp's AMX path;
+// kernels.cpu_linear.load() builds again without both (-DSALTSERVE_HAVE_AMX=0) where that fails.
+#ifndef SALTSERVE_HAVE_AMX
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && \
+    __GNUC__ >= 11
+#define SALTSERVE_HAVE_AMX 1
+#else
+#define SALTSERVE_HAVE_AMX 0
+#endif
+#endif
+#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+namespace bf16amx {
+
+constexpr int64_t kTileRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, 1, 6, 7: C (16 rows x 16 fp32), four blocks of positions or columns; tmm4 / tmm5: A,
+// Q's or P's high / low part (16 rows x 32 bf16); tmm2, 3: B (16 element pairs x 16
+// positions or columns). Loaded by each thread before
+// its items (the config is per thread; q4_vnni.cpp's kernels load their own); static memory,
+// since GCC's _tile_loadconfig declares an 8-byte read.
+void begin() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
+    return c;
+  }();
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
+void end() { _tile_release(); }
+
+// V rows v[0 .. n) as AMX B tiles for P.V: vb[cb][t][c] = (v_2t[16 cb + c], v_2t+1[16 cb + c])
+// as one dword, [ceil(D / 64) 4][kChunk / 2][16]; pairs from n on are zero up to npad / 2, and
+// so are the column blocks past D / 16.
+inline void pack_v(const uint16_t* const* v, int64_t n, int64_t npad, int64_t D, uint32_t* vb) {
+  alignas(64) static constexpr uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                     37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                     11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx = _mm512_load_si512(kIdx);  // word 2c: a's column c, 2c + 1: b's
+  for (int64_t cb = 0; cb < (D / 16 + 3) / 4 * 4; ++cb)
+    for (int64_t t = 0; 2 * t < npad; ++t) {
+      if (cb >= D / 16) {
+        _mm512_storeu_si512(vb + (cb * (kChunk / 2) + t) * 16, _mm512_setzero_si512());
+        continue;
+      }
+      const __m512i a = 2 * t < n ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(v[2 * t] + 16 * cb)))
+                                  : _mm512_setzero_si512();
+      const __m512i b = 2 * t + 1 < n ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(v[2 * t + 1] + 16 * cb)))
+                                      : _mm512_setzero_si512();
+      _mm512_storeu_si512(vb + (cb * (kChunk / 2) + t) * 16, _mm512_permutex2var_epi16(a, idx, b));
+    }
+}
+
+// Each row's softmax numerators over its n scores (s * sc, the row max in *m[i], their sum
+// in *l[i]), written as P's bf16 high and low parts (hi = bf16(e), lo = bf16(e - hi)) to p16
+// row i: [0, npad) high, [kChunk, kChunk + npad) low; positions n .. npad are 0. Spare rows
+// nq .. rows are zero. One pass a row, 16 positions a register: exp512 (exp256's polynomial),
+// the sum in four accumulators (16-position blocks j with j % 4 = a, then ((a0 + a1) + (a2 +
+// a3)) and the lanes' tree), so no serial chain of adds through the row.
+inline void softmax_split(const float* s, int64_t nq, int64_t rows, int64_t n, int64_t npad,
+                          float sc, uint16_t* p16, float* const* m, float* const* l) {
+  const __m512 scv = _mm512_set1_ps(sc), ninf = _mm512_set1_ps(-INFINITY);
+  const int64_t nv = npad / 16;  // registers a row (npad <= kChunk: at most 8)
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* hi = p16 + i * 2 * kChunk;
+    uint16_t* lo = hi + kChunk;
+    if (i >= nq) {
+      std::memset(hi, 0, 2 * kChunk * sizeof(uint16_t));
+      continue;
+    }
+    const float* si = s + i * kChunk;
+    __m512 x[kChunk / 16];
+    __mmask16 live[kChunk / 16];
+    __m512 mx = ninf;
+    for (int64_t j = 0; j < nv; ++j) {
+      const int64_t left = n - 16 * j;
+      live[j] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      x[j] = _mm512_mask_mul_ps(ninf, live[j], _mm512_maskz_loadu_ps(live[j], si + 16 * j), scv);
+      mx = _mm512_max_ps(mx, x[j]);
+    }
+    const float rmax = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(rmax);
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (int64_t j = 0; j < nv; ++j) {
+      // exp512 clamps at -88.4 (a denormal, not 0): padding is set to 0 outright
+      const __m512 e = _mm512_maskz_mov_ps(live[j], f32x16::exp512(_mm512_sub_ps(x[j], mv)));
+      sum[j % 4] = _mm512_add_ps(sum[j % 4], e);
+      const __m256bh h = _mm512_cvtneps_pbh(e);
+      const __m512 rest = _mm512_sub_ps(e, _mm512_cvtpbh_ps(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 16 * j), (__m256i)h);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 16 * j),
+                          (__m256i)_mm512_cvtneps_pbh(rest));
+    }
+    *m[i] = rmax;
+    *l[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
+                                               _mm512_add_ps(sum[2], sum[3])));
+  }
+}
+
+// bf16::partial's outputs on AMX tiles. q: nq rows of 2 D bf16 (high part, then low); qa
+// scratch [ceil(nq / 16) 16, 2 D] bf16; s scratch [ceil(nq / 16) 16, kChunk] fp32; pb scratch
+// as many rows of kChunk dwords (P's high part, then its low part, as bf16); kt [D / 2,
+// kChunk / 16] zmm (bf16::pack_k); vb [ceil(D / 64) 4, kChunk / 2, 16] dwords; cbuf [16, 64]
+// fp32.
+void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
+             const uint16_t* const* v, int64_t n, int64_t D, float sc, float* s, uint16_t* qa,
+             uint32_t* pb, __m512i* kt, uint32_t* vb, float* cbuf, float* const* m,
+             float* const* l, float* const* acc, const uint16_t* const* next_k,
+             const uint16_t* const* next_v, int64_t next_n) {
+  constexpr int64_t ld = kChunk;
+  const int64_t tiles = (nq + kTileRows - 1) / kTileRows, rows = tiles * kTileRows;
+  Prefetcher<uint16_t> ahead(next_k, next_v, next_n, 2 * tiles);
+  for (int64_t i = 0; i < rows; ++i) {  // Q rows packed, the last tile's spare rows zero
+    uint16_t* dst = qa + i * 2 * D;
+    if (i < nq) std::memcpy(dst, q[i], 2 * D * sizeof(uint16_t));
+    else std::memset(dst, 0, 2 * D * sizeof(uint16_t));
+  }
+  bf16::pack_k(k, n, D, kt);
+  const int64_t nb = (n + 15) / 16, npad = (n + 31) / 32 * 32;
+  // Scores: C = sum over 32-element blocks e of Q_hi K + Q_lo K, then * sc; four blocks of 16
+  // positions at a time (C in tmm0, 1, 6, 7: four independent chains; past nb they score the
+  // zero or stale rows of kt into s's own spare columns, never read).
+  for (int64_t t0 = 0; t0 < tiles; ++t0) {
+    ahead.step(D * 2);
+    const uint16_t* qt = qa + t0 * kTileRows * 2 * D;
+    float* st = s + t0 * kTileRows * ld;
+    for (int64_t b = 0; b < nb; b += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t e = 0; e < D / 32; ++e) {
+        const __m512i* kb = kt + 16 * e * (kChunk / 16) + b;
+        _tile_loadd(4, qt + 32 * e, 2 * D * 2);
+        _tile_loadd(5, qt + D + 32 * e, 2 * D * 2);
+        _tile_loadd(2, kb, kChunk * 4);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(0, 5, 2);
+        _tile_loadd(3, kb + 1, kChunk * 4);
+        _tile_dpbf16ps(1, 4, 3);
+        _tile_dpbf16ps(1, 5, 3);
+        _tile_loadd(2, kb + 2, kChunk * 4);
+        _tile_dpbf16ps(6, 4, 2);
+        _tile_dpbf16ps(6, 5, 2);
+        _tile_loadd(3, kb + 3, kChunk * 4);
+        _tile_dpbf16ps(7, 4, 3);
+        _tile_dpbf16ps(7, 5, 3);
+      }
+      _tile_stored(0, st + 16 * b, ld * 4);
+      _tile_stored(1, st + 16 * (b + 1), ld * 4);
+      _tile_stored(6, st + 16 * (b + 2), ld * 4);
+      _tile_stored(7, st + 16 * (b + 3), ld * 4);
+    }
+  }
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(pb);  // row i: kChunk high, then kChunk low
+  softmax_split(s, nq, rows, n, npad, sc, p16, m, l);
+  pack_v(v, n, npad, D, vb);
+  // P.V: four blocks of 16 columns at a time (C in tmm0, 1, 6, 7), sum over 32-position
+  // blocks e of P_hi V + P_lo V; vb has zero columns up to a multiple of 64 (pack_v).
+  for (int64_t t0 = 0; t0 < tiles; ++t0) {
+    ahead.step(D * 2, t0 + 1 == tiles);
+    const uint16_t* pt = p16 + t0 * kTileRows * 2 * kChunk;
+    const int64_t live = std::min(kTileRows, nq - t0 * kTileRows);
+    for (int64_t cb = 0; cb < D / 16; cb += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t e = 0; e < npad / 32; ++e) {
+        const uint32_t* vt = vb + (cb * (kChunk / 2) + 16 * e) * 16;
+        constexpr int64_t next = kChunk / 2 * 16;  // dwords from one column block to the next
+        _tile_loadd(4, pt + 32 * e, 2 * kChunk * 2);
+        _tile_loadd(5, pt + kChunk + 32 * e, 2 * kChunk * 2);
+        _tile_loadd(2, vt, 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(0, 5, 2);
+        _tile_loadd(3, vt + next, 64);
+        _tile_dpbf16ps(1, 4, 3);
+        _tile_dpbf16ps(1, 5, 3);
+        _tile_loadd(2, vt + 2 * next, 64);
+        _tile_dpbf16ps(6, 4, 2);
+        _tile_dpbf16ps(6, 5, 2);
+        _tile_loadd(3, vt + 3 * next, 64);
+        _tile_dpbf16ps(7, 4, 3);
+        _tile_dpbf16ps(7, 5, 3);
+      }
+      _tile_stored(0, cbuf, 256);
+      _tile_stored(1, cbuf + 16, 256);
+      _tile_stored(6, cbuf + 32, 256);
+      _tile_stored(7, cbuf + 48, 256);
+      const int64_t cols = std::min<int64_t>(64, D - 16 * cb);
+      for (int64_t r = 0; r < live; ++r)
+        std::memcpy(acc[t0 * kTileRows + r] + 16 * cb, cbuf + 64 * r, cols * sizeof(float));
+    }
+  }
+}
+
+}  // namespace bf16amx
+#pragma GCC pop_options
+#endif  // SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+
+// Whether bf16 caches run on AMX tiles here (bf16amx): built, a CPU with amx-tile and amx-bf16,
+// the tile registers granted by Linux (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), and
+// SALTSERVE_AMX=0 not set (read once, as the int8 kernels do).
+bool amx_bf16_supported() {
+#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+  static const bool ok = [] {
+    const char* e = std::getenv("SALTSERVE_AMX");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+std::atomic<int> amx_bf16_on{-1};  // -1: not set yet (then: where supported)
+
+// The switch, as attention_avx512's: -1 asks, 0 / 1 turn bf16 caches' AMX path off / on (on
+// only where supported). Returns whether it is on.
+bool attention_amx(int64_t enabled) {
+  if (enabled >= 0) amx_bf16_on = enabled && amx_bf16_supported();
+  int on = amx_bf16_on.load();
+  if (on < 0) {
+    amx_bf16_on.compare_exchange_strong(on, amx_bf16_supported() ? 1 : 0);
+    on = amx_bf16_on.load();
+  }
+  return on;
+}
+
 // Whether bf16 caches run here: the bf16 path built, and a CPU with avx512_bf16.
 bool bf16_kv_cache() {
 #if SALTSERVE_HAVE_BF16
@@ -939,6 +1205,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // turn from next.
   // fp32 caches on the AVX-512 tiles (items of kWideRows rows or more)
   [[maybe_unused]] const bool wide = !half && attention_avx512(-1);
+  // bf16 caches on AMX tiles (bf16amx), every item of the call
+  [[maybe_unused]] const bool amx = half && attention_amx(-1);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next{nthreads};
@@ -948,8 +1216,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       std::vector<const float*> qr, kr, vr, next_kr, next_vr;             // float32 caches
       std::vector<const uint16_t*> qh, kh, vh, next_kh, next_vh;          // bfloat16 caches
       std::vector<float*> mr, lr, ar;
-      std::vector<float> sbuf, q2;
-      std::vector<uint32_t> pb;
+      std::vector<float> sbuf, q2, cbuf;
+      std::vector<uint16_t> qa;
+      std::vector<uint32_t> pb, vb;
       std::vector<__m512i> kt, vp;
     };
     thread_local Rows r;
@@ -978,6 +1247,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       if (half) prefetch_rows(r.kh.data(), n, row_bytes), prefetch_rows(r.vh.data(), n, row_bytes);
       else prefetch_rows(r.kr.data(), n, row_bytes), prefetch_rows(r.vr.data(), n, row_bytes);
     }
+#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+    if (amx && it < num_items) bf16amx::begin();
+#endif
     while (it < num_items) {
       const int64_t nx = claim();
       const int64_t next_n = nx >= num_items ? 0
@@ -1000,6 +1272,21 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t nq = static_cast<int64_t>(r.mr.size());
       r.sbuf.resize(nq * kChunk);
       if (half) {
+#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+        if (amx) {
+          const int64_t rows = (nq + 15) / 16 * 16;
+          r.sbuf.resize(rows * kChunk), r.pb.resize(rows * kChunk), r.qa.resize(rows * 2 * D);
+          r.kt.resize(D / 2 * kChunk / 16), r.vb.resize((D + 63) / 64 * 64 * kChunk / 2);
+          r.cbuf.resize(16 * 64);
+          bf16amx::partial(r.qh.data(), nq, r.kh.data(), r.vh.data(), grp.n, D, sc,
+                           r.sbuf.data(), r.qa.data(), r.pb.data(), r.kt.data(), r.vb.data(),
+                           r.cbuf.data(), r.mr.data(), r.lr.data(), r.ar.data(),
+                           r.next_kh.data(), r.next_vh.data(), next_n);
+          std::swap(r.kh, r.next_kh), std::swap(r.vh, r.next_vh);
+          it = nx;
+          continue;
+        }
+#endif
 #if SALTSERVE_HAVE_BF16
         r.pb.resize(nq * kChunk);
         r.kt.resize(D / 2 * kChunk / 16), r.vp.resize(D / 32 * kChunk);
@@ -1024,6 +1311,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
       it = nx;
     }
+#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+    if (amx) bf16amx::end();
+#endif
   });
   // Merge each row's partials in chunk order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
   const int64_t ns = static_cast<int64_t>(seqs.size());
@@ -1068,6 +1358,7 @@ TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> ()");
   m.def("bf16_kv_cache() -> bool");
   m.def("attention_avx512(int enabled) -> bool");
+  m.def("attention_amx(int enabled) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
@@ -1075,4 +1366,5 @@ TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_attention", &decode_a
 TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) {
   m.impl("bf16_kv_cache", &bf16_kv_cache);
   m.impl("attention_avx512", &attention_avx512);
+  m.impl("attention_amx", &attention_amx);
 }

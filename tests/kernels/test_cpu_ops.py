@@ -402,19 +402,34 @@ def _bf16_reference(q_row, kc, vc, table, seq_len, block_size, scale):
                         scale).float()
 
 
+_AMX_BF16 = pytest.mark.skipif(
+    not (cpu_ops.bf16_decode_attention_usable(64) and cpu_ops.decode_attention_amx()),
+    reason="bf16 caches on AMX need amx-tile, amx-bf16 and the tile registers")
+
+
+@pytest.fixture(params=["vdpbf16ps", pytest.param("amx", marks=_AMX_BF16)])
+def bf16_path(request):
+    """Runs a bf16 cache test on avx512_bf16's VDPBF16PS path, then on AMX tiles (where the CPU
+    has them); the switch restored."""
+    was = cpu_ops.decode_attention_amx()
+    assert cpu_ops.decode_attention_amx(request.param == "amx") is (request.param == "amx")
+    yield request.param
+    cpu_ops.decode_attention_amx(was)
+
+
 @_BF16
 @pytest.mark.parametrize("kvh,h", [(3, 9), (1, 4), (2, 2)])
 @pytest.mark.parametrize("d", [64, 32, 128])
 @pytest.mark.parametrize("n_seqs,tokens", [(16, 300), (4, 120), (3, 77), (1, 1)])
 def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, h, d, n_seqs,
-                                                                           tokens):
-    """bf16 caches (VDPBF16PS products of Q's and P's bf16 high and low parts with K and V, fp32
-    sums and softmax): 16 rows on one prefix (chunks shared by up to 64 query rows: 6-row
-    tiles), own chunks of 90-109 positions (a second 64-position block of 2 or 3 x 16),
-    short odd lengths (a last position pair with one row, a 16-position block cut
-    short) and one position. Each row has the bits it has alone, and is within fp32 rounding
-    (not bf16's: 2e-3) of exact attention over the same bf16 K/V: a swapped column, pair or
-    position, or a dropped low part, would be far off."""
+                                                                           tokens, bf16_path):
+    """bf16 caches (products of Q's and P's bf16 high and low parts with K and V, on VDPBF16PS
+    or AMX tiles, fp32 sums and softmax): 16 rows on one prefix (chunks shared by up to 64
+    query rows: 6-row tiles, or four 16-row AMX tiles), own chunks of 90-109 positions (a
+    second 64-position block of 2 or 3 x 16), short odd lengths (a last position pair with one
+    row, a 16-position block cut short) and one position. Each row has the bits it has alone,
+    and is within fp32 rounding (not bf16's: 2e-3) of exact attention over the same bf16 K/V:
+    a swapped column, pair or position, or a dropped low part, would be far off."""
     q, kc, vc, qsl, lens, bt, tables = _many_sharing(n_seqs, kvh, h, d, tokens=max(tokens, 40),
                                                      seed=d + h)
     if tokens < 40:  # short contexts: cut every row to its own few positions
@@ -434,6 +449,27 @@ def test_decode_attention_on_bf16_caches_is_bf16_close_and_batch_invariant(kvh, 
     assert worst < 2e-5, worst  # measured about 3e-6; bf16 Q and P alone would give 2e-3
     # One position: a softmax weight of 1, so V's row exactly; more: fp32 rounding shows.
     assert (worst == 0) == (tokens == 1), worst
+
+
+@_AMX_BF16
+def test_the_amx_and_vdpbf16ps_paths_of_bf16_caches_agree_to_fp32_rounding():
+    """The AMX tiles multiply the same bf16 high and low parts as VDPBF16PS, in the hardware's
+    order: not the same bits, the same values to fp32 rounding; the switch turns AMX off and
+    on again (and only there)."""
+    was = cpu_ops.decode_attention_amx()
+    try:
+        q, kc, vc, qsl, lens, bt, _ = _many_sharing(16, 3, 9, 64, tokens=300, seed=5)
+        kb, vb = kc.bfloat16(), vc.bfloat16()
+        outs = []
+        for amx in (False, True):
+            assert cpu_ops.decode_attention_amx(amx) is amx
+            out = torch.full_like(q, float("nan"))
+            cpu_ops.decode_attention(out, q, kb, vb, qsl, lens, bt, 0.125)
+            outs.append(out)
+        assert not outs[1].isnan().any()
+        assert (outs[0] - outs[1]).abs().max() <= 2e-5 * outs[0].abs().max()
+    finally:
+        cpu_ops.decode_attention_amx(was)
 
 
 @_BF16
