@@ -754,8 +754,9 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 // positions x 32 elements in one instruction. There, per layer (16 rows on a 1,760-token prefix,
 // 30 layers' caches, 2 threads): AMX 0.51 ms, VDPBF16PS 1.11, the fp32 cache's AVX-512 tiles
 // 0.57; whole gguf decode steps at 16 shared streams 34.1 against 50.1 ms (fp32 cache 34.7), one
-// stream unchanged. What is left is not the tiles' arithmetic: per 48-row item about a fifth
-// each for the score tiles, the P.V tiles and the softmax, the rest packing K, V, Q and P.
+// stream unchanged. What is left is mostly not the tiles' dots: per 48-row item (128 positions,
+// one thread, cycles counted) the softmax and P's split to bf16 40%, the P.V tiles 28%, the
+// score tiles 18%, packing K, Q and V the rest.
 // Every row's arithmetic is its own (a C tile row depends only on its A row), in an order
 // fixed by positions and columns, so a row's bits still do not depend on its batch or tile.
 // Its bits differ from VDPBF16PS's (the order of the two products of a pair, and the sum over
