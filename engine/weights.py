@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +41,10 @@ def on_own_thread(fn: Callable[[], _T]) -> _T:
     start (conversion included) against 175-230 after a restart, where the engine alone ran
     270-300 (2-vCPU Xeon, issue 15). ``AsyncLLM.from_config`` keeps the engine's own pool on
     the thread that steps it for the same reason.
+
+    A KeyboardInterrupt on the caller is raised at once; ``fn`` is then cut off when the
+    interpreter exits, without its own clean-up (``convert_gguf`` removes what an earlier cut
+    left behind).
     """
     result: list[_T] = []
     failure: list[BaseException] = []
@@ -115,11 +120,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return on_own_thread(lambda: _convert_gguf(gguf_path, out_dir))
 
 
+# A conversion's temporary folder older than this was left by a process that was cut off (one
+# takes under a minute): the next conversion removes it.
+STALE_CONVERSION_S = 3600.0
+
+
+def remove_stale_conversions(models_dir: Path, now: float | None = None) -> list[Path]:
+    """Removes ``.convert-*`` folders in ``models_dir`` last modified more than
+    ``STALE_CONVERSION_S`` seconds ago (a conversion interrupted at exit leaves one, with up to
+    ~540 MB of weights); a younger one may be another process's conversion in progress and is
+    kept. Returns the folders removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for tmp in sorted(Path(models_dir).glob(".convert-*")):
+        try:
+            if tmp.is_dir() and now - tmp.stat().st_mtime > STALE_CONVERSION_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+        except OSError:  # gone meanwhile
+            continue
+    return removed
+
+
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_conversions(out_dir.parent):
+        logger.info("removed %s, left by an interrupted conversion", stale.name)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
     try:
         kwargs = {"gguf_file": gguf_path.name}

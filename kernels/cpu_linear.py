@@ -112,7 +112,7 @@ def load() -> bool:
                           extra_ldflags=["-fopenmp"])
                 for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni",
                            "int8_amx", "int8_amx_calls", "rms_norm", "add_rms_norm",
-                           "decode_attention", "bf16_kv_cache", "attention_avx512",
+                           "decode_attention", "bf16_kv_cache", "attention_avx512", "attention_amx",
                            "rotary_neox_",
                            "reshape_and_cache",
                            "decode_layer", "decode_layers", "silu_and_mul", "argmax_rows"):

@@ -270,9 +270,9 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         query: the same shape, fp32 (copied when not contiguous).
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32, or both
             bf16 (``bf16_decode_attention_usable``: Q and P are then split into bf16 high and
-            low parts, each multiplied with K and V on VDPBF16PS and summed in fp32: fp32
-            attention over the cache's bf16 values to about 3e-6 relative); this step's K/V
-            already written.
+            low parts, each multiplied with K and V on VDPBF16PS, or on AMX tiles where
+            ``decode_attention_amx()``, and summed in fp32: fp32 attention over the cache's
+            bf16 values to about 3e-6 relative); this step's K/V already written.
         query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32;
         block_tables: [num_seqs, max_blocks] int32 (``AttentionMetadata``'s).
         scale: softmax scale.

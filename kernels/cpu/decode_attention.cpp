@@ -772,7 +772,10 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 #define SALTSERVE_HAVE_AMX 0
 #endif
 #endif
-#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+// bf16amx uses the bf16 path's packing and f32x16::exp512: it needs both built.
+#define SALTSERVE_AMX_ATTENTION \
+  (SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16 && SALTSERVE_HAVE_AVX512)
+#if SALTSERVE_AMX_ATTENTION
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 namespace bf16amx {
@@ -892,6 +895,9 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
     else std::memset(dst, 0, 2 * D * sizeof(uint16_t));
   }
   bf16::pack_k(k, n, D, kt);
+  // The tile loads below are asm without a memory operand: this keeps the stores to qa and kt
+  // above them (as q4_vnni.cpp does before its tile loads).
+  asm volatile("" ::: "memory");
   const int64_t nb = (n + 15) / 16, npad = (n + 31) / 32 * 32;
   // Scores: C = sum over 32-element blocks e of Q_hi K + Q_lo K, then * sc; four blocks of 16
   // positions at a time (C in tmm0, 1, 6, 7: four independent chains; past nb they score the
@@ -931,6 +937,7 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
   uint16_t* p16 = reinterpret_cast<uint16_t*>(pb);  // row i: kChunk high, then kChunk low
   softmax_split(s, nq, rows, n, npad, sc, p16, m, l);
   pack_v(v, n, npad, D, vb);
+  asm volatile("" ::: "memory");  // the stores to p16 and vb stay above the tile loads
   // P.V: four blocks of 16 columns at a time (C in tmm0, 1, 6, 7), sum over 32-position
   // blocks e of P_hi V + P_lo V; vb has zero columns up to a multiple of 64 (pack_v).
   for (int64_t t0 = 0; t0 < tiles; ++t0) {
@@ -973,13 +980,13 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
 
 }  // namespace bf16amx
 #pragma GCC pop_options
-#endif  // SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+#endif  // SALTSERVE_AMX_ATTENTION
 
 // Whether bf16 caches run on AMX tiles here (bf16amx): built, a CPU with amx-tile and amx-bf16,
 // the tile registers granted by Linux (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), and
 // SALTSERVE_AMX=0 not set (read once, as the int8 kernels do).
 bool amx_bf16_supported() {
-#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+#if SALTSERVE_AMX_ATTENTION
   static const bool ok = [] {
     const char* e = std::getenv("SALTSERVE_AMX");
     if (e && std::strcmp(e, "0") == 0) return false;
@@ -1248,8 +1255,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       if (half) prefetch_rows(r.kh.data(), n, row_bytes), prefetch_rows(r.vh.data(), n, row_bytes);
       else prefetch_rows(r.kr.data(), n, row_bytes), prefetch_rows(r.vr.data(), n, row_bytes);
     }
-#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
-    if (amx && it < num_items) bf16amx::begin();
+#if SALTSERVE_AMX_ATTENTION
+    struct Tiles {  // configured for this thread's items, released however the loop ends
+      bool on;
+      ~Tiles() {
+        if (on) bf16amx::end();
+      }
+    } tiles{amx && it < num_items};
+    if (tiles.on) bf16amx::begin();
 #endif
     while (it < num_items) {
       const int64_t nx = claim();
@@ -1273,7 +1286,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t nq = static_cast<int64_t>(r.mr.size());
       r.sbuf.resize(nq * kChunk);
       if (half) {
-#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
+#if SALTSERVE_AMX_ATTENTION
         if (amx) {
           const int64_t rows = (nq + 15) / 16 * 16;
           r.sbuf.resize(rows * kChunk), r.pb.resize(rows * kChunk), r.qa.resize(rows * 2 * D);
@@ -1312,9 +1325,6 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
       it = nx;
     }
-#if SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16
-    if (amx) bf16amx::end();
-#endif
   });
   // Merge each row's partials in chunk order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
   const int64_t ns = static_cast<int64_t>(seqs.size());

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_parallel_op_run_on_its_own_thread_leaves_no_pool_behind_but_one_run_here_does():
     # A fresh interpreter: pytest's own thread already has a pool from earlier tests.
     code = textwrap.dedent("""
-        import os, torch
+        import os, time, torch
         from engine.weights import on_own_thread
         torch.set_num_threads(2)
         x = torch.randn(1 << 22)
         tasks = lambda: len(os.listdir("/proc/self/task"))
+        def settled(want):  # join() returns before the OS threads are gone: wait, up to 10 s
+            deadline = time.monotonic() + 10
+            while tasks() != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return tasks()
         before = tasks()
         total = on_own_thread(lambda: float(torch.exp(x).sum()))
-        after_own = tasks()
+        after_own = settled(before)
         torch.exp(x).sum()  # the same op on this thread: its pool's worker stays
+        time.sleep(0.2)
         print(before, after_own, tasks(), total > 0)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -62,3 +69,16 @@ def test_convert_gguf_does_its_work_off_the_calling_thread(monkeypatch, tmp_path
     out = tmp_path / "m"
     assert weights.convert_gguf(tmp_path / "x.gguf", out) == out
     assert len(ran_on) == 1 and ran_on[0] is not threading.current_thread()
+
+
+def test_a_conversion_cut_off_at_exit_leaves_a_folder_the_next_one_removes(tmp_path):
+    old, young, model = (tmp_path / ".convert-old", tmp_path / ".convert-young",
+                         tmp_path / "SmolLM2-135M-Instruct")
+    for d in (old, young, model):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x")
+    now = time.time()
+    os.utime(old, (now - weights.STALE_CONVERSION_S - 60,) * 2)
+    assert weights.remove_stale_conversions(tmp_path, now=now) == [old]
+    assert not old.exists()
+    assert young.exists() and model.exists()  # maybe another process's, in progress; the model
