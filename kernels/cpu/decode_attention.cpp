@@ -791,9 +791,9 @@ struct alignas(64) TileConfig {
 
 // tmm0, 1, 6, 7: C (16 rows x 16 fp32), four blocks of positions or columns; tmm4 / tmm5: A,
 // Q's or P's high / low part (16 rows x 32 bf16); tmm2, 3: B (16 element pairs x 16
-// positions or columns). Loaded by each thread before
-// its items (the config is per thread; q4_vnni.cpp's kernels load their own); static memory,
-// since GCC's _tile_loadconfig declares an 8-byte read.
+// positions or columns). Loaded by each thread before its items (the config is per thread;
+// q4_vnni.cpp's kernels load their own); static memory, since GCC's _tile_loadconfig declares
+// an 8-byte read.
 void begin() {
   static const TileConfig cfg = [] {
     TileConfig c;
@@ -899,8 +899,8 @@ void partial(const uint16_t* const* q, int64_t nq, const uint16_t* const* k,
   // above them (as q4_vnni.cpp does before its tile loads).
   asm volatile("" ::: "memory");
   const int64_t nb = (n + 15) / 16, npad = (n + 31) / 32 * 32;
-  // Scores: C = sum over 32-element blocks e of Q_hi K + Q_lo K, then * sc; four blocks of 16
-  // positions at a time (C in tmm0, 1, 6, 7: four independent chains; past nb they score the
+  // Scores: C = sum over 32-element blocks e of Q_hi K + Q_lo K (* sc in softmax_split); four
+  // blocks of 16 positions at a time (C in tmm0, 1, 6, 7: four independent chains; past nb they score the
   // zero or stale rows of kt into s's own spare columns, never read).
   for (int64_t t0 = 0; t0 < tiles; ++t0) {
     ahead.step(D * 2);
