@@ -37,11 +37,8 @@
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
+#include "amx.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -509,18 +506,24 @@ bool avx512_supported() {
   return false;
 #endif
 }
-std::atomic<int> avx512_on{-1};  // -1: not set yet (then: where supported)
-
-// The switch (tests and benchmarks compare both paths in one process): enabled -1 asks,
-// 0 / 1 turn the AVX-512 path off / on (on only where supported). Returns whether it is on.
-bool attention_avx512(int64_t enabled) {
-  if (enabled >= 0) avx512_on = enabled && avx512_supported();
-  int on = avx512_on.load();
+// A path's switch (tests and benchmarks compare the paths in one process): state -1 until
+// first asked or set; enabled -1 asks, 0 / 1 turn the path off / on (on only where
+// supported). Returns whether it is on.
+bool path_switch(std::atomic<int>& state, int64_t enabled, bool supported) {
+  if (enabled >= 0) state = enabled && supported;
+  int on = state.load();
   if (on < 0) {  // first ask: the default, unless a switch came in between
-    avx512_on.compare_exchange_strong(on, avx512_supported() ? 1 : 0);
-    on = avx512_on.load();
+    state.compare_exchange_strong(on, supported ? 1 : 0);
+    on = state.load();
   }
   return on;
+}
+
+std::atomic<int> avx512_on{-1};
+
+// The AVX-512 path's switch (path_switch).
+bool attention_avx512(int64_t enabled) {
+  return path_switch(avx512_on, enabled, avx512_supported());
 }
 
 // bf16 caches (--kv-cache-dtype bfloat16): the same plan, chunks and merge, with the products
@@ -762,16 +765,7 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 // Its bits differ from VDPBF16PS's (the order of the two products of a pair, and the sum over
 // 16 pairs, are the hardware's), so where AMX runs it runs every bf16 item; the two paths agree
 // to fp32 rounding (a test checks both).
-// Needs GCC 11 and an assembler with the tile instructions, like q4_vnni.cpp's AMX path;
-// kernels.cpu_linear.load() builds again without both (-DSALTSERVE_HAVE_AMX=0) where that fails.
-#ifndef SALTSERVE_HAVE_AMX
-#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && \
-    __GNUC__ >= 11
-#define SALTSERVE_HAVE_AMX 1
-#else
-#define SALTSERVE_HAVE_AMX 0
-#endif
-#endif
+// Built where SALTSERVE_HAVE_AMX (amx.h) holds, like q4_vnni.cpp's AMX path.
 // bf16amx uses the bf16 path's packing and f32x16::exp512: it needs both built.
 #define SALTSERVE_AMX_ATTENTION \
   (SALTSERVE_HAVE_AMX && SALTSERVE_HAVE_BF16 && SALTSERVE_HAVE_AVX512)
@@ -781,13 +775,7 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 namespace bf16amx {
 
 constexpr int64_t kTileRows = 16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using saltserve::TileConfig;
 
 // tmm0, 1, 6, 7: C (16 rows x 16 fp32), four blocks of positions or columns; tmm4 / tmm5: A,
 // Q's or P's high / low part (16 rows x 32 bf16); tmm2, 3: B (16 element pairs x 16
@@ -993,26 +981,18 @@ bool amx_bf16_supported() {
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
         !__builtin_cpu_supports("avx512bf16"))
       return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    return saltserve::request_tile_data();
   }();
   return ok;
 #else
   return false;
 #endif
 }
-std::atomic<int> amx_bf16_on{-1};  // -1: not set yet (then: where supported)
+std::atomic<int> amx_bf16_on{-1};
 
-// The switch, as attention_avx512's: -1 asks, 0 / 1 turn bf16 caches' AMX path off / on (on
-// only where supported). Returns whether it is on.
+// bf16 caches' AMX path's switch (path_switch).
 bool attention_amx(int64_t enabled) {
-  if (enabled >= 0) amx_bf16_on = enabled && amx_bf16_supported();
-  int on = amx_bf16_on.load();
-  if (on < 0) {
-    amx_bf16_on.compare_exchange_strong(on, amx_bf16_supported() ? 1 : 0);
-    on = amx_bf16_on.load();
-  }
-  return on;
+  return path_switch(amx_bf16_on, enabled, amx_bf16_supported());
 }
 
 // Whether bf16 caches run here: the bf16 path built, and a CPU with avx512_bf16.

@@ -44,8 +44,7 @@
 #include <cstring>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
@@ -394,17 +393,7 @@ void tile_avx2_one_row(const int8_t* qx, const int8_t* rx, const float* dx, cons
 constexpr int64_t kAmxMinRowsQ4 = 16;
 constexpr int64_t kAmxMinRowsQ8 = 6;
 
-// AMX intrinsics as written here need GCC 11 (its target pragma; clang ignores it) and an
-// assembler that knows the tile instructions, on Linux (arch_prctl). Where the build fails
-// anyway, kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_AMX=0: the VNNI path alone.
-#ifndef SALTSERVE_HAVE_AMX
-#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && \
-    __GNUC__ >= 11
-#define SALTSERVE_HAVE_AMX 1
-#else
-#define SALTSERVE_HAVE_AMX 0
-#endif
-#endif
+// SALTSERVE_HAVE_AMX (amx.h): without it, the VNNI path alone.
 
 // AMX-INT8 on this CPU and the tile registers granted to this process by Linux (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once per process).
@@ -413,8 +402,7 @@ bool amx_available() {
   static const bool ok = [] {
     if (!use_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
       return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    return saltserve::request_tile_data();
   }();
   return ok;
 #else
@@ -462,12 +450,7 @@ inline int8_t* act_row(int8_t* buf, int64_t m, int64_t K, bool residual) {
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,f16c")
 #define AMX_TARGET
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using saltserve::TileConfig;
 
 // Two sets of tiles, so that one group's dots run while the previous group's are stored and
 // scaled: set 0 is tmm0 (the activation tile), tmm2 (codes, 8 rows x 64 bytes) and tmm4 (the
