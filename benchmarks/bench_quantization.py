@@ -58,15 +58,15 @@ from kernels import cpu_linear
 
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
-           "gguf-a8": {"quantization": "gguf"}, "gguf-torch": {"quantization": "gguf"},
+           "gguf-a8": {"quantization": "gguf", "quantized_activation_bits": 8},
+           "gguf-torch": {"quantization": "gguf"},
            "fp32-kv16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
            "gguf-kv16": {"quantization": "gguf", "kv_cache_dtype": "bfloat16"}}
 # fp32-kv16, gguf-kv16: fp32 and gguf weights over a bf16 KV cache (--kv-cache-dtype bfloat16).
 # gguf-a8: gguf with our int8-dot kernels' 8-bit activation rounding (llama.cpp's Q8_1;
-# engine.quantization.VNNI_ACT_BITS, 16 for every other format). gguf-torch: gguf with our
+# --quantized-activation-bits 8, 16 for every other format). gguf-torch: gguf with our
 # int8-dot kernels off (VNNI_KERNELS): torch's int4 and int8 kernels, the dense copy from
 # dense_from_tokens() rows and our Q4 kernel at one row, the path before them.
-ACT_BITS = {"gguf-a8": 8}
 ONE_STREAM_RUNS = 5  # one-stream decodes of 64 tokens a format; the median is reported
 OUR_INT8_DOT = {"gguf-torch": False}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -214,7 +214,6 @@ def main() -> None:
     reference: dict[str, list] = {}
     rows = []
     for name in args.formats.split(","):
-        quantization.VNNI_ACT_BITS = ACT_BITS.get(name, 16)
         quantization.VNNI_KERNELS = OUR_INT8_DOT.get(name, True)
         engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
         decode(engine, 1, 8)  # warm-up

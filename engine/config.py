@@ -21,6 +21,9 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16")  # auto = the model's dtype (vLLM --kv-cache-dtype)
 # Weight-only quantization (engine.quantization): int8 per channel; gguf = the GGUF's own 4-bit
 QUANTIZATIONS = ("int8", "gguf")
+# Activation rounding of the quantized layers' int8-dot kernels on CPU (engine.quantization):
+# 16 = int8 plus an int8 residual in 1/256 steps; 8 = int8 alone (llama.cpp's Q8_1).
+ACTIVATION_BITS = (16, 8)
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
 
 
@@ -119,6 +122,12 @@ class EngineConfig:
                 "kernels), or bf16 from 24 on CPUs with avx512_bf16. Not token-identical to "
                 "float32 (docs/benchmarks.md).",
         "choices": QUANTIZATIONS, "unset": "none: the float weights in --dtype"})
+    quantized_activation_bits: int = field(default=16, metadata={
+        "help": "With --quantization on CPU: how our int8-dot kernels round each group of 32 "
+                "activations. 16 = int8 plus a 1/256 residual (16-bit fixed point, the most "
+                "faithful); 8 = int8 alone, the Q8_1 rounding of llama.cpp's and vLLM's GGUF "
+                "kernels: half the multiply-adds (4-bit layers about 1.6x faster at 16 rows), "
+                "lower fidelity (docs/benchmarks.md). 16 or 8."})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache dtype (vLLM --kv-cache-dtype): auto = the model's --dtype; bfloat16 "
                 "under --dtype float32 (auto on CPU) halves a block's bytes: twice the blocks "
@@ -177,6 +186,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.quantized_activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"--quantized-activation-bits must be 16 or 8, got "
+                             f"{self.quantized_activation_bits!r}")
+        if self.quantized_activation_bits != 16 and self.quantization is None:
+            raise ValueError("--quantized-activation-bits 8 rounds the activations of quantized "
+                             "layers: it needs --quantization int8 or gguf")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES} (no fp8 "
                              f"here), got {self.kv_cache_dtype!r}")

@@ -101,8 +101,9 @@ class ModelRunner:
         self.attn = model.attn
         self.attention_backend = self.attn.name
         # Which dense copy quantized layers hold, for the start-up log (engine.quantization).
-        self.dense_note = dense_copy_note(config.quantization, dtype) if device.type == "cpu" \
-            else ""
+        self.dense_note = dense_copy_note(config.quantization, dtype,
+                                          config.quantized_activation_bits) \
+            if device.type == "cpu" else ""
         self.block_size = config.block_size
         self.kv_caches: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
@@ -125,7 +126,7 @@ class ModelRunner:
         attn = get_attention_backend(config.attention_backend, device)
         resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, attn.name)  # raises before loading
         model = load_model(config.model, model_config, max_model_len, dtype, device, attn,
-                           config.quantization)
+                           config.quantization, config.quantized_activation_bits)
         torch.manual_seed(config.seed)
         return cls(model, config, device, dtype)
 

@@ -101,12 +101,13 @@ Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 # 535 / 456 us, 32 rows 962 / 760; the head 16 rows 2,984 / 1,782.
 # False: the paths above (torch's kernels, the dense copy, our Q4 kernel).
 VNNI_KERNELS = True
-# The VNNI kernels' activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``):
+# The VNNI kernels' activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``), by
+# layer (``act_bits``, from ``--quantized-activation-bits``, engine.config.ACTIVATION_BITS):
 # 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per output against bf16's
-# 3.5e-3) or 8 (llama.cpp's Q8_1 rounding as in its Q4_1 x Q8_1 dot product, 6e-3; fewer
+# 3.5e-3) or 8 (llama.cpp's Q8_1 rounding as in its Q4_1 x Q8_1 dot product, 6e-3; half the
 # multiply-adds). In the engine, gguf perplexity 13.47 with 16 bits, 13.80 with 8, against
-# fp32's 13.40 (benchmarks/bench_quantization.py). Read when a layer is built.
-VNNI_ACT_BITS = 16
+# fp32's 13.40 (benchmarks/bench_quantization.py).
+DEFAULT_ACT_BITS = 16
 
 
 def q4_vnni(out_features: int, in_features: int, group_size: int) -> bool:
@@ -307,7 +308,7 @@ class Int8Linear(QuantizedLinear):
         self.qweight, self.scales, self.bias, self.dense = qweight, scales, bias, dense
         self.out_features = qweight.shape[0]
         self.vnni = vnni
-        self.act_bits = VNNI_ACT_BITS
+        self.act_bits = DEFAULT_ACT_BITS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -454,7 +455,7 @@ class Int4Linear(QuantizedLinear):
         self.own = own
         self.own_below = q4_own_kernel_below_tokens()
         self.vnni = vnni
-        self.act_bits = VNNI_ACT_BITS
+        self.act_bits = DEFAULT_ACT_BITS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -524,14 +525,16 @@ class Int4Linear(QuantizedLinear):
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
-def dense_copy_note(quantization: str | None, dtype: torch.dtype) -> str:
+def dense_copy_note(quantization: str | None, dtype: torch.dtype,
+                    act_bits: int = DEFAULT_ACT_BITS) -> str:
     """For the start-up log: which dense copy the quantized layers hold and from how many rows
-    it runs ("" without one: no quantization, or activations other than fp32)."""
+    it runs ("" without one: no quantization, or activations other than fp32), and the int8-dot
+    kernels' activation rounding (``act_bits``) where those run instead."""
     if quantization is None or dtype != torch.float32:
         return ""
     if VNNI_KERNELS and cpu_linear.loaded():
         return (f"no dense copy: 4-bit and int8 layers through our int8-dot kernels "
-                f"({cpu_linear.int8_dot_isa()}, {VNNI_ACT_BITS}-bit activations) at every row "
+                f"({cpu_linear.int8_dot_isa()}, {act_bits}-bit activations) at every row "
                 f"count")
     if dense_copy_dtype() != KERNEL_DTYPE:
         return f"fp32 dense copy from {dense_from_tokens()} rows"
@@ -551,7 +554,7 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
 
 def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
                 quantization: str | None, dtype: torch.dtype,
-                device: torch.device) -> LinearMethod:
+                device: torch.device, act_bits: int = DEFAULT_ACT_BITS) -> LinearMethod:
     """The ``LinearMethod`` for one (fused) projection, for activations in ``dtype``.
 
     ``weight`` is a float tensor [out, in] or, from a GGUF, ``GroupedInt4``. Without
@@ -561,7 +564,8 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
     (``KERNEL_DTYPE``); with fp32 activations they also keep a dense copy for forwards of
     ``dense_from_tokens()`` rows or more, where dense GEMM is faster: in ``dense_copy_dtype()``
     (an fp32 ``weight`` is kept as it is when that is fp32, not copied: pass a tied embedding's
-    own parameter).
+    own parameter). ``act_bits``: our int8-dot kernels' activation rounding (16 or 8,
+    ``--quantized-activation-bits``); it changes nothing where those kernels do not run.
     """
     if isinstance(weight, GroupedInt4) and quantization != "gguf":
         weight = weight.dequantize()
@@ -569,12 +573,14 @@ def make_linear(weight: torch.Tensor | GroupedInt4, bias: torch.Tensor | None,
         return DenseLinear(weight.to(device=device, dtype=dtype),
                            None if bias is None else bias.to(device=device, dtype=dtype))
     keep_dense = dtype == torch.float32
-    if isinstance(weight, GroupedInt4):
-        return Int4Linear.from_grouped(weight, bias, dtype, keep_dense)
-    return Int8Linear.quantize(weight, bias, dtype, keep_dense)
+    layer = Int4Linear.from_grouped(weight, bias, dtype, keep_dense) \
+        if isinstance(weight, GroupedInt4) else Int8Linear.quantize(weight, bias, dtype, keep_dense)
+    layer.act_bits = act_bits
+    return layer
 
 
 __all__ = [
+    "DEFAULT_ACT_BITS",
     "DENSE_FROM_TOKENS",
     "DENSE_FROM_TOKENS_INT8_NATIVE_BF16",
     "INT4_GROUP_SIZE",

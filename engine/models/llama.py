@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.quantization import (
+    DEFAULT_ACT_BITS,
     DenseLinear,
     GroupedInt4,
     LinearMethod,
@@ -288,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
         return sum(m.weight_bytes for m in linears)
 
     def load_weights(self, state: Mapping[str, torch.Tensor | GroupedInt4],
-                     quantization: str | None = None) -> None:
+                     quantization: str | None = None,
+                     act_bits: int = DEFAULT_ACT_BITS) -> None:
         """Loads Hugging Face ``model.*`` weight names, fusing q/k/v and gate/up projections
         into one ``LinearMethod`` each (``engine.quantization.make_linear``), in the dtype and
         on the device of this module's parameters (call after ``.to()``).
@@ -296,6 +298,8 @@ class LlamaForCausalLM(nn.Module):
         Args:
             state: name -> float tensor, or ``GroupedInt4`` 4-bit blocks (from a GGUF).
             quantization: None (dense), or one of ``engine.quantization.QUANTIZATIONS``.
+            act_bits: the quantized layers' activation rounding in our int8-dot kernels, 16 or
+                8 (``--quantized-activation-bits``).
 
         Raises:
             ValueError: a required weight is missing (named).
@@ -320,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
             else:  # float, or 4-bit mixed with other types: dequantized
                 w = torch.cat([tensor(n + ".weight") for n in names])
             b = torch.cat([tensor(n + ".bias") for n in names]) if bias else None
-            return make_linear(w, b, quantization, dtype, device)
+            return make_linear(w, b, quantization, dtype, device, act_bits)
 
         with torch.no_grad():
             self.embed_tokens.weight.copy_(tensor("model.embed_tokens.weight"))
@@ -334,7 +338,8 @@ class LlamaForCausalLM(nn.Module):
                 embedding = (self.embed_tokens.weight if dtype == torch.float32
                              else tensor("model.embed_tokens.weight"))
                 self.lm_head = (DenseLinear(self.embed_tokens.weight) if quantization is None
-                                else make_linear(embedding, None, quantization, dtype, device))
+                                else make_linear(embedding, None, quantization, dtype, device,
+                                                 act_bits))
             else:
                 self.lm_head = linear(["lm_head"])
             for i, layer in enumerate(self.layers):

@@ -14,7 +14,7 @@ from engine.models.registry import get_model_class
 
 def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: int,
                dtype: torch.dtype, device: torch.device, attn: AttentionBackend,
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None, act_bits: int = 16) -> torch.nn.Module:
     """Instantiates ``model_config.architecture`` from the registry and loads its weights.
 
     Args:
@@ -22,6 +22,8 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
         attn: the attention backend the layers call.
         quantization: None, ``int8`` (the safetensors weights, quantized per channel) or
             ``gguf`` (the model folder's GGUF, its 4-bit blocks kept: ``engine.models.gguf``).
+        act_bits: the quantized layers' activation rounding in our int8-dot kernels, 16 or 8
+            (``--quantized-activation-bits``).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` (or, for ``gguf``, no GGUF) for ``model_dir``.
@@ -49,6 +51,6 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
     # import torch._dynamo and sympy (1.7 s of a 5.3 s server start-up, measured).
     model = cls(model_config, max_position, attn)
     model = model.to(device=device, dtype=dtype).eval()
-    model.load_weights(state, quantization)
+    model.load_weights(state, quantization, act_bits)
     model.bind_weights()
     return model

@@ -93,6 +93,9 @@ def test_serve_with_a_model_folder_without_config_is_a_one_line_error(tmp_path):
     (["--kv-cache-dtype", "bfloat16", "--dtype", "float16"],
      "--kv-cache-dtype bfloat16 needs --dtype float32 or bfloat16"),
     (["--block-size", "0"], "--block-size must be in [1, 256]"),
+    (["--quantized-activation-bits", "4", "--quantization", "gguf"],
+     "--quantized-activation-bits must be 16 or 8"),
+    (["--quantized-activation-bits", "8"], "needs --quantization int8 or gguf"),
 ])
 def test_serve_with_a_bad_engine_flag_fails_before_writing_the_data_dir(tmp_path, flags,
                                                                         message):

@@ -401,14 +401,17 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,act_bits", [("auto", 16), ("bfloat16", 16),
+                                                     ("auto", 8)])
+def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype, act_bits):
     """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights (fp32
     activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not,
     and a prefix hit; a hostile request is refused alone and the server goes on. The same over
-    a bf16 KV cache (``--kv-cache-dtype bfloat16``: half the bytes a block)."""
+    a bf16 KV cache (``--kv-cache-dtype bfloat16``: half the bytes a block), and with 8-bit
+    activations (``--quantized-activation-bits 8``, llama.cpp's rounding)."""
     with serve(model_dir, tmp_path, "--quantization", "gguf", "--kv-cache-dtype",
-               kv_cache_dtype, wait_for_children=True) as proc:
+               kv_cache_dtype, "--quantized-activation-bits", str(act_bits),
+               wait_for_children=True) as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
         # Not "What is the capital of France?": fp32's first two tokens there are 0.09 apart
@@ -430,6 +433,8 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype):
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
     assert "cpu float32, quantization gguf (95 MB of weights read per token)" in proc.output, \
         proc.output[-2000:]
+    if "bit activations) at every row count" in proc.output:  # our int8-dot kernels: at
+        assert f", {act_bits}-bit activations) at every row count" in proc.output  # these bits
     kv, elem = {"auto": ("float32", 4), "bfloat16": ("bfloat16", 2)}[kv_cache_dtype]
     mib = 96 * 30 * 2 * 16 * 3 * 64 * elem / 2**20  # 96 blocks, 30 layers, K and V, 3 x 64
     assert f"engine ready: 96 KV blocks x 16 tokens ({mib:.1f} MiB, {kv})" in proc.output

@@ -65,7 +65,7 @@ def _config(bias: bool) -> ModelConfig:
                        tie_word_embeddings=True, attention_bias=bias, eos_token_ids=(0,))
 
 
-def _model(quantization: str | None, bias: bool) -> LlamaForCausalLM:
+def _model(quantization: str | None, bias: bool, act_bits: int = 16) -> LlamaForCausalLM:
     cfg = _config(bias)
     gen = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (64, HIDDEN), "model.norm.weight": (HIDDEN,)}
@@ -94,7 +94,7 @@ def _model(quantization: str | None, bias: bool) -> LlamaForCausalLM:
                     torch.rand(n, k // 32, generator=gen) * 0.05,
                     -torch.rand(n, k // 32, generator=gen) * 0.4)
     model = LlamaForCausalLM(cfg, 128, get_attention_backend("torch", CPU))
-    model.load_weights(state, quantization)
+    model.load_weights(state, quantization, act_bits)
     model.bind_weights()
     return model
 
@@ -436,12 +436,11 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
 @pytest.mark.vnni
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act_bits", [16, 8])
-def test_the_vnni_kernel_fused_is_bit_identical_at_every_row_count(bias, act_bits, monkeypatch):
+def test_the_vnni_kernel_fused_is_bit_identical_at_every_row_count(bias, act_bits):
     """With our VNNI kernel every 4-bit projection names it at any row count (its group slot
-    carrying the activation bits), each spec equals the projection's own call bit for bit, and
-    the fused layer equals the Python layer at 1, 9 and 40 rows."""
-    monkeypatch.setattr(quantization, "VNNI_ACT_BITS", act_bits)
-    model = _model("gguf", bias)
+    carrying the activation bits loaded with the weights), each spec equals the projection's own
+    call bit for bit, and the fused layer equals the Python layer at 1, 9 and 40 rows."""
+    model = _model("gguf", bias, act_bits)
     layer = model.layers[1]
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
     assert all(m.vnni is not None and m.dense is None for m in projections)

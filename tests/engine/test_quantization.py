@@ -124,6 +124,19 @@ def test_quantization_runs_on_cpu_only():
         EngineConfig(model="m", quantization="int4")
 
 
+def test_quantized_activation_bits_are_16_or_8_and_need_a_quantization():
+    """``--quantized-activation-bits``: 16 (the default) or 8, and 8 only with quantized
+    layers to round activations for."""
+    assert EngineConfig(model="m").quantized_activation_bits == 16
+    assert EngineConfig(model="m", quantization="gguf",
+                        quantized_activation_bits=8).quantized_activation_bits == 8
+    for bad in (4, 32, 0):
+        with pytest.raises(ValueError, match="--quantized-activation-bits must be 16 or 8"):
+            EngineConfig(model="m", quantization="gguf", quantized_activation_bits=bad)
+    with pytest.raises(ValueError, match="needs --quantization int8 or gguf"):
+        EngineConfig(model="m", quantized_activation_bits=8)
+
+
 @pytest.mark.usefixtures("no_vnni")
 @pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
 def test_fp32_activations_run_the_bf16_kernel_for_decode_and_a_dense_copy_for_prefill(
@@ -375,6 +388,47 @@ def _teacher_forced_agreement(engine, prompts: list[list[int]], reference: list[
     return agree, total
 
 
+@pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
+def test_8_bit_activations_serve_gguf_near_fp32_and_a_flooding_tenant_changes_no_bits(
+        make_llm_engine, tokenizer):
+    """``quantized_activation_bits=8``: every 4-bit projection and the int8 LM head round
+    their activations to int8 alone (llama.cpp's Q8_1), and the answers stay near fp32's
+    (teacher-forced agreement, as served). Each row still has the same bits in any batch: with
+    tenant A flooding 20 requests (half of them B's very prompt), B's tokens and logprobs are
+    those of its run alone, and B finds none of A's blocks; B's own repeat hits."""
+    prompts = [_chat(tokenizer, t) for t in ("Name the capital of France.",
+                                             "Why is the sky blue?")]
+    reference = _fp32_greedy(make_llm_engine, prompts)
+    engine = make_llm_engine(quantization="gguf", quantized_activation_bits=8)
+    layers = [engine.model.lm_head] + [m for layer in engine.model.layers
+                                       for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(m.vnni is not None and m.act_bits == 8 for m in layers)
+    agree, total = _teacher_forced_agreement(engine, prompts, reference)
+    assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
+
+    b_ids = prompts[1]
+
+    def b_request(rid: str, salt: bytes) -> EngineRequest:
+        return EngineRequest(rid, tuple(b_ids), SamplingParams(max_tokens=12, temperature=0.0,
+                                                               logprobs=2),
+                             tenant_id="b", cache_salt=salt)
+
+    (alone,) = run_to_completion(engine, [b_request("b-alone", b"b" * 16)])
+    assert alone.num_cached_tokens == 0
+    flood = [EngineRequest(f"a{i}", tuple(b_ids if i % 2 else _chat(tokenizer, f"Count to {i}.")),
+                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                           tenant_id="a", cache_salt=b"a" * 16) for i in range(20)]
+    results = run_to_completion(engine, [*flood, b_request("b-flooded", b"c" * 16)])
+    beside = results[-1]
+    assert beside.num_cached_tokens == 0  # A sent B's very prompt ten times: no hit across
+    assert all(len(r.token_ids) == 24 for r in results[:-1])
+    assert beside.token_ids == alone.token_ids and len(alone.token_ids) >= 4
+    for got, want in zip(beside.logprobs, alone.logprobs):
+        assert got == want  # the same floats, not close ones
+    (again,) = run_to_completion(engine, [b_request("b-again", b"b" * 16)])
+    assert again.num_cached_tokens > 0 and len(again.token_ids) >= 4
+
+
 @pytest.mark.parametrize("quantization,dtype,max_mb", [("gguf", "auto", 100),
                                                       ("int8", "bfloat16", 140)])
 def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantization, dtype,
@@ -471,17 +525,16 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
 
 @pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 @pytest.mark.parametrize("act_bits", [16, 8])
-def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits, monkeypatch):
+def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits):
     """On CPUs with our kernels (AVX2 or AVX-512 VNNI) a 4-bit layer with fp32 activations keeps no dense copy and no Q4
     copy, and every forward, from one decode row to a prefill chunk, runs our VNNI kernel (the
-    activation rounding of ``VNNI_ACT_BITS``), near the dequantized fp32 product; bf16
+    activation rounding ``make_linear`` was given), near the dequantized fp32 product; bf16
     activations still run torch's int4 kernel."""
-    monkeypatch.setattr(quantization_module, "VNNI_ACT_BITS", act_bits)
     w = _grouped(64, 128)
     # fp16 scales and minimums, as a GGUF stores them (the kernel holds them so)
     w = GroupedInt4(w.codes, w.scale.half().float(), w.minimum.half().float())
     bias = torch.randn(64)
-    lin = make_linear(w, bias, "gguf", torch.float32, CPU)
+    lin = make_linear(w, bias, "gguf", torch.float32, CPU, act_bits)
     assert isinstance(lin, Int4Linear) and lin.vnni is not None
     assert lin.dense is None and lin.own is None and lin.act_bits == act_bits
     assert lin.weight_bytes == 64 * 128 // 2 + 64 * 4 * 2 * 2 + 64 * 4  # codes, fp16 pairs, bias
