@@ -126,8 +126,9 @@ class EngineConfig:
         "help": "With --quantization on CPU: how our int8-dot kernels round each group of 32 "
                 "activations. 16 = int8 plus a 1/256 residual (16-bit fixed point, the most "
                 "faithful); 8 = int8 alone, the Q8_1 rounding of llama.cpp's and vLLM's GGUF "
-                "kernels: half the multiply-adds (4-bit layers about 1.6x faster at 16 rows), "
-                "lower fidelity (docs/benchmarks.md). 16 or 8."})
+                "kernels: half the multiply-adds (4-bit layers 1.6x faster at 16 rows on an AMD "
+                "EPYC), lower fidelity, and a prefix hit may then change a greedy token "
+                "(docs/benchmarks.md). 16 or 8."})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache dtype (vLLM --kv-cache-dtype): auto = the model's --dtype; bfloat16 "
                 "under --dtype float32 (auto on CPU) halves a block's bytes: twice the blocks "
@@ -186,12 +187,15 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
-        if self.quantized_activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"--quantized-activation-bits must be 16 or 8, got "
-                             f"{self.quantized_activation_bits!r}")
-        if self.quantized_activation_bits != 16 and self.quantization is None:
+        bits = self.quantized_activation_bits
+        if type(bits) is not int or bits not in ACTIVATION_BITS:  # not 8.0, not True
+            raise ValueError(f"--quantized-activation-bits must be 16 or 8, got {bits!r}")
+        if bits != 16 and self.quantization is None:
             raise ValueError("--quantized-activation-bits 8 rounds the activations of quantized "
                              "layers: it needs --quantization int8 or gguf")
+        if bits != 16 and self.dtype in ("bfloat16", "float16"):
+            raise ValueError("--quantized-activation-bits 8 applies to fp32 activations (our "
+                             "int8-dot kernels): it needs --dtype auto or float32")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES} (no fp8 "
                              f"here), got {self.kv_cache_dtype!r}")

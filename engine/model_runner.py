@@ -104,6 +104,11 @@ class ModelRunner:
         self.dense_note = dense_copy_note(config.quantization, dtype,
                                           config.quantized_activation_bits) \
             if device.type == "cpu" else ""
+        if config.quantized_activation_bits != 16 and "-bit activations" not in self.dense_note:
+            logger.warning("--quantized-activation-bits %d: our int8-dot kernels are off "
+                           "here (no CPU build of them, or switched off), so the quantized layers "
+                           "use torch's kernels and the flag changes nothing",
+                           config.quantized_activation_bits)
         self.block_size = config.block_size
         self.kv_caches: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}

@@ -105,8 +105,8 @@ VNNI_KERNELS = True
 # layer (``act_bits``, from ``--quantized-activation-bits``, engine.config.ACTIVATION_BITS):
 # 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per output against bf16's
 # 3.5e-3) or 8 (llama.cpp's Q8_1 rounding as in its Q4_1 x Q8_1 dot product, 6e-3; half the
-# multiply-adds). In the engine, gguf perplexity 13.47 with 16 bits, 13.80 with 8, against
-# fp32's 13.40 (benchmarks/bench_quantization.py).
+# multiply-adds). In the engine, gguf perplexity 13.48 with 16 bits, 13.67-13.85 with 8, against
+# fp32's 13.40 (benchmarks/bench_quantization.py; docs/benchmarks.md, session 31).
 DEFAULT_ACT_BITS = 16
 
 

@@ -10,11 +10,13 @@ import torch
 from engine.attention import AttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.registry import get_model_class
+from engine.quantization import DEFAULT_ACT_BITS
 
 
 def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: int,
                dtype: torch.dtype, device: torch.device, attn: AttentionBackend,
-               quantization: str | None = None, act_bits: int = 16) -> torch.nn.Module:
+               quantization: str | None = None,
+               act_bits: int = DEFAULT_ACT_BITS) -> torch.nn.Module:
     """Instantiates ``model_config.architecture`` from the registry and loads its weights.
 
     Args:
