@@ -149,9 +149,9 @@ def test_8_bit_activations_without_our_kernels_warn_that_they_change_nothing(mak
         engine = make_llm_engine(quantization="gguf", quantized_activation_bits=8)
     warned = [r.getMessage() for r in caplog.records if "quantized-activation-bits" in
               r.getMessage()]
-    assert warned == ["--quantized-activation-bits 8: our int8-dot kernels are off here (no "
-                      "CPU build of them, or switched off), so the quantized layers use "
-                      "torch's kernels and the flag changes nothing"]
+    assert warned == [("--quantized-activation-bits 8: our int8-dot kernels are off here (no "
+                       "CPU build of them, or switched off), so the quantized layers use "
+                       "torch's kernels and the flag changes nothing")]
     assert all(layer.qkv.vnni is None for layer in engine.model.layers)
 
 
