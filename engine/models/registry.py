@@ -3,7 +3,8 @@
 
 Adding an architecture is one line in ``_MODELS`` (module, class name), pointing at a class with
 the constructor ``(ModelConfig, max_position, attention_backend)``,
-``load_weights(state, quantization, act_bits)`` and the forward of ``engine.models.llama.LlamaForCausalLM``.
+``load_weights(state, quantization, act_bits)`` and the forward of
+``engine.models.llama.LlamaForCausalLM``.
 """
 
 from __future__ import annotations
