@@ -20,6 +20,7 @@ from engine.model_runner import resolve_kv_cache_dtype
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from kernels import cpu_linear, cpu_ops
+from tests.engine.tenant_helpers import check_a_flood_leaves_b_as_alone
 
 cpu_linear.load()
 BF16_KERNEL = cpu_ops.bf16_decode_attention_usable(64)
@@ -121,27 +122,8 @@ def test_a_flooding_tenant_leaves_another_tenants_bf16_cache_tokens_as_they_are(
     through our kernel, not SDPA, and on a bf16 cache a 1e-6 difference can flip a K/V
     rounding; see the test above.)"""
     engine = make_llm_engine(kv_cache_dtype="bfloat16", quantization="gguf")
-    b_ids = _chat(tokenizer, "Why is the sky blue?")
-
-    def b_request(rid: str, salt: bytes) -> EngineRequest:
-        return EngineRequest(rid, tuple(b_ids), SamplingParams(max_tokens=12, temperature=0.0,
-                                                               logprobs=2),
-                             tenant_id="b", cache_salt=salt)
-
-    (alone,) = run_to_completion(engine, [b_request("b-alone", b"b" * 16)])
-    assert alone.num_cached_tokens == 0
-    flood = [EngineRequest(f"a{i}", tuple(b_ids if i % 2 else _chat(tokenizer, f"Count to {i}.")),
-                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                           tenant_id="a", cache_salt=b"a" * 16) for i in range(20)]
-    results = run_to_completion(engine, [*flood, b_request("b-flooded", b"c" * 16)])
-    beside = results[-1]
-    assert beside.num_cached_tokens == 0  # A sent B's very prompt ten times: no hit across
-    assert all(len(r.token_ids) == 24 for r in results[:-1])
-    assert beside.token_ids == alone.token_ids and len(alone.token_ids) >= 4
-    for got, want in zip(beside.logprobs, alone.logprobs):
-        assert got == want  # the same floats, not close ones
-    (again,) = run_to_completion(engine, [b_request("b-again", b"b" * 16)])
-    assert again.num_cached_tokens > 0 and len(again.token_ids) >= 4
+    check_a_flood_leaves_b_as_alone(engine, _chat(tokenizer, "Why is the sky blue?"),
+                                    lambda text: _chat(tokenizer, text))
 
 
 def _meta(seq_lens, query_lens, tables, block_size=16):
