@@ -13,7 +13,7 @@ from engine.executor import ExecuteOutput
 from engine.faults import fire
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.quantization import check_quantization, dense_copy_note
+from engine.quantization import check_quantization, dense_copy_note, int8_dot_kernels_serve
 from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -104,7 +104,8 @@ class ModelRunner:
         self.dense_note = dense_copy_note(config.quantization, dtype,
                                           config.quantized_activation_bits) \
             if device.type == "cpu" else ""
-        if config.quantized_activation_bits != 16 and "-bit activations" not in self.dense_note:
+        if config.quantized_activation_bits != 16 and not (
+                device.type == "cpu" and int8_dot_kernels_serve(config.quantization, dtype)):
             logger.warning("--quantized-activation-bits %d: our int8-dot kernels are off "
                            "here (no CPU build of them, or switched off), so the quantized layers "
                            "use torch's kernels and the flag changes nothing",

@@ -525,6 +525,14 @@ class Int4Linear(QuantizedLinear):
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
+def int8_dot_kernels_serve(quantization: str | None, dtype: torch.dtype) -> bool:
+    """Whether quantized layers with ``dtype`` activations on CPU run our int8-dot kernels (the
+    only path ``act_bits`` applies to): quantization on, fp32 activations, ``VNNI_KERNELS`` and
+    the kernels built here."""
+    return (quantization is not None and dtype == torch.float32 and VNNI_KERNELS
+            and cpu_linear.loaded())
+
+
 def dense_copy_note(quantization: str | None, dtype: torch.dtype,
                     act_bits: int = DEFAULT_ACT_BITS) -> str:
     """For the start-up log: which dense copy the quantized layers hold and from how many rows
@@ -532,7 +540,7 @@ def dense_copy_note(quantization: str | None, dtype: torch.dtype,
     kernels' activation rounding (``act_bits``) where those run instead."""
     if quantization is None or dtype != torch.float32:
         return ""
-    if VNNI_KERNELS and cpu_linear.loaded():
+    if int8_dot_kernels_serve(quantization, dtype):
         return (f"no dense copy: 4-bit and int8 layers through our int8-dot kernels "
                 f"({cpu_linear.int8_dot_isa()}, {act_bits}-bit activations) at every row "
                 f"count")
@@ -598,6 +606,7 @@ __all__ = [
     "dense_copy_note",
     "dense_from_tokens",
     "int8_dense_from_tokens",
+    "int8_dot_kernels_serve",
     "make_linear",
     "native_bf16",
 ]
