@@ -1,8 +1,12 @@
 """Decode speed and TTFT of OpenAI-compatible servers side by side (issue 15's table): ours with
 fp32 and with ``--quantization gguf``, llama.cpp's server on the bundled GGUF, vLLM, ...
 
-One client, the same prompts, one server at a time (``--server NAME=URL[,KEY[,MODEL]]``,
-repeatable; the first is the baseline of the ratios unless ``--baseline`` names another):
+One client, the same prompts, one request (or one burst) at a time
+(``--server NAME=URL[,KEY[,MODEL]]``, repeatable; the first is the baseline of the ratios unless
+``--baseline`` names another). Each phase's repetitions alternate across the servers (A B C, then
+C B A, ...), so every server's figures come from the same minutes: a 2-vCPU VM's speed drifts
+by up to 1.4x within minutes. The 16-concurrent rounds also print each round's ratio to the
+baseline.
 
 1. single-stream decode: one chat request at a time, ``max_tokens`` 128, decode tokens/s =
    (streamed tokens - 1) / (time from the first to the last token); median of 3;
@@ -76,40 +80,87 @@ class Server:
         return first - start, last - first, tokens
 
 
-def measure(s: Server, seed: int) -> dict[str, float]:
-    rng = random.Random(seed)
-    story = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-    s.chat(story, 8)  # warm-up
-    decode = []
-    for _ in range(10):  # a sampled reply may end at once: only replies of 2+ tokens count
-        _, span, n = s.chat(story, 128)
-        if n >= 2 and span > 0:
-            decode.append((n - 1) / span)
-        if len(decode) == 3:
-            break
-    if not decode:
-        raise RuntimeError(f"{s.name}: no reply of 2+ tokens in 10 tries")
-    cold, warm = [], []
-    for i in range(3):
-        system = system_prompt(rng)
-        cold.append(s.chat([{"role": "system", "content": system},
-                            {"role": "user", "content": f"Question {i}: which berth?"}], 4)[0])
-        warm.append(s.chat([{"role": "system", "content": system},
-                            {"role": "user", "content": f"Question {i}: which crane?"}], 4)[0])
-    shared = system_prompt(rng)
-    s.chat([{"role": "system", "content": shared}, {"role": "user", "content": "Hello"}], 1)
-    concurrent = []
-    for rnd in range(3):
-        asks = [[{"role": "system", "content": shared},
+class Run:
+    """One server's measurements, taken a repetition at a time (``step``) so that the servers'
+    repetitions can alternate: a 2-vCPU VM's speed drifts by up to 1.4x within minutes, and a
+    ratio of two figures taken minutes apart measures the drift as much as the servers."""
+
+    def __init__(self, s: Server, seed: int) -> None:
+        self.s, self.rng = s, random.Random(seed)  # every server gets the same prompts
+        self.decode: list[float] = []
+        self.cold: list[float] = []
+        self.warm: list[float] = []
+        self.concurrent: list[float] = []
+        self.story = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        self.shared = ""
+
+    def warm_up(self) -> None:
+        self.s.chat(self.story, 8)
+
+    def single_stream(self) -> None:
+        """One decode figure (a sampled reply may end at once: only replies of 2+ tokens
+        count, up to 10 tries)."""
+        for _ in range(10):
+            _, span, n = self.s.chat(self.story, 128)
+            if n >= 2 and span > 0:
+                self.decode.append((n - 1) / span)
+                return
+        raise RuntimeError(f"{self.s.name}: no reply of 2+ tokens in 10 tries")
+
+    def ttft(self, i: int) -> None:
+        system = system_prompt(self.rng)
+        self.cold.append(self.s.chat([{"role": "system", "content": system},
+                                      {"role": "user", "content": f"Question {i}: which berth?"}],
+                                     4)[0])
+        self.warm.append(self.s.chat([{"role": "system", "content": system},
+                                      {"role": "user", "content": f"Question {i}: which crane?"}],
+                                     4)[0])
+
+    def share(self) -> None:
+        """The 16-concurrent rounds' system prompt, sent once to warm the server."""
+        self.shared = system_prompt(self.rng)
+        self.s.chat([{"role": "system", "content": self.shared},
+                     {"role": "user", "content": "Hello"}], 1)
+
+    def concurrent_round(self, rnd: int) -> None:
+        asks = [[{"role": "system", "content": self.shared},
                  {"role": "user", "content": f"Question {i}: tell me about pier {16 * rnd + i}."}]
                 for i in range(16)]
         start = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(lambda m: s.chat(m, 64), asks))
-        concurrent.append(sum(n for _, _, n in results) / (time.perf_counter() - start))
-    return {"decode_tok_s": statistics.median(decode),
-            "concurrent16_tok_s": statistics.median(concurrent),
-            "cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm)}
+            results = list(pool.map(lambda m: self.s.chat(m, 64), asks))
+        self.concurrent.append(sum(n for _, _, n in results) / (time.perf_counter() - start))
+
+    def result(self) -> dict[str, float]:
+        return {"decode_tok_s": statistics.median(self.decode),
+                "concurrent16_tok_s": statistics.median(self.concurrent),
+                "cold_ttft_s": statistics.median(self.cold),
+                "warm_ttft_s": statistics.median(self.warm)}
+
+
+def measure(runs: list[Run], reps: int = 3) -> None:
+    """Every phase's ``reps`` repetitions in turn across the servers, the order reversed
+    every other repetition (A B C, C B A, ...), so each server's figures come from the same
+    minutes as the others'."""
+    def each(rep: int):
+        return runs if rep % 2 == 0 else runs[::-1]
+
+    for r in runs:
+        print(f"warming {r.s.name} at {r.s.url} ...", flush=True)
+        r.warm_up()
+    for rep in range(reps):
+        for r in each(rep):
+            r.single_stream()
+    for rep in range(reps):
+        for r in each(rep):
+            r.ttft(rep)
+    for r in runs:
+        r.share()
+    for rep in range(reps):
+        for r in each(rep):
+            r.concurrent_round(rep)
+            print(f"16 concurrent, round {rep + 1}: {r.s.name} {r.concurrent[-1]:.1f} tok/s",
+                  flush=True)
 
 
 def main() -> None:
@@ -127,11 +178,12 @@ def main() -> None:
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
     peers = [parse_peer(spec) for spec in args.server]
-    rows = {}
-    for p in peers:
-        print(f"measuring {p.name} at {p.url} ...", flush=True)
-        rows[p.name] = measure(Server(p.name, p.url, p.api_key, p.model, sampling), args.seed)
-    base = rows[args.baseline or peers[0].name]
+    runs = [Run(Server(p.name, p.url, p.api_key, p.model, sampling), args.seed)
+            for p in peers]
+    measure(runs)
+    rows = {r.s.name: r.result() for r in runs}
+    base_name = args.baseline or peers[0].name
+    base = rows[base_name]
     print(f"\nsampling: {json.dumps(sampling)} (each server's own sampler for the rest)")
     print(f"\n{'server':14} {'1 stream':>10} {'16 concurrent':>14} {'cold TTFT':>10} "
           f"{'warm TTFT':>10}   ratios to {args.baseline or peers[0].name}")
@@ -142,6 +194,12 @@ def main() -> None:
               f"{r['concurrent16_tok_s'] / base['concurrent16_tok_s']:.2f}x "
               f"{r['cold_ttft_s'] / base['cold_ttft_s']:.2f}x "
               f"{r['warm_ttft_s'] / base['warm_ttft_s']:.2f}x")
+    by_name = {r.s.name: r for r in runs}
+    print(f"\n16 concurrent, each round's ratio to {base_name} (taken in the same minute):")
+    for name, r in by_name.items():
+        if name != base_name:
+            ratios = [a / b for a, b in zip(r.concurrent, by_name[base_name].concurrent)]
+            print(f"{name:14} " + " ".join(f"{x:.2f}x" for x in ratios))
 
 
 if __name__ == "__main__":
