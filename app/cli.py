@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import json
+import logging
 import os
 import re
 import socket
@@ -146,6 +147,26 @@ class _ServeCommand(click.Command):
                              + ", ".join(env_only_settings()) + ".")
 
 
+def _freeze_startup_heap() -> int:
+    """Moves every object alive now (the model, tokenizer, app: about 320 thousand) out of the
+    garbage collector's sight, as vLLM's ``freeze_gc_heap`` does, and returns how many.
+
+    Why: a full collection walks every tracked object while holding the GIL, so it stops the
+    engine thread's step and every stream with it: 175-181 ms for a gguf server's startup heap,
+    0.0 ms once frozen (AMD EPYC, 2026-12-06). The startup heap lives as long as the process,
+    so freezing it frees nothing that would have been freed. Called once, just before
+    serving; tests that build apps in-process never call it (their heaps do not live long)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    # "app.cli" by name: run as ``python -m app.cli`` this module's __name__ is "__main__".
+    logging.getLogger("app.cli").info("froze %d startup objects: full garbage collections skip "
+                                      "them", frozen)
+    return frozen
+
+
 @main.command(cls=_ServeCommand)
 @_serve_options
 def serve(**opts: Any) -> None:
@@ -221,6 +242,7 @@ def serve(**opts: Any) -> None:
 
     # on_stop: uvicorn ends the process with the SIGTERM it caught once it has stopped, so the
     # parse pool is shut down before that (the finally covers the other ways out).
+    _freeze_startup_heap()
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, log_config=None,
                                            timeout_keep_alive=75),

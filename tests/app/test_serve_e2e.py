@@ -37,6 +37,10 @@ def server(model_dir: Path, tmp_path_factory):
     assert served and all(len(r["request_id"]) == 32 and len(r["tenant_id"]) == 32
                           for r in served)
     assert "capital of France" not in proc.output  # prompts are never logged
+    # The startup heap is frozen before serving (app.cli._freeze_startup_heap): a full garbage
+    # collection of it stalled the engine thread for about 180 ms.
+    frozen = [r for r in logs if r["logger"] == "app.cli" and "startup objects" in r["message"]]
+    assert len(frozen) == 1 and int(frozen[0]["message"].split()[1]) > 100_000, frozen
 
 
 def test_openai_sdk_against_real_server(server):
