@@ -234,6 +234,7 @@ def serve(**opts: Any) -> None:
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """)
+    _freeze_startup_heap()
     # log_config=None: uvicorn's loggers keep app.logs' handler and format.
     # timeout_keep_alive above a load balancer's idle-connection lifetime (HAProxy's is a
     # few seconds): the balancer, not the server, closes idle connections, so it never sends a
@@ -242,7 +243,6 @@ def serve(**opts: Any) -> None:
 
     # on_stop: uvicorn ends the process with the SIGTERM it caught once it has stopped, so the
     # parse pool is shut down before that (the finally covers the other ways out).
-    _freeze_startup_heap()
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, log_config=None,
                                            timeout_keep_alive=75),

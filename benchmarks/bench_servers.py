@@ -99,7 +99,7 @@ class Run:
 
     def single_stream(self) -> None:
         """One decode figure (a sampled reply may end at once: only replies of 2+ tokens
-        count, up to 10 tries)."""
+        count, up to 10 tries for each figure)."""
         for _ in range(10):
             _, span, n = self.s.chat(self.story, 128)
             if n >= 2 and span > 0:
