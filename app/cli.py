@@ -153,9 +153,10 @@ def _freeze_startup_heap() -> int:
 
     Why: a full collection walks every tracked object while holding the GIL, so it stops the
     engine thread's step and every stream with it: 175-181 ms for a gguf server's startup heap,
-    0.0 ms once frozen (AMD EPYC, 2026-12-06). The startup heap lives as long as the process,
-    so freezing it frees nothing that would have been freed. Called once, just before
-    serving; tests that build apps in-process never call it (their heaps do not live long)."""
+    0.0 ms once frozen (AMD EPYC, 2026-12-06). The startup heap mostly lives as long as the
+    process; what of it later becomes cyclic garbage is never collected, a cost bounded by that
+    heap. Called once, just before serving; tests that build apps in-process never call it
+    (their heaps do not live long)."""
     import gc
 
     gc.collect()
