@@ -29,7 +29,7 @@ from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.weights import find_gguf, locate_bundled_gguf
 from kernels import cpu_linear
-from tests.engine.tenant_helpers import check_a_flood_leaves_b_as_alone
+from tests.engine.tenant_helpers import b_request, check_a_flood_leaves_b_as_alone
 
 CPU = torch.device("cpu")
 # Our int8-dot kernels (kernels/cpu/q4_vnni.cpp) run wherever the CPU kernels load: AVX-512 VNNI
@@ -614,20 +614,14 @@ def test_a_flooding_tenant_leaves_another_tenants_gguf_tokens_as_they_are(make_l
     under a new salt find nothing cached (so nothing of A's), while B's own repeat hits."""
     engine = make_llm_engine(quantization="gguf")
     b_ids = _chat(tokenizer, "Why is the sky blue?")
-
-    def b_request(rid: str, salt: bytes) -> EngineRequest:
-        return EngineRequest(rid, tuple(b_ids), SamplingParams(max_tokens=12, temperature=0.0,
-                                                               logprobs=2),
-                             tenant_id="b", cache_salt=salt)
-
-    (alone,) = run_to_completion(engine, [b_request("b-alone", b"b" * 16)])
+    (alone,) = run_to_completion(engine, [b_request(b_ids, "b-alone", b"b" * 16)])
     assert alone.num_cached_tokens == 0
     flood = [EngineRequest(f"a{i}", tuple(_chat(tokenizer, f"Count to {i + 3}.")),
                            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                            tenant_id="a", cache_salt=b"a" * 16) for i in range(20)]
     calls = cpu_linear.int8_amx_calls()
     # B under a new salt of its own: no cached block, the same prefill as alone
-    results = run_to_completion(engine, [*flood, b_request("b-flooded", b"c" * 16)])
+    results = run_to_completion(engine, [*flood, b_request(b_ids, "b-flooded", b"c" * 16)])
     beside = results[-1]
     assert beside.num_cached_tokens == 0
     assert all(len(r.token_ids) == 24 for r in results[:-1])
@@ -636,5 +630,5 @@ def test_a_flooding_tenant_leaves_another_tenants_gguf_tokens_as_they_are(make_l
     assert beside.token_ids == alone.token_ids and len(alone.token_ids) >= 4
     for got, want in zip(beside.logprobs, alone.logprobs):
         assert got == want  # the same floats, not close ones
-    (again,) = run_to_completion(engine, [b_request("b-again", b"b" * 16)])
+    (again,) = run_to_completion(engine, [b_request(b_ids, "b-again", b"b" * 16)])
     assert again.num_cached_tokens > 0 and again.token_ids == alone.token_ids
