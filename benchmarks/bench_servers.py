@@ -12,7 +12,9 @@ baseline.
    (streamed tokens - 1) / (time from the first to the last token); median of 3;
 2. 16 concurrent chat requests sharing a ~1,750-token system prompt, 64 tokens each: output
    tokens / wall time (warmed once with the system prompt); median of 3 rounds, each with 16
-   new questions (one round's figure moved by up to 1.7x between passes on a 2-vCPU VM);
+   new questions (one round's figure moved by up to 1.7x between passes on a 2-vCPU VM); each
+   round's line also gives its replies' own decode rates (min, median, max), which show a
+   server that runs requests one at a time changing speed within a round;
 3. cold TTFT: a ~1,750-token prompt no server has seen (median of 3);
 4. warm TTFT: the same long prefix again with a new question (median of 3).
 
@@ -91,6 +93,7 @@ class Run:
         self.cold: list[float] = []
         self.warm: list[float] = []
         self.concurrent: list[float] = []
+        self.request_rates: list[list[float]] = []  # per 16-concurrent round, sorted
         self.story = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
         self.shared = ""
 
@@ -130,6 +133,10 @@ class Run:
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda m: self.s.chat(m, 64), asks))
         self.concurrent.append(sum(n for _, _, n in results) / (time.perf_counter() - start))
+        # Each reply's own decode rate: a server that runs one request at a time (llama-cpp-
+        # python's) shows here whether its decode speed moved within the round.
+        self.request_rates.append(sorted((n - 1) / span for _, span, n in results
+                                         if n >= 2 and span > 0))
 
     def result(self) -> dict[str, float]:
         return {"decode_tok_s": statistics.median(self.decode),
@@ -159,8 +166,12 @@ def measure(runs: list[Run], reps: int = 3) -> None:
     for rep in range(reps):
         for r in each(rep):
             r.concurrent_round(rep)
-            print(f"16 concurrent, round {rep + 1}: {r.s.name} {r.concurrent[-1]:.1f} tok/s",
-                  flush=True)
+            rates = r.request_rates[-1]
+            spread = (f" (replies' own decode: min {rates[0]:.0f}, median "
+                      f"{statistics.median(rates):.0f}, max {rates[-1]:.0f} tok/s)"
+                      if rates else "")
+            print(f"16 concurrent, round {rep + 1}: {r.s.name} {r.concurrent[-1]:.1f} tok/s"
+                  f"{spread}", flush=True)
 
 
 def main() -> None:
