@@ -82,6 +82,12 @@ class Server:
         return first - start, last - first, tokens
 
 
+def decode_rate(span: float, tokens: int) -> float | None:
+    """A reply's decode tokens/s: (tokens - 1) / seconds from its first to its last token, or
+    None for a reply of fewer than 2 tokens (a sampled reply may end at once)."""
+    return (tokens - 1) / span if tokens >= 2 and span > 0 else None
+
+
 class Run:
     """One server's measurements, taken a repetition at a time (``step``) so that the servers'
     repetitions can alternate: a 2-vCPU VM's speed drifts by up to 1.4x within minutes, and a
@@ -104,9 +110,9 @@ class Run:
         """One decode figure (a sampled reply may end at once: only replies of 2+ tokens
         count, up to 10 tries for each figure)."""
         for _ in range(10):
-            _, span, n = self.s.chat(self.story, 128)
-            if n >= 2 and span > 0:
-                self.decode.append((n - 1) / span)
+            rate = decode_rate(*self.s.chat(self.story, 128)[1:])
+            if rate is not None:
+                self.decode.append(rate)
                 return
         raise RuntimeError(f"{self.s.name}: no reply of 2+ tokens in 10 tries")
 
@@ -135,8 +141,8 @@ class Run:
         self.concurrent.append(sum(n for _, _, n in results) / (time.perf_counter() - start))
         # Each reply's own decode rate: a server that runs one request at a time (llama-cpp-
         # python's) shows here whether its decode speed moved within the round.
-        self.request_rates.append(sorted((n - 1) / span for _, span, n in results
-                                         if n >= 2 and span > 0))
+        rates = (decode_rate(span, n) for _, span, n in results)
+        self.request_rates.append(sorted(r for r in rates if r is not None))
 
     def result(self) -> dict[str, float]:
         return {"decode_tok_s": statistics.median(self.decode),
@@ -197,7 +203,7 @@ def main() -> None:
     base = rows[base_name]
     print(f"\nsampling: {json.dumps(sampling)} (each server's own sampler for the rest)")
     print(f"\n{'server':14} {'1 stream':>10} {'16 concurrent':>14} {'cold TTFT':>10} "
-          f"{'warm TTFT':>10}   ratios to {args.baseline or peers[0].name}")
+          f"{'warm TTFT':>10}   ratios to {base_name}")
     for name, r in rows.items():
         print(f"{name:14} {r['decode_tok_s']:7.1f}/s {r['concurrent16_tok_s']:11.1f}/s "
               f"{r['cold_ttft_s']:9.3f}s {r['warm_ttft_s']:9.3f}s   "
