@@ -155,8 +155,8 @@ def _freeze_startup_heap() -> int:
     engine thread's step and every stream with it: 175-181 ms for a gguf server's startup heap,
     0.0 ms once frozen (AMD EPYC, 2026-12-06). The startup heap mostly lives as long as the
     process; what of it later becomes cyclic garbage is not collected while serving, a cost
-    bounded by that heap (``_after_serving`` gives it back). Called once, just before serving; tests that build apps in-process never call it
-    (their heaps do not live long)."""
+    bounded by that heap (``_after_serving`` gives it back). Called once, just before serving;
+    tests that build apps in-process never call it (their heaps do not live long)."""
     import gc
 
     gc.collect()

@@ -115,7 +115,7 @@ def test_serve_with_a_bad_engine_flag_fails_before_writing_the_data_dir(tmp_path
 # Objects still frozen (gc.freeze) at interpreter exit are never finalised, and triton's
 # nanobind bindings then print a "nanobind: leaked ..." report. `saltserve serve` freezes its
 # startup heap; on its first start (which converts the model) that heap held triton objects,
-# and every Ctrl-C printed about 40 lines of that report.
+# and a Ctrl-C of that start printed about 40 lines of that report.
 _EXIT_AFTER_FREEZE = """
 import gc, sys
 import triton.language  # builds a few nanobind objects at import

@@ -115,8 +115,16 @@ def test_a_hung_redis_costs_one_timeout_per_breaker_interval_not_one_per_call():
     server.bind(("127.0.0.1", 0))
     server.listen(16)  # accepts connections, never answers: a paused or partitioned Redis
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in range(16)],
-                     daemon=True).start()
+
+    def hold() -> None:  # ends when the test closes the listening socket
+        try:
+            for _ in range(16):
+                held.append(server.accept()[0])
+        except OSError:
+            pass
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
     port = server.getsockname()[1]
     hung = RedisRateLimiter(f"redis://127.0.0.1:{port}/0", "test-hung",
                             socket_timeout_s=0.2, retry_after_s=30)
@@ -129,7 +137,12 @@ def test_a_hung_redis_costs_one_timeout_per_breaker_interval_not_one_per_call():
         hung.acquire("t", limits, 0).release(0)
     rest = time.perf_counter() - start
     assert 0.15 <= first < 1.0 and rest < 0.2, (first, rest)
+    server.shutdown(socket.SHUT_RDWR)  # wakes the holder's accept (close alone does not)
     server.close()
+    holder.join(timeout=5)
+    assert not holder.is_alive()
+    for conn in held:
+        conn.close()
 
 
 def test_releases_lost_while_redis_was_away_are_retried(pair):
