@@ -155,34 +155,24 @@ def _freeze_startup_heap() -> int:
     engine thread's step and every stream with it: 175-181 ms for a gguf server's startup heap,
     0.0 ms once frozen (AMD EPYC, 2026-12-06). The startup heap mostly lives as long as the
     process; what of it later becomes cyclic garbage is not collected while serving, a cost
-    bounded by that heap (``_after_serving`` gives it back). Called once, just before serving;
-    tests that build apps in-process never call it (their heaps do not live long)."""
+    bounded by that heap. Called once, just before serving; tests that build apps in-process
+    never call it (their heaps do not live long).
+
+    The heap is given back at exit (``atexit``): objects still frozen then are never
+    finalised, and triton's bindings (nanobind) print a "leaked N instances / functions /
+    types" report of about 40 lines, which a first start (it converts the model, and froze
+    triton's objects) printed on Ctrl-C or on the engine's death."""
+    import atexit
     import gc
 
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     # "app.cli" by name: run as ``python -m app.cli`` this module's __name__ is "__main__".
     logging.getLogger("app.cli").info("froze %d startup objects: full garbage collections skip "
                                       "them", frozen)
     return frozen
-
-
-def _after_serving() -> None:
-    """Stops the preprocessing pool and gives the startup heap back to the garbage collector.
-
-    Why the unfreeze: objects still frozen at interpreter exit are never finalised, and
-    triton's bindings (nanobind) then print a "leaked N instances / functions / types" report
-    of about 40 lines. A first start (which converts the model) froze such objects, so its
-    Ctrl-C or engine-death exit printed that report. Runs once the server has stopped
-    (``DrainingServer``'s ``on_stop``, and again in ``serve``'s ``finally``; both steps are
-    idempotent)."""
-    import gc
-
-    from app.services.preprocess import shutdown_parse_pool
-
-    shutdown_parse_pool()
-    gc.unfreeze()
 
 
 @main.command(cls=_ServeCommand)
@@ -257,16 +247,18 @@ def serve(**opts: Any) -> None:
     # timeout_keep_alive above a load balancer's idle-connection lifetime (HAProxy's is a
     # few seconds): the balancer, not the server, closes idle connections, so it never sends a
     # request on one the server is closing.
+    from app.services.preprocess import shutdown_parse_pool
+
     # on_stop: uvicorn ends the process with the SIGTERM it caught once it has stopped, so the
     # parse pool is shut down before that (the finally covers the other ways out).
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, log_config=None,
                                            timeout_keep_alive=75),
-                            app, settings.drain_seconds, on_stop=_after_serving)
+                            app, settings.drain_seconds, on_stop=shutdown_parse_pool)
     try:
         server.run()
     finally:
-        _after_serving()
+        shutdown_parse_pool()
     if client.errored:
         click.echo("saltserve: the inference engine died; exiting with status 1 so that a "
                    "supervisor restarts the server", err=True)
