@@ -39,7 +39,7 @@ def prepare_data_dir(data_dir: Path) -> Path:
 def check_sqlite_files(url: str) -> None:
     """For a SQLite database file: the file and its ``-wal``/``-shm`` companions (when they
     exist) and its directory must be writable (SQLite maps ``-shm`` into memory: an unwritable
-    one used to kill the server with SIGBUS), and they are made private (0600). No-op for
+    one would kill the server with SIGBUS), and they are made private (0600). No-op for
     other databases.
 
     Raises:

@@ -2,12 +2,12 @@
 
 1. compute: tenant A sends one small chat request per second; tenant B floods with 8 concurrent
    1,200-token prompts. A's p50/p95 latency and TTFT solo vs under B's flood, with the plain
-   ``fcfs`` scheduling policy (what main did before fair sharing) and with ``fair`` (weighted
+   ``fcfs`` scheduling policy (first come, first served across tenants) and with ``fair`` (weighted
    fair queuing + stall-free batching between tenants). Target: A's p50 under flood <= 2x solo
    with ``fair``, no limits configured. Bundled model, engine level (no HTTP).
 2. cache: A repeats requests over a ~1,000-token system prompt; B floods unique prompts that
    cycle the whole pool several times. A's hit rate solo vs under flood, with the fair cache
-   share and with plain LRU eviction (the order before). Target: >= 90% of solo. Also the
+   share and with plain LRU eviction (no per-tenant share). Target: >= 90% of solo. Also the
    unique-prompt throughput of one tenant alone, fair share vs plain LRU (target >= 0.98x).
    Hit rates do not depend on the model's arithmetic, so this part runs the real scheduler and
    block pool over the deterministic fake executor (``tests/fake_engine.py``), at pool sizes
@@ -150,7 +150,7 @@ def bench_compute(args: argparse.Namespace) -> None:
 
 # -- 2. cache ------------------------------------------------------------------------------------
 def _plain_lru(engine: LLMEngine) -> None:
-    """The eviction order before the fair cache share: never pick an over-share owner."""
+    """Plain LRU eviction, without the fair cache share: never pick an over-share owner."""
     engine.block_pool._furthest_over_share = lambda: None
     engine.block_pool._is_over_share = lambda tenant, extra=0: False
 
@@ -212,7 +212,7 @@ def bench_cache(args: argparse.Namespace) -> None:
         print(f"    {name:10}: A hit rate solo {solo:.1%}, under flood {flood:.1%} "
               f"({flood / solo:.0%} of solo); B sent {b_tokens:,} tokens = "
               f"{b_tokens / (num_blocks * 16):.1f} pool cycles in all")
-    # One tenant alone, unique prompts: engine steps/s with the new eviction vs plain LRU,
+    # One tenant alone, unique prompts: engine steps/s with the fair cache share vs plain LRU,
     # interleaved, best of 3 (scheduler + pool overhead only: the fake model is ~free).
     times = {"fair share": [], "plain LRU": []}
     for _ in range(3):

@@ -1,5 +1,5 @@
 """Prefix lookup micro-benchmark: hashing a prompt's block chain plus looking every block up in
-the block pool's index, per block (target: at most 2 µs per block on 512 blocks, issue 14).
+the block pool's index, per block (target: at most 2 µs per block on 512 blocks).
 
 A tenant's 512-block (8,192-token) prompt is cached in a ``BlockPool`` of 1,024 blocks; then
 the same prompt under the same salt is hashed (``hash_prompt_blocks``, block 0 salted) and each

@@ -1,5 +1,5 @@
 """Weight formats side by side on the bundled model: decode speed against the memory-bandwidth
-limit, the step split into model and engine time, and fidelity to fp32 (issue 15).
+limit, the step split into model and engine time, and fidelity to fp32.
 
 For each format (fp32, bf16, ``--quantization int8``, ``--quantization gguf``; ``gguf-a8`` and
 ``gguf-torch``, two variants of gguf, and ``fp32-kv16``, ``gguf-kv16`` over a bf16 KV cache,
@@ -10,8 +10,8 @@ described at ``FORMATS``), in one run:
    tokens/s and
    the mean step time split into model time (``ModelRunner.execute``: inputs, forward,
    sampling) and engine time (scheduling, block bookkeeping, detokenisation, outputs); then
-   16 streams on one cached 1,750-token system prompt (issue 15's "16 concurrent requests
-   sharing a system prompt", decode steps only), and its ratio to the first format's.
+   16 streams on one cached 1,750-token system prompt (the "16 concurrent requests sharing a
+   system prompt" workload, decode steps only), and its ratio to the first format's.
 2. The single-stream limit: read bandwidth (measured here, summing a 1 GiB tensor) / bytes of
    weights read per token (every projection and the LM head), and the share of it reached:
    the bandwidth is read again just before each one-stream run, and "of limit" is the median
@@ -70,7 +70,7 @@ FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
 # gguf-a8: gguf with our int8-dot kernels' 8-bit activation rounding (llama.cpp's Q8_1;
 # --quantized-activation-bits 8, 16 for every other format). gguf-torch: gguf with our
 # int8-dot kernels off (VNNI_KERNELS): torch's int4 and int8 kernels, the dense copy from
-# dense_from_tokens() rows and our Q4 kernel at one row, the path before them.
+# dense_from_tokens() rows and our Q4 kernel at one row (where the int8-dot kernels are off).
 ONE_STREAM_RUNS = 5  # one-stream decodes of 64 tokens a format; the median is reported
 OUR_INT8_DOT = {"gguf-torch": False}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -78,7 +78,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "How do I boil an egg?", "What is 17 times 3?",
            "Give me a name for a grey cat.", "Why is the sky blue?"]
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
-SHARED_PREFIX_TOKENS = 1750  # the issue's 16 concurrent requests on one system prompt
+SHARED_PREFIX_TOKENS = 1750  # the 16-concurrent workload: 16 requests on one system prompt
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:

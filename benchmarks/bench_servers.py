@@ -1,4 +1,4 @@
-"""Decode speed and TTFT of OpenAI-compatible servers side by side (issue 15's table): ours with
+"""Decode speed and TTFT of OpenAI-compatible servers side by side: ours with
 fp32 and with ``--quantization gguf``, llama.cpp's server on the bundled GGUF, vLLM, ...
 
 One client, the same prompts, one request (or one burst) at a time
@@ -12,7 +12,7 @@ baseline.
    (streamed tokens - 1) / (time from the first to the last token); median of 3;
 2. 16 concurrent chat requests sharing a ~1,750-token system prompt, 64 tokens each: output
    tokens / wall time (warmed once with the system prompt); median of 3 rounds, each with 16
-   new questions (one round's figure moved by up to 1.7x between passes on a 2-vCPU VM); each
+   new questions (one round's figure can move by up to 1.7x between passes on a 2-vCPU VM); each
    round's line also gives its replies' own decode rates (min, median, max), which show a
    server that runs requests one at a time changing speed within a round;
 3. cold TTFT: a ~1,750-token prompt no server has seen (median of 3);
@@ -22,7 +22,7 @@ Tokens are counted as streamed chunks with text (one token each on our server, v
 llama.cpp). Requests are greedy (temperature 0) unless ``--temperature`` / ``--top-p`` say
 otherwise: every server then samples with those settings and its own defaults for the rest
 (top_k, min_p, ...), which is how chat clients usually call them, but not a like-for-like
-sampler. Targets (issue 15, 4-bit weights against llama.cpp): single stream >= 1.0x,
+sampler. Targets (4-bit weights against llama.cpp): single stream >= 1.0x,
 16 concurrent >= 10x, cold TTFT <= 0.5x, warm TTFT <= 1.0x.
 
 Usage: ``python benchmarks/bench_servers.py --server ours-gguf=http://127.0.0.1:8000,KEY

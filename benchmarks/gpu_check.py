@@ -1,4 +1,4 @@
-"""GPU check for the Triton kernels (issue 3): greedy parity and kernel/engine benchmarks.
+"""GPU check for the Triton kernels: greedy parity and kernel/engine benchmarks.
 
 Run on an H200 through ``benchmarks/gpu_check.sh`` (which first runs the kernel tests natively).
 Parts (``--only`` picks some, default all):
@@ -19,7 +19,7 @@ Parts (``--only`` picks some, default all):
 ``--smoke`` shrinks every size and runs on CPU under ``TRITON_INTERPRET=1`` to check the script
 itself (numbers meaningless). ``--json PATH`` writes all results.
 
-Targets (issue 3): decode >= 60% of peak bandwidth; prefill >= 0.7x SDPA.
+Targets: decode >= 60% of peak bandwidth; prefill >= 0.7x SDPA.
 """
 
 from __future__ import annotations

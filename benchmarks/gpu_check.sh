@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the Triton kernels (issue 3), for an H200 (or any CUDA GPU) session.
+# GPU check for the Triton kernels, for an H200 (or any CUDA GPU).
 #
 #   benchmarks/gpu_check.sh                # everything (~5 min on an H200, compiles included)
 #   SKIP_TESTS=1 benchmarks/gpu_check.sh   # only parity + benchmarks

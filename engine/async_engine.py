@@ -138,15 +138,14 @@ class AsyncLLM(EngineClient):
         Why: torch's OpenMP pool belongs to the thread that runs a parallel op. A model loaded
         on one thread and stepped on another leaves two pools on the machine's cores, and
         libgomp then spins less before sleeping (more threads than cores), so each op waits for
-        its workers to wake: decode measured 40% slower on 2 cores (issue 15). For the same
+        its workers to wake: decode runs about 40% slower on 2 cores. For the same
         reason a ``start()`` after ``shutdown()`` (a new thread) runs slower; the server never
         restarts an engine.
 
         An unset ``one_token_step_threads`` means measured here: one-token CPU steps run on
         the faster of torch's threads and one fewer, timed while serving
-        (``ModelRunner.tune_one_token_threads``). Through the server a lone stream on 2 vCPUs
-        ran 103.9 tok/s on one thread against 59.3 on two on one machine, and 47.7 against
-        70.3 on another (docs/benchmarks.md).
+        (``ModelRunner.tune_one_token_threads``): on 2 vCPUs one thread is much faster on some
+        machines and two on others, so no fixed count fits (docs/benchmarks.md).
 
         Raises:
             whatever ``LLMEngine(config, **engine_kwargs)`` raises (ValueError for a bad

@@ -171,7 +171,7 @@ class EngineConfig:
     one_token_step_threads: int | None = field(default=None, metadata={
         "help": "CPU: torch threads for engine steps of one token (a single decoding stream), "
                 "leaving the other cores to the server's event loop and network; 0 = the same "
-                "threads as every other step (docs/benchmarks.md, issue 15).",
+                "threads as every other step (docs/benchmarks.md).",
         "unset": "when served (saltserve serve), the faster of torch's threads and one "
                  "fewer, timed on the one-token steps themselves; 0 in-process"})
 

@@ -12,8 +12,8 @@ out_features] in ``x``'s dtype; the model calls it and never looks inside. Three
   with ``minimum = -8 * scale``), with torch's CPU kernel ``aten::_weight_int4pack_mm_for_cpu``,
   which computes ``w = (code - 8) * scale + zero``; so ``zero = minimum + 8 * scale``.
 
-Both quantized kernels are fast only with bf16 inputs (fp32 inputs run 5-10x slower than fp32
-dense: measured in issue 15), so they run in bf16 whatever the model's dtype: with fp32
+Both quantized kernels are fast only with bf16 inputs (with fp32 inputs they run 5-10x slower
+than fp32 dense), so they run in bf16 whatever the model's dtype: with fp32
 activations (the CPU default) each call converts its input to bf16 and its output back, which
 costs little and keeps the residual stream, attention and KV cache in fp32. Forwards of many
 rows (prefill chunks, or many decodes in one step: ``dense_from_tokens()``) are compute-bound,
@@ -45,68 +45,48 @@ from kernels import cpu_linear
 INT4_GROUP_SIZE = 32  # GGUF's block of 32 weights
 KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with bf16 inputs only
 # From this many rows (tokens) on, a quantized layer with an fp32 copy runs fp32 instead: on
-# AVX2 torch's int4 kernel costs about what MKL's fp32 GEMM does at 32 rows and 2.4x at 512, and
-# what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows (benchmarks/bench_cpu_linear.py).
+# AVX2 torch's int4 kernel costs about what MKL's fp32 GEMM does at 32 rows (and more above),
+# and what our fp32 kernel (kernels/cpu_linear.py) does at 2-4 rows
+# (benchmarks/bench_cpu_linear.py).
 DENSE_FROM_TOKENS = 32
 DENSE_FROM_TOKENS_OWN_KERNEL = 4
 # With native bf16 (AVX512-BF16, and AMX) the dense copy is held in bf16 and runs torch's bf16
-# GEMM (oneDNN): 3.5-4.5x fp32 GEMM from 32 rows. Per layer's four projections of the bundled
-# model, weights in cache, 2 threads, us, best of 3 interleaved rounds (2026-12-03, AMD EPYC
-# with avx512_bf16; per shape: the bf16 column of benchmarks/bench_cpu_linear.py): 16 rows:
-# int4 577, bf16 364-399, fp32 1,328; 32: int4 1,098, bf16 564-597, fp32 2,625; 60: bf16 1,049,
-# fp32 3,726; 512: bf16 5,813-6,163, fp32 23,208. In the engine, where a step streams every
-# weight from memory (4x the bytes in bf16), torch's 4-bit kernels still win at 16 decode rows
-# and tie at 24 (gguf, one engine, 5 alternating rounds, medians: 16 streams 681 against 564
-# tok/s, 24 streams 716 against 722), so the bf16 copy runs from 24 rows. Prefill is where it
-# pays: 4 warm requests of 15 new tokens after a cached 1,550, 1.75x; a cold 1,755-token prompt,
-# 1.47x (benchmarks in docs/benchmarks.md, "A bf16 dense copy").
+# GEMM (oneDNN), several times faster than fp32 GEMM from 32 rows. In the engine a step streams
+# every weight from memory (4x the bytes in bf16), so torch's 4-bit kernels still win at 16
+# decode rows and tie at 24: the bf16 copy runs from 24 rows, and pays off mostly in prefill
+# (docs/benchmarks.md).
 DENSE_FROM_TOKENS_NATIVE_BF16 = 24
 # torch's int8 kernel (``Int8Linear``: the GGUF's Q8_0 LM head under gguf, every layer under
-# int8) loses to its bf16 copy from fewer rows. The bundled model's tied head (49,152 x 576),
-# 2 threads, ms, int8 against bf16 (2026-12-03, AMD EPYC with avx512_bf16): 4 rows 3.5 / 5.3,
-# 8 rows 5.9 / 5.6, 12 rows 10.1 / 6.5, 16 rows 12.1 / 6.9; the layers' shapes tie at 8-12
-# rows and lose from 16 (576 x 3,072: 433 against 261 us). So on such CPUs an int8 layer runs
-# its bf16 copy from 12 rows.
+# int8) loses to its bf16 copy from fewer rows: at the bundled model's shapes the head and the
+# layers tie with it at 8-12 rows and lose from 16 (docs/benchmarks.md). So on such CPUs an
+# int8 layer runs its bf16 copy from 12 rows.
 DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = 12
 # Below this many rows a 4-bit layer with fp32 activations runs our Q4 kernel
-# (kernels/cpu/q4_linear.cpp) when it is loaded. Measured on an AVX-512/AMX Xeon, with torch
-# dispatching its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU): ours is
-# 1.4-1.7x torch's int4 kernel (with its bf16 conversions) per call at 1 row, a tie at 2-3 and
-# slower from 4, where our fp32 kernel on the dense copy takes over anyway. With native bf16
-# (AVX512-BF16) torch's int4 kernel is faster from 1 row (one gguf stream: 56 against 48 tok/s,
-# interleaved in one process), so there ours is off. benchmarks/bench_cpu_linear.py prints both.
+# (kernels/cpu/q4_linear.cpp) when it is loaded. Against torch's AVX2 int4 kernel (with its bf16
+# conversions) ours is faster at 1 row, a tie at 2-3 and slower from 4, where our fp32 kernel on
+# the dense copy takes over anyway. With native bf16 (AVX512-BF16) torch's int4 kernel is faster
+# from 1 row, so there ours is off. benchmarks/bench_cpu_linear.py prints both.
 Q4_OWN_KERNEL_BELOW_TOKENS = 2
 Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 = 0
 # On CPUs with AVX-512 VNNI, 4-bit and int8 layers with fp32 activations run our int8-dot kernels
-# (kernels/cpu/q4_vnni.cpp) at every row count and keep no dense copy. Per layer's four
-# projections of the bundled model (4-bit), weights in cache, 2 threads, us (2026-12-04, AMD
-# EPYC with avx512_bf16 and VNNI), VNNI with 8-bit activations / bf16 dense copy / fp32:
-# 1 row 34 / 313 / 299; 16 rows 233 / 512 / 698; 32: 434 / 798 / 1,340; 128: 1,768 / 2,446 /
-# 4,609; 512: 7,634 / 9,408 / 17,681 (torch's int4 kernel at 16 rows: 779); 16-bit
-# activations cost about 1.1x at 1 row and 1.6-1.75x from 16. The tied LM head (49,152 x 576,
-# int8), us, VNNI 16-bit / torch's int8 kernel / bf16 copy: 1 row 402 / 2,073 / 3,804;
-# 16 rows 4,607 / 10,956 / 5,186; 64: 12,594 / 44,415 / 13,912.
-# On AVX2 CPUs (no VNNI) the same kernels run with vpmaddubsw + vpmaddwd, same bits. Per layer's
-# four projections as above (2026-12-04, AMD EPYC Zen 3, AVX2 only, no native bf16), our
-# kernel with 16-bit / 8-bit activations against the fp32 dense copy (our kernel, oneDNN above
-# 32 rows) and our Q4 kernel: 1 row 107 / 79 / 411 / 195; 16 rows 824 / 480 / 949 / 3,121;
-# 32: 2,028 / 971 / 2,177; 128: 6,764 / 3,825 / 7,392; 512: 26,193 / 16,737 / 25,324. The
-# tied LM head, us, 16-bit / 8-bit / fp32 copy / torch's int8 kernel: 1 row 1,086 / 763 /
-# 4,144 / 2,493; 16 rows 9,518 / 5,866 / 7,502 / 16,305: from 16 rows an fp32 copy of the
-# head would be faster, but it is not kept (113 MB beside the 28 MB of codes).
+# (kernels/cpu/q4_vnni.cpp) at every row count and keep no dense copy: at the bundled model's
+# shapes they beat the bf16 copy, the fp32 copy and torch's int4/int8 kernels from 1 row to 512
+# (docs/benchmarks.md); 16-bit activations cost about 1.1x 8-bit at 1 row and 1.6-1.75x from 16.
+# On AVX2 CPUs (no VNNI) the same kernels run with vpmaddubsw + vpmaddwd, same bits, and match or
+# beat the fp32 dense copy at every row count. The tied LM head keeps no fp32 copy, though one
+# would be faster from 16 rows on AVX2: 113 MB beside the 28 MB of codes.
 # On CPUs with AMX-INT8 (Sapphire Rapids and later Xeons) the same kernels run their integer dots
 # on AMX tiles from 16 rows (4-bit: whole 8-row blocks) and 6 (int8), with the same bits
-# (``cpu_linear.int8_amx``; SALTSERVE_AMX=0 turns it off): per layer's four projections
-# (2026-12-06, Xeon, 16-bit activations, medians of interleaved calls) VNNI / AMX 16 rows
-# 535 / 456 us, 32 rows 962 / 760; the head 16 rows 2,984 / 1,782.
+# (``cpu_linear.int8_amx``; SALTSERVE_AMX=0 turns it off): 1.2-1.7x the VNNI path from 16 rows
+# (docs/benchmarks.md).
 # False: the paths above (torch's kernels, the dense copy, our Q4 kernel).
 VNNI_KERNELS = True
 # The VNNI kernels' activation rounding per group of 32 (``cpu_linear.q4_linear_vnni``), by
 # layer (``act_bits``, from ``--quantized-activation-bits``, engine.config.ACTIVATION_BITS):
 # 16 (int8 and a 1/256 residual: about 2.5e-5 relative error per output against bf16's
 # 3.5e-3) or 8 (llama.cpp's Q8_1 rounding as in its Q4_1 x Q8_1 dot product, 6e-3; half the
-# multiply-adds). In the engine, gguf perplexity 13.48 with 16 bits, 13.67-13.85 with 8, against
-# fp32's 13.40 (benchmarks/bench_quantization.py; docs/benchmarks.md, session 31).
+# multiply-adds). 16 is the default: it keeps gguf's perplexity close to fp32's, where 8 moves
+# it measurably (benchmarks/bench_quantization.py; docs/benchmarks.md).
 DEFAULT_ACT_BITS = 16
 
 

@@ -185,7 +185,7 @@ def _truncates(top_k: int, top_p: float, vocab: int) -> bool:
 def _shifted_exp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, n] -> (m [rows, 1], exp(x - m) [rows, n]): m each row's max (a row of -inf:
     fp32's lowest, so finite), the exponents clamped at -87 so no term is an fp32 subnormal
-    (torch's logsumexp took 450 us for a row of 49,152 logits at temperature 0.2, against 43
+    (torch's logsumexp takes 450 us for a row of 49,152 logits at temperature 0.2, against 43
     at 1.0: most terms underflow there). The clamp adds at most e^-87 (1.6e-38) a term to a
     sum of at least 1."""
     m = x.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).min)
@@ -213,7 +213,7 @@ def _candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
     Only each row's largest ``K`` logits are ranked (``topk``), K = max(64, the rows' top_k),
     times 4 until every row's cut lies inside them (from a quarter of the row: a sort).
-    Sorting a whole row of 49,152 logits took 3.5 ms on CPU (about as long as a whole
+    Sorting a whole row of 49,152 logits takes 3.5 ms on CPU (about as long as a whole
     one-stream decode step of the bundled model), and at the temperatures chat clients use the
     top-p mass lies in a few tokens. The kept sets are those of a full sort (ties at the cut
     aside, which neither order fixes); the mass is summed in the same descending order, its

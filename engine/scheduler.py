@@ -412,11 +412,11 @@ class Scheduler:
         """Tokens ``req`` still computes: a running one, what it has not computed; a waiting
         one, if admitted now, its prompt less the prefix it hits in its own tenant's cache (a
         read-only lookup; admission looks up again, and takes what the plan left room for if
-        blocks were evicted in between). Planning the whole prompt instead held a 1,750-token
-        budget for a request that computes 20, so 16 requests on one cached system prompt were
-        admitted two a step (vLLM v1 budgets admissions by their uncached tokens too). Blocks
-        cached earlier in this same step are not seen yet: such a request is planned its whole
-        prompt, an upper bound."""
+        blocks were evicted in between). Planning the whole prompt instead would hold a
+        1,750-token budget for a request that computes 20, so 16 requests on one cached system
+        prompt would be admitted two a step (vLLM v1 budgets admissions by their uncached tokens
+        too). Blocks cached earlier in this same step are not seen yet: such a request is
+        planned its whole prompt, an upper bound."""
         if req.status == RequestStatus.RUNNING:
             return req.num_tokens - req.num_computed_tokens
         return req.num_tokens - self.kv.get_computed_blocks(req)[1]

@@ -1,19 +1,17 @@
 """``ThreadTuner``: picks torch's thread count for one-token CPU steps by timing them while
 serving (torch-free).
 
-Why measured, not fixed: through the server on 2 vCPUs a lone gguf stream ran 103.9 tok/s on
-one torch thread against 59.3 on two on one machine (an AMD EPYC, 2026-12-02, session 12), and
-47.7 against 70.3 on another (an Intel Xeon, session 13): whether two OpenMP workers beat one
+Why measured, not fixed: on 2 vCPUs a lone stream runs much faster on one torch thread on some
+machines and on two on others (docs/benchmarks.md): whether two OpenMP workers beat one
 depends on how the vCPUs share cores with the event loop, which only the served process can
 see. So while serving, the engine alternates the candidate counts in short blocks, keeps the
 one whose steps took the least (median), and measures again after ``every`` one-token steps or
 ``every_s`` seconds, whichever comes first. The tokens do not depend on the count (each output
 of our CPU kernels is summed by one thread).
 
-Why seconds too: a trial taken while another process held a core chose one thread for an fp32
-server (2 threads 116 ms a step, 1 thread 52 ms). A server that mostly batches had not run
-4,096 one-token steps 20 minutes later, and all that time its lone streams ran at 19-20 tok/s
-where two threads give 35-40 (an Ice Lake Xeon, session 27).
+Why seconds too: a trial taken while another process holds a core can choose the slower
+count, and a server that mostly batches may not run ``every`` one-token steps for many minutes;
+all that time its lone streams would run at about half speed.
 """
 
 from __future__ import annotations

@@ -34,13 +34,12 @@ def on_own_thread(fn: Callable[[], _T]) -> _T:
     raised here), so that torch's thread pool for ``fn``'s parallel ops ends with that thread.
 
     Why: torch's OpenMP pool belongs to the thread that runs a parallel op and lasts as long as
-    that thread. The server's main thread converting the GGUF kept a pool beside the engine
-    thread's; libgomp then counts more threads than cores and spins only ~100 times at a
-    barrier before sleeping in the kernel, so every parallel op of every decode step waited for
-    its worker to be woken: one gguf stream through the server ran 148 tok/s after a first
-    start (conversion included) against 175-230 after a restart, where the engine alone ran
-    270-300 (2-vCPU Xeon, issue 15). ``AsyncLLM.from_config`` keeps the engine's own pool on
-    the thread that steps it for the same reason.
+    that thread. Were the server's main thread to convert the GGUF itself, it would keep a pool
+    beside the engine thread's; libgomp then counts more threads than cores and spins only ~100
+    times at a barrier before sleeping in the kernel, so every parallel op of every decode step
+    waits for its worker to be woken, and a first start (conversion included) would serve
+    markedly slower than a restart (docs/benchmarks.md). ``AsyncLLM.from_config`` keeps the
+    engine's own pool on the thread that steps it for the same reason.
 
     A KeyboardInterrupt on the caller is raised at once; ``fn`` is then cut off when the
     interpreter exits, without its own clean-up (``convert_gguf`` removes what an earlier cut
@@ -218,7 +217,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The model folder's Hugging Face tokenizer, as ``AutoTokenizer.from_pretrained`` gives it.
 
     ``AutoTokenizer`` first resolves the model's config class, which imports transformers'
-    model code: 1.3 s of a 5.3 s server start-up measured here. When ``tokenizer_config.json``
+    model code: about a quarter of the server's start-up. When ``tokenizer_config.json``
     names the ``tokenizers`` backend class and a ``tokenizer.json`` is present (our converted
     folders), that class is what ``AutoTokenizer`` returns, so it is loaded directly; any other
     folder goes through ``AutoTokenizer``.

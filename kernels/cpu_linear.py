@@ -47,13 +47,10 @@ VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 MAX_ROWS = 32
 ENV_SWITCH = "SALTSERVE_CPU_KERNELS"
 # Above MAX_ROWS, fp32 forwards run oneDNN's GEMM (torch.ops.mkldnn._linear_pointwise) instead
-# of F.linear's MKL sgemm, which takes a slower path on AMD CPUs. The bundled model's four
-# projections of a layer, 2 threads (2026-12-03, AMD EPYC with AVX-512): 33 rows 2.39 against
-# 1.09 ms, 256: 12.66 against 5.40, 1,024: 44.7 against 20.4 (2.2-2.35x); with both limited to
-# AVX2 (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) still 1.16-1.32x. In the engine (fp32, one
-# process, alternating): a cold 1,755-token prompt 1.59x, four warm 15-token prefills after a
-# cached 1,550 1.48x. Sums differ from MKL's at fp32 rounding (about 1e-6 relative); the HF
-# parity tests hold. Not measured on Intel CPUs. False: F.linear.
+# of F.linear's MKL sgemm, which takes a slower path on AMD CPUs: about 2x faster at the bundled
+# model's shapes with AVX-512, still faster limited to AVX2, and prefill gains about 1.5x in the
+# engine (docs/benchmarks.md). Sums differ from MKL's at fp32 rounding (about 1e-6 relative);
+# the HF parity tests hold. False: F.linear.
 ONEDNN_LARGE_M = True
 
 _lock = threading.Lock()
@@ -229,10 +226,10 @@ def int8_dot_isa() -> str:
 
 def int8_amx(enabled: bool | None = None) -> bool:
     """Whether ``q4_linear_vnni`` (from 16 rows: its whole 8-row blocks) and ``q8_linear_vnni``
-    (from 6) run their integer dots on AMX-INT8 tiles (Sapphire Rapids and later Xeons), where the CPU has AMX,
-    Linux grants the tile registers and ``SALTSERVE_AMX=0`` is not set: the same exact dots and
-    fp32 epilogue as the VNNI path, so the same bits, 1.2-1.7x faster at 16+ rows (measured in
-    kernels/cpu/q4_vnni.cpp). ``enabled`` switches it for this process (tests and benchmarks
+    (from 6) run their integer dots on AMX-INT8 tiles (Sapphire Rapids and later Xeons), where
+    the CPU has AMX, Linux grants the tile registers and ``SALTSERVE_AMX=0`` is not set: the same
+    exact dots and fp32 epilogue as the VNNI path, so the same bits, 1.2-1.7x faster at 16+ rows
+    (docs/benchmarks.md). ``enabled`` switches it for this process (tests and benchmarks
     compare the paths in one process); True only takes effect where AMX is available. Requires
     ``load()``. ``int8_amx_calls()`` counts the calls that took it."""
     return bool(torch.ops.saltserve_cpu.int8_amx(-1 if enabled is None else int(enabled)))

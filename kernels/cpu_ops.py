@@ -237,7 +237,7 @@ def decode_layers(hidden: torch.Tensor, norms: list[torch.Tensor], eps: float,
     i with ``norms[2 i]``, ``norms[2 i + 1]``, projections ``4 i .. 4 i + 3`` of ``weights``
     (four tensors each), ``kinds`` and ``groups``, and the caches ``kv_caches[i, 0]``,
     ``kv_caches[i, 1]``: the same calls in the same order, so the same bits, without a Python
-    call and an argument conversion a layer (about 10 us each, issue 15).
+    call and an argument conversion a layer (about 10 us each).
 
     Args:
         hidden: [num_tokens, hidden_size] fp32, the embeddings; it becomes the residual

@@ -51,10 +51,9 @@ def _gather(cache: torch.Tensor, meta: AttentionMetadata, seq: int, seq_len: int
 # kernel reads the blocks they share (within a chunk, and across sequences on one cached
 # prefix) once for all of them, in place, and the causal mask is each row's own length. Larger
 # chunks, and prompts without context, run scaled_dot_product_attention (flash attention on
-# CPU). A warm request of 17 new tokens after 1,750 cached (in the engine, 2026-12-04, AVX2 AMD
-# EPYC): per layer the SDPA path cost 1.26 ms of attention and 0.47 of gathering the context;
-# through the kernel the request took 88 against 107 ms (gguf, 1.22x) and 167 against 195 ms
-# (fp32, 1.17x), medians of 8 interleaved. Results differ from SDPA's at fp32 rounding.
+# CPU). For a short chunk over a long cached context, the SDPA path spends a third of its
+# attention time again gathering the context; the kernel skips that, which speeds such a
+# request up about 1.2x (docs/benchmarks.md). Results differ from SDPA's at fp32 rounding.
 CHUNK_VIA_DECODE_KERNEL_MAX_TOKENS = 64
 
 

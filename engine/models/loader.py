@@ -50,7 +50,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
     cls = get_model_class(model_config.architecture)
     # Built on the CPU, not on the meta device: the model's constructors allocate weights with
     # torch.empty (no random init) and the rotary table on the CPU, and meta tensors would
-    # import torch._dynamo and sympy (1.7 s of a 5.3 s server start-up, measured).
+    # import torch._dynamo and sympy (about a third of a server start-up).
     model = cls(model_config, max_position, attn)
     model = model.to(device=device, dtype=dtype).eval()
     model.load_weights(state, quantization, act_bits)

@@ -1,11 +1,11 @@
 // silu_and_mul (vLLM's op of that name, for the Llama MLP): out[t, i] = silu(x[t, i]) * x[t, d + i]
 // with silu(a) = a / (1 + exp(-a)), over x [T, 2 d] fp32 (the fused gate/up projection's output).
 //
-// Why (issue 15): at::silu on a strided half of gate_up, then at::mul, allocated two tensors and
-// ran two passes: 20 + 14 us a layer at 16 decode rows, 4.8 us at one (2.4% of a one-stream gguf
-// step). Here one pass writes the product. exp is vec_exp.h's (about 1 ulp), not ATen's, so the
-// per-op Python layer calls this op too (kernels.cpu_ops.silu_and_mul) and both paths keep the
-// same bits. Rows are split across threads from 16 K elements on.
+// Why: at::silu on a strided half of gate_up, then at::mul, allocates two tensors and runs two
+// passes (tens of us a layer at 16 decode rows). Here one pass writes the product. exp is
+// vec_exp.h's (about 1 ulp), not ATen's, so the per-op Python layer calls this op too
+// (kernels.cpu_ops.silu_and_mul) and both paths keep the same bits. Rows are split across
+// threads from 16 K elements on.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,9 +1,9 @@
 // Paged decode attention for CPU (vLLM's paged_attention_v1 CPU op, for fp32): every sequence
 // with one new token attends over its context straight through its block table.
 //
-// Why: the torch backend gathered each sequence's K and V rows into new tensors (aten::index,
-// twice a layer) and then ran SDPA, about 70 us a layer at short contexts for ~10 us of
-// arithmetic: 2 ms of a ~20 ms single-stream gguf decode step (issue 15).
+// Why: through torch, each sequence's K and V rows are gathered into new tensors (aten::index,
+// twice a layer) before SDPA runs: about 70 us a layer at short contexts for ~10 us of
+// arithmetic, about a tenth of a single-stream gguf decode step.
 //
 // Layouts (engine/attention/metadata.py):
 //   query, out:  [num_tokens, num_heads, head_dim] fp32
@@ -29,9 +29,8 @@
 // time; exp: Cephes' polynomial, about 1 ulp; weights below exp(-88) count as 0); then the
 // weighted sum of V with 3 (or 2, or 1) rows x 32 columns held in registers. While a thread
 // computes one work item it prefetches its next item's K and V lines, a few rows between each
-// 3-row tile (per layer, walking 30 layers' caches on a 2-vCPU Xeon: 16 on one 1,750-token prefix
-// 0.78 -> 0.63 ms, one sequence at 1,780 positions 0.19 -> 0.12, 16 unshared at 300 0.62 ->
-// 0.45). Working memory is kept per thread across calls (up to kKeepBytes of partials).
+// 3-row tile (1.2-1.6x a layer when walking a whole model's KV caches; docs/benchmarks.md).
+// Working memory is kept per thread across calls (up to kKeepBytes of partials).
 // On AVX-512 CPUs, chunks read for 6+ query rows run on zmm tiles with the same bits (f32x16).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -63,16 +62,14 @@ inline float hsum(__m256 v) {
 }
 
 
-// Positions per partial softmax. 128 against 64 (AMD EPYC Zen 4, 2 threads, the bundled
-// model's whole decode step in one call, interleaved): 16 sequences on a 1,760-token prefix
-// 1.01-1.10x (fp32 cache; bf16 1.09x), the most where memory was contended (fewer partials to
-// write and merge); one sequence 1.00-1.04x; 16 unshared at ~130 positions 1.00x. 256: as 128.
+// Positions per partial softmax. 128 rather than 64: fewer partials to write and merge, up to
+// ~1.1x a decode step where memory is contended and never slower; 256 gains nothing more.
 constexpr int64_t kChunk = 128;
 // Work items of at least this many query rows take the AVX-512 tiles where they are on (f32x16
 // below); fewer rows (a sequence's own chunk: 3 rows for SmolLM2) are bound by reading K/V,
-// and there the zmm tiles were 0.86-0.89x the AVX2 ones (Ice Lake Xeon, 2 threads). On a
-// 1,760-token prefix shared by 2, 3, 4, 8 and 16 sequences (6 to 48 rows a KV head): 1.06x,
-// 1.00x, 1.06x, 1.12x, 1.15-1.24x.
+// and there the zmm tiles are slower than the AVX2 ones. From 6 rows (a chunk shared by two
+// sequences) they are as fast or faster, up to ~1.2x at 48 rows
+// (benchmarks/bench_decode_attention.py).
 constexpr int64_t kWideRows = 6;
 constexpr size_t kKeepBytes = 64u << 20;  // partial buffers kept across calls, at most
 constexpr size_t kKeepGroups = 1u << 16;  // groups (chunk keys) kept across calls, at most
@@ -262,12 +259,10 @@ void partial(const float* const* q, int64_t nq, const float* const* k, const flo
 // A query row left over from the pairs is scored by the AVX2 tile (the same bits again). Since
 // both paths give the same bits, each work item may take either: items of kWideRows rows or more
 // come here. The next item's K/V rows are prefetched at every 8-position score tile (at 48 rows,
-// 2 rows a tile): the AVX2 path's spread (a step a 3-row tile) asks for 30 rows at once, and
-// with it these tiles were 1.10x slower at 48 rows. Prefetch instructions still take a third
-// of this function's own samples with caches that do not fit L3 (waiting for fill buffers).
-// Ice Lake Xeon (AVX-512 with 2 FMA units), 2 threads, 16 sequences on a 1,760-token prefix,
-// 30 layers' caches, interleaved (benchmarks/bench_decode_attention.py): 1.13-1.27x the AVX2
-// path a layer; 16 gguf streams on that prefix in the engine, whole decode steps: 1.17x.
+// 2 rows a tile): the AVX2 path's spread (a step a 3-row tile) would ask for 30 rows at once and
+// stall on the core's fill buffers. Prefetches still wait for fill buffers where the caches do
+// not fit L3. On CPUs with two AVX-512 FMA units, 16 sequences on a shared prefix run about
+// 1.1-1.3x the AVX2 path a layer (benchmarks/bench_decode_attention.py; docs/benchmarks.md).
 #ifndef SALTSERVE_HAVE_AVX512
 #if defined(__x86_64__) && !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8
 #define SALTSERVE_HAVE_AVX512 1
@@ -344,7 +339,7 @@ inline void score_pairs(const float* const* q2, const float* const* k, int64_t D
 
 // pv_tile on 16-column registers: acc[r][d0 .. d0 + 16 NV) = sum_j w[r * ld + j] * v_j[d0 ..],
 // j in position order. Half: 8 columns (D % 16 == 8), NV = 1. (The loops are unrolled so that
-// GCC keeps a[] in registers; rolled, it stored all 24 accumulators every position.)
+// GCC keeps a[] in registers; rolled, it stores all 24 accumulators every position.)
 template <int R, int NV, bool Half = false>
 inline void pv_tile(const float* w, int64_t ld, const float* const* v, int64_t n, int64_t d0,
                     float* const* acc) {
@@ -531,13 +526,12 @@ bool attention_avx512(int64_t enabled) {
 // already; Q (once a call) and P (a chunk's softmax numerators) are each split into a bf16 high
 // part and a bf16 low part (x - hi, rounded), and both parts are multiplied: each product of a
 // bf16 pair is exact in fp32, so the result is fp32 attention over the cache's bf16 values to
-// about 3e-6 relative (one bf16 part each: 2e-3, the error FlashAttention's bf16 Q and P give on
-// GPUs; with it a prefix-cache hit changed the bundled model's greedy tokens, so it is not kept).
-// The split costs a second VDPBF16PS per product; against the fp32 path on Zen 4, 2 threads, per
-// layer: 16 rows on a 1,780-token prefix 0.69 -> 0.60 ms, one sequence at 1,780 positions 0.093
-// -> 0.083, 16 unshared at 300 0.27 -> 0.24 (one part: 0.44, 0.076, 0.21). Scores and softmax
-// stay fp32. Every row runs the same arithmetic whatever its tile or group, so a row's bits
-// still do not depend on its batch.
+// about 3e-6 relative (one bf16 part each would give 2e-3, the error FlashAttention's bf16 Q and
+// P give on GPUs, and a prefix-cache hit could then change the bundled model's greedy tokens).
+// The split costs a second VDPBF16PS per product; reading half the bytes, the path still runs
+// about 1.1x the fp32 one (docs/benchmarks.md). Scores and softmax stay fp32. Every row runs
+// the same arithmetic whatever its tile or group, so a row's bits still do not depend on its
+// batch.
 // The bf16 path as written needs GCC 11's target pragma (clang ignores it) and an assembler that
 // knows avx512_bf16; kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_BF16=0 where the
 // build fails, and bf16 caches are then refused (bf16_kv_cache() says so; the torch path reads them).
@@ -556,8 +550,8 @@ namespace bf16 {
 // Scores of R query rows against the chunk's positions 0 .. 16 NB, K packed by pack_k:
 // s[r * ld + p] = (q_r . k_p) * sc, each score one chain of VDPBF16PS over the D / 2 element
 // pairs in order, the high part's then the low part's (a lane of one accumulator): no
-// reduction, and the same for every tile. (A dot-product form like the fp32 tiles, reducing a
-// zmm per score, ran 0.8x the fp32 path: the reduction outweighed two VDPBF16PS at D = 64.)
+// reduction, and the same for every tile. (Not the fp32 tiles' dot-product form: reducing a
+// zmm per score costs more than two VDPBF16PS at D = 64.)
 template <int R, int NB>
 inline void score_tile(const uint16_t* const* q, const __m512i* kt, int64_t D, float sc, float* s,
                        int64_t ld) {
@@ -752,14 +746,11 @@ void round_rows(const float* x, int64_t rows, int64_t D, uint16_t* out) {
 // bf16 caches on AMX (Sapphire Rapids and later Xeons, where Linux grants the tile registers
 // and SALTSERVE_AMX=0 is not set): the same operands (Q and P split into bf16 high and low
 // parts, K and V bf16) multiplied on AMX-BF16 tiles, TDPBF16PS with fp32 accumulation, 16 query
-// rows a tile. Why: at 16 sequences on a shared 1,750-token prompt, attention on VDPBF16PS took
-// 33 of a 54 ms gguf decode step (2-vCPU Emerald Rapids Xeon); a tile multiplies 16 rows x 16
-// positions x 32 elements in one instruction. There, per layer (16 rows on a 1,760-token prefix,
-// 30 layers' caches, 2 threads): AMX 0.51 ms, VDPBF16PS 1.11, the fp32 cache's AVX-512 tiles
-// 0.57; whole gguf decode steps at 16 shared streams 34.1 against 50.1 ms (fp32 cache 34.7), one
-// stream unchanged. What is left is mostly not the tiles' dots: per 48-row item (128 positions,
-// one thread, cycles counted) the softmax and P's split to bf16 40%, the P.V tiles 28%, the
-// score tiles 18%, packing K, Q and V the rest.
+// rows a tile. Why: at 16 sequences on a shared prompt, attention on VDPBF16PS takes over half of
+// a gguf decode step; a tile multiplies 16 rows x 16 positions x 32 elements in one instruction,
+// about 2x VDPBF16PS a layer (docs/benchmarks.md). What is left is mostly not the tiles' dots:
+// the softmax and P's split to bf16 cost the most, then the P.V tiles, the score tiles, and
+// packing K, Q and V.
 // Every row's arithmetic is its own (a C tile row depends only on its A row), in an order
 // fixed by positions and columns, so a row's bits still do not depend on its batch or tile.
 // Its bits differ from VDPBF16PS's (the order of the two products of a pair, and the sum over
@@ -1020,7 +1011,7 @@ struct Scratch {
   std::vector<std::pair<int64_t, int64_t>> items;
   // The plan above (seqs .. items, slots) was made for these inputs: a decode step
   // calls this once a layer with the same rows and tables, so layers 2 .. L reuse layer 1's
-  // (its grouping cost 24 us a layer at 16 sequences on a 1,750-token prefix).
+  // (its grouping costs about 24 us a layer at 16 sequences on a 1,750-token prefix).
   std::vector<int32_t> made_for;  // S, MB, BS, KVH, then qsl, lens and tables
   int64_t slots = 0;  // partial slots: every decode sequence's chunks
 };

@@ -1,6 +1,6 @@
-// One decoder layer of a CPU decode step in one call (issue 15: per-step overhead).
+// One decoder layer of a CPU decode step in one call (per-step overhead).
 //
-// Why: at one stream of --quantization gguf a step of the 135M model spent about as long in
+// Why: at one stream of --quantization gguf a step of the 135M model spends about as long in
 // Python and in some 240 small ATen calls between the linears (bf16 conversions, views, splits,
 // allocations: about 20 a layer, 3-10 us each from Python) as in the linears themselves. Here
 // the layer's sequence of operations runs from C++: the same kernels, in the same order, on the
@@ -48,7 +48,7 @@ using OptTensor = c10::optional<at::Tensor>;
 
 // A view of base's memory from element offset, with these sizes and strides, made without the
 // dispatcher: at::narrow/select/view cost 0.4-0.5 us a call each (hot), about 8 us a layer of
-// glue at one row, against 0.12 us here (AMD EPYC Zen 4). base must outlive the view (it does:
+// glue at one row, against about 0.1 us here. base must outlive the view (it does:
 // every view here is of a tensor held for the whole layer or step).
 at::Tensor view_of(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes,
                    at::IntArrayRef strides) {
@@ -209,8 +209,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
                     block_tables, num_heads, num_kv_heads, head_dim, intermediate_size, scale);
 }
 
-// Every layer of a decode step in one call (issue 15: 30 Python calls of decode_layer, each
-// converting its 16 weight slots and 20 other arguments, cost about 10 us a layer): layer i is
+// Every layer of a decode step in one call (30 Python calls of decode_layer, each converting
+// its 16 weight slots and 20 other arguments, would cost about 10 us a layer): layer i is
 // decode_layer with norms[2 i], norms[2 i + 1], the projections [4 i, 4 i + 4) of weights,
 // kinds and groups, and the caches kv_caches[i, 0] and kv_caches[i, 1]. The same calls in the
 // same order, so the same bits. Returns (the last layer's MLP output, the residual stream:

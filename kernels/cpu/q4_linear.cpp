@@ -2,7 +2,7 @@
 //
 // Why: torch ships no fast int4 CPU kernel for fp32 activations on AVX2 (its int4pack kernel
 // wants bf16 inputs and still costs 2-3x what reading 4.5-bit weights costs), so a single
-// decode stream of --quantization gguf spent most of its step there (issue 15).
+// decode stream of --quantization gguf would spend most of its step there.
 //
 // Weights: GGUF's Q4_1 groups of 32 inputs, w = code * scale + minimum, code in [0, 15].
 //   codes   [N, K / 2] uint8: group g of row n is 16 bytes, byte j = code[j] | code[j + 16] << 4

@@ -1,10 +1,10 @@
 // 4-bit grouped linear for decode batches on AVX-512 VNNI CPUs: y[M, N] = x[M, K] @ w[N, K]^T
 // with GGUF Q4_1 weights (w = code * scale + minimum per group of 32 inputs, code in [0, 15]).
 //
-// Why (issue 15): at 16 decode rows torch's int4 kernel (_weight_int4pack_mm_for_cpu) costs as
-// much as our fp32 kernel on the dense weights (qkv 115 against 109 us, gate_up 406 against
-// 346, 2 threads, AMD EPYC), so --quantization gguf served 16 streams barely faster than fp32,
-// and q4_linear.cpp (pmaddubsw, one output row's group at a time) is slower still from 2 rows.
+// Why: at 16 decode rows torch's int4 kernel (_weight_int4pack_mm_for_cpu) costs about as much
+// as our fp32 kernel on the dense weights, so through it --quantization gguf would serve 16
+// streams barely faster than fp32, and q4_linear.cpp (pmaddubsw, one output row's group at a
+// time) is slower still from 2 rows.
 // Here one vpdpbusd multiplies 16 outputs x 4 inputs of unsigned codes by 4 int8 activations of
 // one row broadcast to every lane (64 exact multiply-adds), so the int32 lanes are outputs and
 // a group's scale is applied once per 16 outputs and row, not per multiply.
@@ -173,8 +173,8 @@ inline int32_t load4(const int8_t* p) {
 
 // One group's weights are read as part of one stream a thread walks in order (its tiles'
 // codes, then the next tile's); at one or a few rows a group takes a few ns, too few for the
-// hardware prefetcher to keep up from L3 or memory (the layers ran at 17-23 GB/s against 55 GB/s
-// of L3 reads on a 2-vCPU Xeon), so each group asks for the lines kAhead bytes on. A prefetch
+// hardware prefetcher to keep up from L3 or memory (the layers read well under half of L3's
+// bandwidth without it), so each group asks for the lines kAhead bytes on. A prefetch
 // past the end of the weights is only a hint: it never faults.
 constexpr int64_t kAhead = 8192;
 
@@ -384,12 +384,9 @@ void tile_avx2_one_row(const int8_t* qx, const int8_t* rx, const float* dx, cons
 
 // Rows from which the AMX path runs. A 4-bit layer unpacks each output tile's codes first and
 // pays for whole 8-row blocks: from 16 rows its whole blocks run on AMX and the rest (< 8 rows)
-// on the VNNI tiles (at 8-13 rows the two were within the noise); the int8 layers read their
-// codes as stored and run every row on AMX from 6. 2 threads, Xeon with AMX, medians of 15
-// interleaved calls, VNNI / AMX, us: a layer's four 4-bit projections (all on AMX) 4 rows
-// 201 / 311, 8 rows 304-385 / 304-350, 16 rows 604-623 / 468-507, 24 rows 823 / 655, 32 rows
-// 1,151 / 838, 128 rows 4,854 / 3,414; 17 rows (16 + 1 on VNNI) 586 / 595; the Q8_0 LM head
-// (49,152 x 576) 4 rows 1,046 / 1,121, 6 rows 1,299 / 1,117, 16 rows 3,195-3,454 / 1,917-2,098.
+// on the VNNI tiles (at 8-13 rows the two tie, below 8 AMX is slower); the int8 layers read
+// their codes as stored and run every row on AMX from 6, where the LM head starts to gain
+// (docs/benchmarks.md).
 constexpr int64_t kAmxMinRowsQ4 = 16;
 constexpr int64_t kAmxMinRowsQ8 = 6;
 
@@ -734,12 +731,10 @@ inline int8_t* rx_row(ActScratch& a, int64_t m, int64_t K, bool amx) {
 }
 
 // fn(m) for every row m of a call's activations (their rounding to int8), on torch's threads
-// once there are enough elements to pay for waking them; before, one thread rounded every row
-// while the others waited. The rows are independent, so the same bits whichever thread rounds
-// a row. A layer's four 4-bit projections, AMX on, 2 threads, weights in cache, medians of 9
-// (Xeon with AMX, 2026-12-06), serial / parallel, us: 16 rows 252-280 / 236-253, 64 rows
-// 855-965 / 737-822, 330 rows (an admission of 15 requests) 4,369-4,765 / 4,070-4,490. A
-// whole decode step of 16 streams did not move beyond the noise (docs/benchmarks.md, session 29).
+// once there are enough elements to pay for waking them (rounded on one thread, the others
+// would wait). The rows are independent, so the same bits whichever thread rounds a row. It
+// saves 5-15% of a layer's projections at 16-330 rows on AMX, within the noise of a whole
+// decode step (docs/benchmarks.md).
 constexpr int64_t kParallelRoundFrom = 4096;  // elements (M * K)
 template <typename F>
 void for_rows(int64_t M, int64_t K, F&& fn) {
@@ -869,10 +864,11 @@ VNNI_TARGET void tile8(const int8_t* qx, const int8_t* rx, const float* dx,
 // q * a16 in pairs into int32 (the group's 32 products per output <= 2^27 in magnitude): the
 // group's dot is idot(q, 256 qx + rx) = 256 idot(q, qx) + idot(q, rx) exactly, tile8's after its
 // correction. One vpmaddwd + vpaddd per 16 products, where vpsignb + vpmaddubsw + vpmaddwd +
-// vpaddd took 32 (twice, for qx and rx, with 16 bits): at 16 rows the LM head in 16-bit
-// activations is about twice as fast. A group's two int32 accumulators of 4 outputs are summed
-// by vphaddd into outputs 0 1 4 5 | 2 3 6 7; the fp32 accumulator keeps that lane order over
-// the groups and is put back before the scale (a permutation: the lanes' bits are not touched).
+// vpaddd would take 32 (twice, for qx and rx, with 16 bits): at 16 rows the LM head in 16-bit
+// activations runs about twice as fast this way. A group's two int32 accumulators of 4 outputs
+// are summed by vphaddd into outputs 0 1 4 5 | 2 3 6 7; the fp32 accumulator keeps that lane
+// order over the groups and is put back before the scale (a permutation: the lanes' bits are
+// not touched).
 template <int MR, bool Fine>
 void tile8_avx2(const int16_t* a16, const float* dx, const uint8_t* codes, const float* scale,
                 const float* bias, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {

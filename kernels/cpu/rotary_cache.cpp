@@ -3,7 +3,7 @@
 //
 // Why: in torch the neox rotation is six ops (two slices, neg, cat, two muls, add: ~35 us a
 // layer at one token) and the cache write two index_copy_ (~16 us), for well under 1 us of
-// arithmetic each (issue 15).
+// arithmetic each.
 //
 // rotary_neox_: x [T, W] (rows may be strided, columns contiguous); the first num_heads heads of
 // head_dim columns of each row are rotated in place by cos, sin [T, head_dim]:

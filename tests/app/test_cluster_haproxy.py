@@ -243,8 +243,8 @@ def test_sigterm_drains_a_replica_without_failing_a_request(cluster):
         except openai.OpenAIError as e:
             results.append(type(e).__name__)
 
-    # 256 tokens: a few seconds of decode at this machine's fastest (48 once finished within
-    # the second this test used to wait).
+    # 256 tokens: a few seconds of decode at this machine's fastest (48 can finish within a
+    # second).
     long = threading.Thread(target=one, args=(on_r2[0], 256, True))
     long.start()
     r2 = cluster.replicas["r2"]

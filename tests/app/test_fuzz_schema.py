@@ -142,8 +142,8 @@ def test_fuzzed_requests_never_break_the_server(env, fuzz_schema):
 
 
 def test_denormal_top_p_does_not_kill_the_engine(env):
-    """Regression found by the fuzzer: top_p=5e-324 rounded to 0 in the sampler's fp32
-    comparison, every token was dropped and the NaN probabilities stopped the engine loop (503
+    """A case the fuzzer found: top_p=5e-324 must not round to 0 in the sampler's fp32
+    comparison, or every token is dropped and the NaN probabilities stop the engine loop (503
     for every tenant from then on)."""
     body = {"model": env.model, "prompt": "Hello", "max_tokens": 2, "temperature": 1.0,
             "top_p": 5e-324, "seed": 1}

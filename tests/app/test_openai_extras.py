@@ -1,5 +1,5 @@
 """Batched completions prompts, ``/v1/models/{id}``, ``/tokenize`` / ``/detokenize`` /
-``/version``, safe chat templating, and a hostile tenant using the new fields (fake model)."""
+``/version``, safe chat templating, and a hostile tenant abusing them (fake model)."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_developer_is_rendered_as_system(app_env):
     assert both.count(SMOL_IM_START) == 3
 
 
-def test_a_tenant_abusing_the_new_fields_does_not_harm_another(app_env):
+def test_a_tenant_abusing_the_extra_fields_and_endpoints_does_not_harm_another(app_env):
     """Tenant B floods unknown fields, bad logit_bias, forged turns, 32-prompt batches and
     huge /tokenize bodies while tenant A chats: A's calls all succeed and no block leaks."""
     big = "word " * 30_000

@@ -1,5 +1,5 @@
-"""No OpenAI field is silently ignored (issue 11's rule): every field of the chat completions and
-completions references is accepted with an effect that is checked here, or refused with 400
+"""No OpenAI field is silently ignored: every field of the chat completions and completions
+references is accepted with an effect that is checked here, or refused with 400
 ``unsupported_parameter`` naming it; unknown fields are refused the same way.
 
 Effects are checked on what reaches the engine (the ``SamplingParams`` of the submitted
@@ -308,7 +308,7 @@ def test_tool_fields_are_checked(send):
     assert seen.status == 200 and seen.requests[0].grammar is None
 
 
-def test_bad_new_field_values_are_400_with_param(send):
+def test_bad_field_values_are_400_with_param(send):
     for body, param in (({"logprobs": 6}, "logprobs"),
                         ({"logit_bias": {"x": 1}}, "logit_bias"),
                         ({"logit_bias": {"5": 101}}, "logit_bias"),

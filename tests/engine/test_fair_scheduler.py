@@ -357,8 +357,8 @@ def test_preempted_request_with_a_running_sibling_keeps_its_priority() -> None:
     assert [r.request_id for r in sched.waiting] == ["a2", "c1"]
     assert sched.vtime == {"A": 33.0, "C": 30.0}
     # 4 blocks free: a2 (1 hit + 1 new) must come back before the fresh c1 (3 blocks), which
-    # then no longer fits. Today c1 is planned first (C is less served) and takes the blocks:
-    # rows are [a1, ("c1", 0, 40, True)] and a2 waits another step.
+    # then no longer fits. Planned first (C is less served), c1 would take the blocks: rows
+    # [a1, ("c1", 0, 40, True)], and a2 would wait another step.
     out, rows = step(sched)
     assert rows == [("a1", 17, 1, True), ("a2", 16, 1, True)]
     assert c1.status == RequestStatus.WAITING

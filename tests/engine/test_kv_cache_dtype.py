@@ -93,7 +93,7 @@ def test_the_bundled_model_answers_on_a_bf16_cache_close_to_fp32(make_llm_engine
     assert "Paris" in tokenizer.decode(via_kernel[0].token_ids)
     worst = 0.0
     for a, b in zip(via_kernel, via_torch):
-        # Identical here (Zen 4); a near-tie elsewhere may part them late, not early.
+        # Usually identical; a near-tie on some CPUs may part them late, not early.
         same = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
                     len(a.token_ids))
         assert a.token_ids == b.token_ids or same >= 12, (same, a.token_ids, b.token_ids)

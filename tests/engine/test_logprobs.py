@@ -127,9 +127,9 @@ def test_logit_bias_and_penalties_change_greedy_output(make_llm_engine, prompt_i
 
 
 def test_a_fault_in_a_prompt_logprobs_request_fails_it_alone(make_llm_engine, prompt_ids):
-    """Regression: the prompt logprobs of a request that failed in the same step (its
-    sampling) were looked up after the request was gone: KeyError out of step() killed the
-    engine loop for every tenant."""
+    """The prompt logprobs of a request that failed in the same step (its sampling) are not
+    looked up after the request is gone: a KeyError out of step() would kill the engine loop
+    for every tenant."""
     from engine.faults import inject
 
     engine = make_llm_engine()

@@ -448,7 +448,7 @@ def test_8_bit_activations_serve_gguf_near_fp32_and_a_flooding_tenant_changes_no
     assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
 
     # B's own repeat may differ from its miss at 8 bits (unlike 16): a 1e-6 difference in an
-    # activation can move its int8 rounding by a whole step (docs/benchmarks.md, session 31).
+    # activation can move its int8 rounding by a whole step (docs/benchmarks.md).
     check_a_flood_leaves_b_as_alone(engine, prompts[1], lambda text: _chat(tokenizer, text))
 
 

@@ -49,8 +49,8 @@ def test_top_k_1_and_tiny_top_p_reduce_to_argmax():
 
 
 def test_top_p_below_fp32_range_still_keeps_the_argmax():
-    # Regression (found by tests/app/test_fuzz_schema.py): top_p=5e-324 rounded to 0 in the fp32
-    # comparison, dropped every token and the NaN probabilities killed the engine loop.
+    # Found by tests/app/test_fuzz_schema.py: top_p=5e-324 must not round to 0 in the fp32
+    # comparison, or every token is dropped and the NaN probabilities kill the engine loop.
     gen = torch.Generator().manual_seed(0)
     for top_p in (5e-324, 1e-46, 1e-45):
         params = SamplingParams(temperature=1.0, top_p=top_p)

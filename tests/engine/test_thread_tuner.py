@@ -56,7 +56,7 @@ def test_it_measures_again_after_every_steps_and_follows_a_change():
 
 def test_it_measures_again_after_every_s_seconds_even_between_few_steps():
     """A server that mostly batches runs few one-token steps: the count must not stay on a
-    choice made under a passing load for thousands of them (session 27: 20 minutes)."""
+    choice made under a passing load until thousands of them have run (many minutes)."""
     now = [100.0]
     tuner = ThreadTuner((1, 2), block=2, rounds=1, every=4096, every_s=60, clock=lambda: now[0])
     drive(tuner, {1: 0.05, 2: 0.12}, 4)  # another process held a core: one thread won

@@ -1,7 +1,7 @@
 """The GGUF conversion runs on a thread of its own (``engine.weights.on_own_thread``), so the
 thread that starts the server keeps no torch (OpenMP) thread pool beside the engine thread's:
 with two pools on 2 cores libgomp stops spinning at its barriers and every decode op waits for a
-futex wake-up (issue 15: one stream through a first-started server 148 against 200-264 tok/s)."""
+futex wake-up (a first-started server would serve a stream markedly slower than a restart)."""
 
 from __future__ import annotations
 

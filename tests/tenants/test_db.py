@@ -178,7 +178,7 @@ def test_migration_0003_backfills_name_keys_and_keeps_every_child_row(database_u
             counts = [conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
                       for t in ("tenant_salts", "api_keys", "usage_records")]
         assert keys == {"Café Ω": "café ω", "acme": "acme"}
-        assert counts == [1, 1, 1]  # a table rebuild with foreign keys on used to cascade
+        assert counts == [1, 1, 1]  # a table rebuild with foreign keys on would cascade
     finally:
         engine.dispose()
 
