@@ -15,7 +15,7 @@ from app.bench.baselines import Peer, parse_peer, summarise
 from app.bench.profiles import format_profiles, profile_prompts, run_profiles
 from app.bench.sweep import match_rate_prompts, parse_values, run_sweep
 from app.bench.validate import Gates, Sample, run_validate
-from app.cli import main
+from app.cli.main import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

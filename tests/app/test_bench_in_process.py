@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.bench.in_process import InProcessEngine
-from app.cli import main
+from app.cli.main import main
 from engine.config import EngineConfig
 
 

@@ -256,7 +256,7 @@ def test_admin_sets_weight_and_cache_bounds_and_the_engine_gets_them(env):
 def test_cli_set_share_and_list(tmp_path):
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
 
     runner = CliRunner()
     dd = ["--data-dir", str(tmp_path)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from app.cli import main
+from app.cli.main import main
 
 
 def test_tenant_and_key_lifecycle(tmp_path):
@@ -120,7 +120,7 @@ _EXIT_AFTER_FREEZE = """
 import gc, sys
 import triton.language  # builds a few nanobind objects at import
 if sys.argv[1] == "serve":
-    from app.cli import _freeze_startup_heap
+    from app.cli.serve import _freeze_startup_heap
     assert _freeze_startup_heap() > 0
 else:
     gc.freeze()

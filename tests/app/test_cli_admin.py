@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from app.bootstrap import open_repository
-from app.cli import _cli_actor, main
+from app.cli.main import main
+from app.cli.options import _cli_actor
 from app.settings import Settings
 from tenants.crypto import MASTER_KEY_FILENAME
 from tenants.errors import InvalidToken, TenantDisabled

@@ -249,7 +249,7 @@ def test_a_tenant_at_its_rpm_limit_is_refused_whichever_replica_it_reaches(clust
 def test_a_rotation_from_the_cli_reaches_running_replicas_at_once(cluster, tmp_path):
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
 
     r1 = cluster.start("r1")
     warm(r1, cluster.key_a, PROMPT_A)

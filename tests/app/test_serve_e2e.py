@@ -37,8 +37,8 @@ def server(model_dir: Path, tmp_path_factory):
     assert served and all(len(r["request_id"]) == 32 and len(r["tenant_id"]) == 32
                           for r in served)
     assert "capital of France" not in proc.output  # prompts are never logged
-    # The startup heap is frozen before serving (app.cli._freeze_startup_heap): a full garbage
-    # collection of it stalled the engine thread for about 180 ms.
+    # The startup heap is frozen before serving (app.cli.serve._freeze_startup_heap): a full
+    # garbage collection of it stalled the engine thread for about 180 ms.
     frozen = [r for r in logs if r["logger"] == "app.cli" and "startup objects" in r["message"]]
     assert len(frozen) == 1 and int(frozen[0]["message"].split()[1]) > 100_000, frozen
 
@@ -158,7 +158,7 @@ def test_openai_sdk_tool_calling_round_trip(server):
 def test_cli_cache_commands_talk_to_the_running_server(server):
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
 
     base, data_dir = server
     runner = CliRunner(env={"SALTSERVE_MASTER_KEY": ""})
@@ -187,7 +187,7 @@ def test_bench_validate_passes_with_caching_and_fails_without(server, tmp_path):
     import httpx
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
     from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
 
     base, data_dir = server
@@ -243,7 +243,7 @@ def test_bench_profiles_compare_caching_on_and_off(server, tmp_path, model_dir):
     import httpx
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
     from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
 
     base, data_dir = server
@@ -293,7 +293,7 @@ def test_bench_tenants_reports_each_tenants_hits_beside_a_flood(server, tmp_path
     import click
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
     from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
 
     base, data_dir = server
@@ -357,7 +357,7 @@ def test_bench_sweep_prefix_length_draws_the_curves(server, tmp_path):
     import httpx
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
     from tenants.tokens import JWTConfig, issue_token, load_or_create_platform_key
 
     base, data_dir = server
@@ -391,7 +391,7 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
     every whole block."""
     from click.testing import CliRunner
 
-    from app.cli import main
+    from app.cli.main import main
 
     out, png = tmp_path / "pool.json", tmp_path / "pool.png"
     r = CliRunner().invoke(main, [

@@ -11,7 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from app.cli import _serve_options, _settings, serve
+from app.cli.options import _serve_options, _settings
+from app.cli.serve import serve
 from app.settings import Settings
 from engine.block_hash import HASH_ALGOS
 from engine.config import (
