@@ -34,21 +34,17 @@ import asyncio
 import contextvars
 import hmac
 import logging
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Annotated, Literal
-from urllib.parse import quote
 
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from app.admin_refusals import AdminRefusals
+from app.deps import get_parts
 from app.errors import APIError
 from tenants.api_keys import looks_like_api_key
 from tenants.authenticator import Authenticator
-from tenants.cache_generations import CacheGenerations
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.records import AuthContext
 from tenants.revocations import TokenRevocations
@@ -148,26 +144,13 @@ async def principal_for_token(request: Request, token: str) -> Principal:
         InvalidToken (-> 401): bad key or JWT, or a JWT for an unknown tenant.
         TenantDisabled (-> 403): the tenant is disabled.
     """
-    state = request.app.state
+    parts = get_parts(request)
     if looks_like_api_key(token):
-        return await run_in_threadpool(_api_key_principal, state.repo.authenticator, token)
+        return await run_in_threadpool(_api_key_principal, parts.repo.authenticator, token)
     # JWTs on their own few threads: a slow JWKS fetch never holds up API-key requests.
     return await asyncio.get_running_loop().run_in_executor(
-        state.jwt_executor, _jwt_principal, state.repo.authenticator,
-        getattr(state, "jwt_verifier", None), state.repo.revocations, token)
-
-
-async def _note_generation(request: Request, ctx: AuthContext) -> None:
-    """Evicts a tenant's cached blocks once when its salt version or cache epoch moved on
-    behind this process's back (another replica or the CLI rotated or reset, and its broadcast
-    did not reach us): ``CacheGenerations.note_seen`` tells exactly one request."""
-    generations: CacheGenerations = request.app.state.cache_generations
-    reason = generations.note_seen(ctx.tenant_id, ctx.salt_version, ctx.cache_epoch)
-    if reason is None:
-        return  # first sight since start, or nothing newer: nothing to evict
-    dropped = await request.app.state.engine.evict_tenant_cache(ctx.tenant_id, reason)
-    logger.info("tenant %s moved to salt version %d, cache epoch %d (%s): dropped %d cached "
-                "blocks", ctx.tenant_id, ctx.salt_version, ctx.cache_epoch, reason, dropped)
+        parts.jwt_executor, _jwt_principal, parts.repo.authenticator, parts.jwt_verifier,
+        parts.repo.revocations, token)
 
 
 async def current_tenant(request: Request) -> AuthContext:
@@ -185,92 +168,16 @@ async def current_tenant(request: Request) -> AuthContext:
         raise APIError(403, "this route needs a tenant: use an API key or a JWT with a tenant "
                        "claim", None, "tenant_required")
     current_tenant_id.set(principal.tenant.tenant_id)  # for log lines (app.logs)
-    await _note_generation(request, principal.tenant)
+    # A salt rotation or reset this process has not applied yet: drop the old blocks first.
+    await get_parts(request).generations.on_request(principal.tenant)
     return principal.tenant
 
 
 CurrentTenant = Annotated[AuthContext, Depends(current_tenant)]
 
 
-MAX_AUDITED_PATH_CHARS = 128
-
-
-class AdminRefusals:
-    """Refused ``/admin`` calls, recorded so that no caller can flood the audit log.
-
-    - Unauthenticated (no, bad or expired credentials): ``anonymous`` counts them by reason
-      (``count_refusal``, the Prometheus counter) and logs at most one line per
-      ``log_interval_s`` with the number seen since the last line. No audit row: an anonymous
-      flood used to push real admin rows out of the reachable window.
-    - Forbidden (valid tenant credentials): ``forbidden`` aggregates per (actor, minute);
-      ``flush`` writes one ``auth.admin_forbidden`` row per closed minute with its count and the
-      first method and path seen (percent-escaped, at most 128 characters).
-
-    Thread-safe; ``now`` (seconds) is injectable for tests.
-
-    Args:
-        count_refusal: called with the reason of each unauthenticated refusal.
-        log_interval_s: at most one log line per this many seconds.
-        max_pending: (actor, minute) entries kept before a forced flush of every entry.
-    """
-
-    def __init__(self, count_refusal: Callable[[str], None] = lambda reason: None,
-                 log_interval_s: float = 10.0, max_pending: int = 10_000,
-                 now: Callable[[], float] = time.time) -> None:
-        self._count = count_refusal
-        self._log_interval_s = log_interval_s
-        self._max_pending = max_pending
-        self._now = now
-        self._lock = threading.Lock()
-        self._pending: dict[tuple[str, int], list] = {}  # (actor, minute) -> [n, first request]
-        self._unlogged = 0
-        self._last_log = -float("inf")
-
-    def anonymous(self, reason: str) -> None:
-        self._count(reason)
-        with self._lock:
-            self._unlogged += 1
-            now = self._now()
-            if now - self._last_log < self._log_interval_s:
-                return
-            n, self._unlogged, self._last_log = self._unlogged, 0, now
-        logger.warning("refused %d unauthenticated /admin request(s) (latest reason: %s)",
-                       n, reason)
-
-    def forbidden(self, actor: str, method: str, path: str) -> bool:
-        """Counts one; True when too many entries are pending (the caller flushes all)."""
-        first = f"{method} {quote(path, safe='/')[:MAX_AUDITED_PATH_CHARS]}"
-        with self._lock:
-            entry = self._pending.setdefault((actor[:255], int(self._now() // 60)), [0, first])
-            entry[0] += 1
-            return len(self._pending) > self._max_pending
-
-    def flush(self, audit: Callable[..., None], everything: bool = False) -> int:
-        """Writes the aggregated rows of closed minutes (all with ``everything``, e.g. at
-        shutdown) through ``audit(actor, action, tenant_id, detail)``. Returns rows written;
-        entries whose write fails stay pending."""
-        minute = int(self._now() // 60)
-        with self._lock:
-            done = {k: v for k, v in self._pending.items() if everything or k[1] < minute}
-            for k in done:
-                del self._pending[k]
-        written = 0
-        for (actor, m), (n, first) in sorted(done.items(), key=lambda kv: kv[0][1]):
-            at = datetime.fromtimestamp(m * 60, UTC).strftime("%Y-%m-%dT%H:%MZ")
-            try:
-                audit(actor, "auth.admin_forbidden", None,
-                      f"reason=not_admin count={n} minute={at} first={first}")
-                written += 1
-            except Exception as e:  # noqa: BLE001 - kept for the next flush
-                logger.error("could not write auth.admin_forbidden audit row: %s",
-                             type(e).__name__)
-                with self._lock:
-                    self._pending.setdefault((actor, m), [0, first])[0] += n
-        return written
-
-
 def _refusals(request: Request) -> AdminRefusals:
-    return request.app.state.admin_refusals
+    return get_parts(request).admin_refusals
 
 
 async def admin_principal(request: Request) -> Principal:
@@ -306,7 +213,7 @@ async def record_forbidden(request: Request, subject: str) -> None:
     if refusals.forbidden(subject, request.method, request.url.path):
         # In a fresh context: the rows are not this request's (no request ids on them).
         await run_in_threadpool(contextvars.Context().run, refusals.flush,
-                                request.app.state.repo.usage.audit, True)
+                                get_parts(request).repo.usage.audit, True)
 
 
 AdminPrincipal = Annotated[Principal, Depends(admin_principal)]
@@ -315,7 +222,7 @@ AdminPrincipal = Annotated[Principal, Depends(admin_principal)]
 async def metrics_scraper(request: Request) -> None:
     """Admits a Prometheus scrape: the configured scrape token or an admin JWT.
 
-    The scrape token comes from ``SALTSERVE_METRICS_TOKEN`` (``create_app(metrics_token=...)``)
+    The scrape token comes from ``SALTSERVE_METRICS_TOKEN`` (``build_parts(metrics_token=...)``)
     and is compared in constant time. Deny by default.
 
     Raises:
@@ -323,7 +230,7 @@ async def metrics_scraper(request: Request) -> None:
             and the caller is not an admin (``metrics_disabled``).
         APIError 401: missing or wrong token (``invalid_metrics_token``).
     """
-    expected: str | None = request.app.state.metrics_token
+    expected = get_parts(request).metrics_token
     token = bearer_token(request)
     if token is not None and expected and hmac.compare_digest(token.encode(), expected.encode()):
         return

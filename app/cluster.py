@@ -3,7 +3,7 @@
 Replicas share PostgreSQL (tenants, keys, salts, usage, audit) but each holds its own KV cache.
 When an operator rotates a tenant's salt, resets a tenant's cache, resets every cache or turns a
 tenant's caching off on one replica, that replica evicts its own blocks, commits the new
-generation (salt version, cache epoch; ``tenants.cache_generations``) and publishes an event on
+generation (salt version, cache epoch; ``app.services.cache_generations``) and publishes an event on
 ``<namespace>:cache-events``; every other replica evicts the same blocks on receipt (milliseconds). Nothing else
 needs a message: disable and enable, limits, key and token revocation are read from the database
 on every request.
@@ -89,58 +89,52 @@ def publish_now(config: ClusterConfig, tenant_id: str | None, reason: str) -> in
         return 0
 
 
-class ClusterEvents:
-    """This replica's end of the broadcast.
+def _redis_asyncio() -> Any:
+    """``redis.asyncio``, or a RuntimeError saying how to install it."""
+    try:
+        import redis.asyncio as aioredis
+    except ImportError:
+        raise RuntimeError("SALTSERVE_REDIS_URL needs the redis package: "
+                           "pip install 'saltserve[redis]'") from None
+    return aioredis
+
+
+class ClusterBroadcast:
+    """This replica's sending end: tells the others which tenant's cache it dropped.
 
     Args:
-        config: where Redis is, the namespace and this replica's id (its own events are not
-            applied twice).
-        apply: called with the tenant id of each other replica's event (None: every tenant),
-            on the event loop; it re-reads the generations from the database.
-        reconnect_s: wait between attempts while Redis is unreachable.
+        config: where Redis is, the namespace and this replica's id.
+
+    Attributes:
+        origin: this process's id in its events (even when two processes share a replica id),
+            so that its own listener skips them.
     """
 
-    def __init__(self, config: ClusterConfig,
-                 apply: Callable[[str | None], Awaitable[None]],
-                 reconnect_s: float = 1.0) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.instance = uuid.uuid4().hex  # this process, even if two share a replica id
-        self._apply, self._reconnect_s = apply, reconnect_s
-        self._redis: Any = None  # publishing: bounded by a socket timeout
-        self._sub: Any = None  # listening: no read timeout, pinged every 15 s
-        self._listener: asyncio.Task | None = None
+        self.origin = uuid.uuid4().hex
+        self._redis: Any = None  # bounded by a socket timeout
         self._publishing: set[asyncio.Task] = set()
-        self.subscribed = asyncio.Event()  # set while the listener is subscribed (tests wait)
 
     def __repr__(self) -> str:
-        return (f"ClusterEvents(replica_id={self.config.replica_id!r}, "
+        return (f"ClusterBroadcast(replica_id={self.config.replica_id!r}, "
                 f"redis={self.config.redis_url is not None})")
 
     async def start(self) -> None:
-        """Connects and starts listening (in the background; retried while Redis is down)."""
-        url = self.config.redis_url
-        if url is None:
+        """Connects (lazily: Redis may be down now and up later). No-op without Redis.
+
+        Raises:
+            RuntimeError: a Redis URL is set but the ``redis`` package is missing.
+        """
+        if self.config.redis_url is None:
             return
-        try:
-            import redis.asyncio as aioredis
-        except ImportError:
-            raise RuntimeError("SALTSERVE_REDIS_URL needs the redis package: "
-                               "pip install 'saltserve[redis]'") from None
-        self._redis = aioredis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
-        # A half-open connection (a failover without a reset) is noticed by the pings.
-        self._sub = aioredis.from_url(url, socket_connect_timeout=2, socket_keepalive=True,
-                                      health_check_interval=15)
-        self._listener = asyncio.create_task(self._listen(), name="cluster-events")
+        self._redis = _redis_asyncio().from_url(self.config.redis_url, socket_connect_timeout=2,
+                                                socket_timeout=2)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
-        for client in (self._redis, self._sub):
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
 
     def announce(self, tenant_id: str | None, reason: str) -> None:
         """Tells the other replicas, in the background, that this one evicted ``tenant_id``'s
@@ -155,10 +149,60 @@ class ClusterEvents:
     async def _publish(self, tenant_id: str | None, reason: str) -> None:
         try:
             await asyncio.wait_for(self._redis.publish(self.config.channel, event_json(
-                self.instance, self.config.replica_id, tenant_id, reason)), 2.0)
+                self.origin, self.config.replica_id, tenant_id, reason)), 2.0)
         except Exception as e:  # noqa: BLE001 - the per-request check is the fallback
             logger.error("could not publish a cache event (%s); other replicas will catch up "
                          "on the tenant's next request", type(e).__name__)
+
+
+class ClusterListener:
+    """This replica's receiving end: applies the other replicas' events.
+
+    Args:
+        config: where Redis is, the namespace and this replica's id.
+        origin: this process's own ``ClusterBroadcast.origin`` (its events are skipped).
+        apply: called with the tenant id of each other replica's event (None: every tenant),
+            on the event loop (``CacheGenerationService.on_broadcast``: it re-reads the
+            generations from the database).
+        reconnect_s: wait between attempts while Redis is unreachable.
+    """
+
+    def __init__(self, config: ClusterConfig, origin: str,
+                 apply: Callable[[str | None], Awaitable[object]],
+                 reconnect_s: float = 1.0) -> None:
+        self.config, self._origin = config, origin
+        self._apply, self._reconnect_s = apply, reconnect_s
+        self._sub: Any = None  # no read timeout, pinged every 15 s
+        self._listener: asyncio.Task | None = None
+        self.subscribed = asyncio.Event()  # set while the listener is subscribed (tests wait)
+
+    def __repr__(self) -> str:
+        return (f"ClusterListener(replica_id={self.config.replica_id!r}, "
+                f"redis={self.config.redis_url is not None})")
+
+    async def start(self) -> None:
+        """Starts listening in the background (retried while Redis is down). No-op without
+        Redis.
+
+        Raises:
+            RuntimeError: a Redis URL is set but the ``redis`` package is missing.
+        """
+        url = self.config.redis_url
+        if url is None:
+            return
+        # A half-open connection (a failover without a reset) is noticed by the pings.
+        self._sub = _redis_asyncio().from_url(url, socket_connect_timeout=2,
+                                              socket_keepalive=True, health_check_interval=15)
+        self._listener = asyncio.create_task(self._listen(), name="cluster-events")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listener
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.aclose()
 
     async def _listen(self) -> None:
         while True:
@@ -183,7 +227,7 @@ class ClusterEvents:
     async def _handle(self, data: bytes | str) -> None:
         try:
             event = json.loads(data)
-            if not isinstance(event, dict) or event.get("origin") == self.instance:
+            if not isinstance(event, dict) or event.get("origin") == self._origin:
                 return
             tenant_id = event.get("tenant_id")
             if tenant_id is not None and not (isinstance(tenant_id, str)

@@ -14,9 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    """The first SIGTERM / SIGINT sets ``app.state.draining`` (``GET /health`` answers 503, new
-    requests are still served) for ``drain_s`` seconds, then starts uvicorn's own graceful
-    shutdown (the listener closes; running requests finish). A second signal during the drain,
+    """The first SIGTERM / SIGINT calls ``on_drain`` (``saltserve serve`` sets
+    ``ServerParts.draining``: ``GET /health`` answers 503, new requests are still served), and
+    ``drain_s`` seconds later uvicorn's own graceful shutdown starts (the listener closes; running requests finish). A second signal during the drain,
     or ``drain_s`` 0, starts that shutdown at once.
 
     ``on_stop`` runs once the server has stopped, before uvicorn raises the caught signal again
@@ -25,10 +25,11 @@ class DrainingServer(uvicorn.Server):
     An exception from it is logged, and the signal is still raised.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, drain_s: float,
+    def __init__(self, config: uvicorn.Config, drain_s: float,
+                 on_drain: Callable[[], None] | None = None,
                  on_stop: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._app, self._drain_s, self._on_stop = app, drain_s, on_stop
+        self._drain_s, self._on_drain, self._on_stop = drain_s, on_drain, on_stop
         self._timer: threading.Timer | None = None
 
     @contextlib.contextmanager
@@ -48,7 +49,8 @@ class DrainingServer(uvicorn.Server):
             self._timer.cancel()
         if self._drain_s <= 0 or self._timer is not None:
             return super().handle_exit(sig, frame)
-        self._app.state.draining = True
+        if self._on_drain is not None:
+            self._on_drain()
         logger.info("draining: /health answers 503 for %.1f s, then the server stops",
                     self._drain_s)
         self._timer = threading.Timer(self._drain_s, super().handle_exit, (sig, frame))

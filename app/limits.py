@@ -1,7 +1,7 @@
 """Per-tenant rate limits: requests per minute, tokens per minute, concurrent requests.
 
-Limits come from the tenant record (``AuthContext.rpm_limit / tpm_limit / max_concurrent``;
-None = unlimited). ``RateLimiter.acquire`` admits a call or raises ``RateLimitExceeded`` without
+Limits come from the tenant record (``tenants.records.TenantQuota``: ``rpm_limit``,
+``tpm_limit``, ``max_concurrent``; None = unlimited). ``RateLimiter.acquire`` admits a call or raises ``RateLimitExceeded`` without
 changing any state, so a rejected call is neither queued nor half-counted. An admitted call holds
 a ``Lease`` until ``Lease.release`` (idempotent), which frees its concurrency slot and corrects
 its token reservation to what the call really used::
@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tenants.records import TenantQuota
+
 WINDOW_S = 60.0
 
 
@@ -37,19 +39,6 @@ class RateLimitExceeded(Exception):
     def __init__(self, message: str, headers: dict[str, str]) -> None:
         super().__init__(message)
         self.message, self.headers = message, headers
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's limits; None = unlimited."""
-
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-
-    @property
-    def any(self) -> bool:
-        return self.rpm is not None or self.tpm is not None or self.max_concurrent is not None
 
 
 @dataclass(eq=False)
@@ -97,7 +86,7 @@ class Lease:
         """
         self._limiter._release(self, used_tokens)
 
-    def reserve(self, limits: TenantLimits, tokens: int) -> None:
+    def reserve(self, limits: TenantQuota, tokens: int) -> None:
         """Adds ``tokens`` to the call's token reservation once they are known (after
         tokenisation), or raises without changing anything.
 
@@ -126,7 +115,7 @@ class RateLimiter:
         self._lock = threading.Lock()
         self._tenants: dict[str, _TenantWindow] = {}
 
-    def acquire(self, tenant_id: str, limits: TenantLimits, tokens: int) -> Lease:
+    def acquire(self, tenant_id: str, limits: TenantQuota, tokens: int) -> Lease:
         """Admits one call reserving ``tokens``, or raises without counting anything.
 
         Returns:
@@ -143,14 +132,14 @@ class RateLimiter:
                 raise RateLimitExceeded(
                     f"too many concurrent requests: this tenant allows {limits.max_concurrent} "
                     "at a time", self._headers(w, limits, now, retry_after=1.0))
-            if limits.rpm is not None and len(w.requests) >= limits.rpm:
+            if limits.rpm_limit is not None and len(w.requests) >= limits.rpm_limit:
                 # The oldest request leaving the window frees a slot.
                 wait = w.requests[0] + self._window_s - now
                 raise RateLimitExceeded(
-                    f"rate limit reached: {limits.rpm} requests per minute",
+                    f"rate limit reached: {limits.rpm_limit} requests per minute",
                     self._headers(w, limits, now, retry_after=wait))
             need = max(tokens, 1)  # a call admitted before its size is known needs a free token
-            if limits.tpm is not None and w.tokens_used + need > limits.tpm:
+            if limits.tpm_limit is not None and w.tokens_used + need > limits.tpm_limit:
                 raise self._tpm_exceeded(w, limits, now, tokens, need)
             w.requests.append(now)
             entry = _Entry(now, tokens)
@@ -161,7 +150,7 @@ class RateLimiter:
             lease._request_time = now
             return lease
 
-    def _reserve(self, lease: Lease, limits: TenantLimits, tokens: int) -> None:
+    def _reserve(self, lease: Lease, limits: TenantQuota, tokens: int) -> None:
         with self._lock:
             entry = lease._entry
             if lease.released or entry is None or tokens <= 0:
@@ -169,27 +158,27 @@ class RateLimiter:
             now = self._clock()
             w = self._tenants[lease._tenant_id]
             self._prune(w, now)
-            if limits.tpm is None:
+            if limits.tpm_limit is None:
                 self._renew(w, lease, tokens, now)
                 return
-            if w.tokens_used + tokens > limits.tpm:
+            if w.tokens_used + tokens > limits.tpm_limit:
                 raise self._tpm_exceeded(w, limits, now, entry.tokens + tokens, tokens)
             self._renew(w, lease, tokens, now)
             lease.headers = self._headers(w, limits, now)
 
-    def _tpm_exceeded(self, w: _TenantWindow, limits: TenantLimits, now: float,
+    def _tpm_exceeded(self, w: _TenantWindow, limits: TenantQuota, now: float,
                       call_tokens: int, need: int) -> RateLimitExceeded:
         """The tpm refusal of a call that may use ``call_tokens`` in all and needs ``need`` more
         tokens of the window now (``acquire`` and ``Lease.reserve``)."""
-        assert limits.tpm is not None
-        if call_tokens > limits.tpm:
+        assert limits.tpm_limit is not None
+        if call_tokens > limits.tpm_limit:
             message = (f"request too large: it may use up to {call_tokens} tokens (prompt + "
-                       f"max_tokens) and this tenant allows {limits.tpm} tokens per minute; "
+                       f"max_tokens) and this tenant allows {limits.tpm_limit} tokens per minute; "
                        "lower max_tokens")
             wait = self._window_s
         else:
-            message = f"rate limit reached: {limits.tpm} tokens per minute"
-            wait = self._tokens_free_at(w, limits.tpm - need, now) - now
+            message = f"rate limit reached: {limits.tpm_limit} tokens per minute"
+            wait = self._tokens_free_at(w, limits.tpm_limit - need, now) - now
         return RateLimitExceeded(message, self._headers(w, limits, now, retry_after=wait))
 
     @staticmethod
@@ -254,19 +243,19 @@ class RateLimiter:
             free_at = e.time + self._window_s
         return free_at
 
-    def _headers(self, w: _TenantWindow, limits: TenantLimits, now: float,
+    def _headers(self, w: _TenantWindow, limits: TenantQuota, now: float,
                  retry_after: float | None = None) -> dict[str, str]:
         headers: dict[str, str] = {}
-        if limits.rpm is not None:
+        if limits.rpm_limit is not None:
             # OpenAI: time until the limit is back to its initial state (window empty).
             reset = w.requests[-1] + self._window_s - now if w.requests else 0.0
-            headers["x-ratelimit-limit-requests"] = str(limits.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - len(w.requests)))
+            headers["x-ratelimit-limit-requests"] = str(limits.rpm_limit)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm_limit - len(w.requests)))
             headers["x-ratelimit-reset-requests"] = format_reset(reset)
-        if limits.tpm is not None:
+        if limits.tpm_limit is not None:
             reset = w.tokens[-1].time + self._window_s - now if w.tokens else 0.0
-            headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - w.tokens_used))
+            headers["x-ratelimit-limit-tokens"] = str(limits.tpm_limit)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm_limit - w.tokens_used))
             headers["x-ratelimit-reset-tokens"] = format_reset(reset)
         if retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(retry_after)))

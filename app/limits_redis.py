@@ -37,7 +37,8 @@ import uuid
 from collections import deque
 from typing import Any
 
-from app.limits import WINDOW_S, RateLimiter, RateLimitExceeded, TenantLimits, format_reset
+from app.limits import WINDOW_S, RateLimiter, RateLimitExceeded, format_reset
+from tenants.records import TenantQuota
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +169,12 @@ class RedisLease:
         self.headers = headers
         self.released = False
 
-    def reserve(self, limits: TenantLimits, tokens: int) -> None:
+    def reserve(self, limits: TenantQuota, tokens: int) -> None:
         """Adds ``tokens`` to the reservation, or raises RateLimitExceeded (over tpm) without
         changing anything."""
         if self.released or tokens <= 0:
             return
-        reply = self._limiter._run("reserve", self._tenant_id, _or_none(limits.tpm), tokens,
+        reply = self._limiter._run("reserve", self._tenant_id, _or_none(limits.tpm_limit), tokens,
                                    self._call_id, self._limiter._ttl_ms)
         if reply is None:
             return
@@ -270,11 +271,11 @@ class RedisRateLimiter:
         for tenant_id, used, cancel, call_id in batch:
             self._release(tenant_id, used, cancel, call_id)
 
-    def acquire(self, tenant_id: str, limits: TenantLimits, tokens: int) -> Any:
+    def acquire(self, tenant_id: str, limits: TenantQuota, tokens: int) -> Any:
         """Admits one call reserving ``tokens``, or raises RateLimitExceeded without counting
         anything (``app.limits.RateLimiter.acquire``)."""
         call_id = uuid.uuid4().hex
-        reply = self._run("acquire", tenant_id, _or_none(limits.rpm), _or_none(limits.tpm),
+        reply = self._run("acquire", tenant_id, _or_none(limits.rpm_limit), _or_none(limits.tpm_limit),
                           _or_none(limits.max_concurrent), tokens, call_id, self._ttl_ms)
         if reply is None:
             # The script may have run and only its reply been lost: undo it once Redis answers
@@ -294,37 +295,37 @@ class RedisRateLimiter:
         except self._errors:
             return self._local.in_flight(tenant_id)
 
-    def _refusal(self, reply: list[int], limits: TenantLimits,
+    def _refusal(self, reply: list[int], limits: TenantQuota,
                  tokens: int) -> RateLimitExceeded:
         code, retry_ms = reply[0], reply[4]
         if code == 1:
             message = (f"too many concurrent requests: this tenant allows "
                        f"{limits.max_concurrent} at a time")
         elif code == 2:
-            message = f"rate limit reached: {limits.rpm} requests per minute"
-        elif limits.tpm is not None and tokens > limits.tpm:
+            message = f"rate limit reached: {limits.rpm_limit} requests per minute"
+        elif limits.tpm_limit is not None and tokens > limits.tpm_limit:
             message = (f"request too large: it may use up to {tokens} tokens (prompt + "
-                       f"max_tokens) and this tenant allows {limits.tpm} tokens per minute; "
+                       f"max_tokens) and this tenant allows {limits.tpm_limit} tokens per minute; "
                        "lower max_tokens")
         else:
-            message = f"rate limit reached: {limits.tpm} tokens per minute"
+            message = f"rate limit reached: {limits.tpm_limit} tokens per minute"
         return RateLimitExceeded(message, self._headers(reply, limits, retry_ms / 1000))
 
-    def _headers(self, reply: list[int], limits: TenantLimits,
+    def _headers(self, reply: list[int], limits: TenantQuota,
                  retry_after: float | None = None) -> dict[str, str]:
         """``x-ratelimit-*`` as ``app.limits`` sends them, from a script's reply."""
         _, now, requests, used, _, newest_req, newest_tok = reply
         window = self._window_ms
         headers: dict[str, str] = {}
-        if limits.rpm is not None:
+        if limits.rpm_limit is not None:
             reset = (newest_req + window - now) / 1000 if newest_req >= 0 else 0.0
-            headers["x-ratelimit-limit-requests"] = str(limits.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - requests))
+            headers["x-ratelimit-limit-requests"] = str(limits.rpm_limit)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm_limit - requests))
             headers["x-ratelimit-reset-requests"] = format_reset(reset)
-        if limits.tpm is not None:
+        if limits.tpm_limit is not None:
             reset = (newest_tok + window - now) / 1000 if newest_tok >= 0 else 0.0
-            headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - used))
+            headers["x-ratelimit-limit-tokens"] = str(limits.tpm_limit)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm_limit - used))
             headers["x-ratelimit-reset-tokens"] = format_reset(reset)
         if retry_after is not None:
             headers["Retry-After"] = str(max(1, -(-int(retry_after * 1000) // 1000)))

@@ -28,7 +28,7 @@ from tenants.api_keys import parse_api_key, verify_secret
 from tenants.crypto import SaltCipher
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.models import ApiKey, Tenant, TenantSalt, require_aware, utcnow
-from tenants.records import AuthContext
+from tenants.records import AuthContext, TenantQuota, from_row
 from tenants.salts import SealedSalt
 
 __all__ = ["Authenticator"]
@@ -43,12 +43,7 @@ def _auth_context(tenant: Tenant, key_id: str | None, salt: SealedSalt) -> AuthC
         salt_version=tenant.current_salt_version,
         enable_prefix_caching=tenant.enable_prefix_caching,
         _salt=salt,
-        rpm_limit=tenant.rpm_limit,
-        tpm_limit=tenant.tpm_limit,
-        max_concurrent=tenant.max_concurrent,
-        weight=tenant.weight,
-        min_cache_blocks=tenant.min_cache_blocks,
-        max_cache_blocks=tenant.max_cache_blocks,
+        quota=from_row(TenantQuota, tenant),
         cache_epoch=tenant.cache_epoch,
     )
 

@@ -31,6 +31,37 @@ def row_values(record: Any, **overrides: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's rate limits and capacity share: the one record that authentication, the rate
+    limiter (``app.limits``) and the engine request builder (``engine.request.TenantShare``)
+    read. None means unlimited / unbounded.
+
+    Attributes:
+        rpm_limit: requests per minute (sliding 60 s window).
+        tpm_limit: prompt + completion tokens per minute.
+        max_concurrent: requests in flight at once.
+        weight: share of each engine step's token budget and of the cached blocks, >= 1
+            (weighted fair queuing between tenants).
+        min_cache_blocks: cached blocks (KV blocks) never taken from this tenant by another's
+            eviction while it holds no more than this many.
+        max_cache_blocks: cached blocks above which this tenant's are evicted first.
+    """
+
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    max_concurrent: int | None = None
+    weight: int = 1
+    min_cache_blocks: int | None = None
+    max_cache_blocks: int | None = None
+
+    @property
+    def any_limit(self) -> bool:
+        """Whether any rate limit (rpm, tpm, concurrency) applies."""
+        return (self.rpm_limit is not None or self.tpm_limit is not None
+                or self.max_concurrent is not None)
+
+
+@dataclass(frozen=True)
 class TenantInfo:
     """A tenant as seen outside ``tenants/``."""
 
@@ -40,15 +71,19 @@ class TenantInfo:
     current_salt_version: int
     enable_prefix_caching: bool
     created_at: datetime
-    # Per-tenant limits (enforced in app/limits.py); None = unlimited.
+    # Limits and capacity share, as stored (one column each); ``quota`` groups them.
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     max_concurrent: int | None = None
-    # Capacity share (engine.request.TenantShare): weight >= 1; cache bounds in blocks.
     weight: int = 1
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
     cache_epoch: int = 0  # bumped by every reset of its prefix cache
+
+    @property
+    def quota(self) -> TenantQuota:
+        """This tenant's limits and capacity share as the one record the request path uses."""
+        return from_row(TenantQuota, self)
 
 
 @dataclass(frozen=True)
@@ -83,14 +118,7 @@ class AuthContext:
     salt_version: int
     enable_prefix_caching: bool
     _salt: SealedSalt = field(repr=False, compare=False)
-    # Per-tenant limits (enforced in app/limits.py); None = unlimited.
-    rpm_limit: int | None = None
-    tpm_limit: int | None = None
-    max_concurrent: int | None = None
-    # Capacity share, passed to the engine with every request (engine.request.TenantShare).
-    weight: int = 1
-    min_cache_blocks: int | None = None
-    max_cache_blocks: int | None = None
+    quota: TenantQuota = TenantQuota()  # limits (app/limits.py) and share (the engine's)
     cache_epoch: int = 0  # with salt_version: the generation of its cached blocks
 
     def __repr__(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import sys
 from typing import Any
@@ -12,15 +11,6 @@ import click
 
 from app.cli.options import _serve_options, _settings, env_only_settings
 from app.logs import configure_logging
-from app.settings import Settings
-
-
-def _journal_name(settings: Settings) -> str:
-    """The usage journal's folder in the data dir: one per replica when replicas share a data
-    dir (``--replica-id``), so that each journals its own rows."""
-    if settings.replica_id is None:
-        return "usage-journal"
-    return "usage-journal-" + re.sub(r"[^A-Za-z0-9_.-]", "_", settings.replica_id)[:64]
 
 
 class _ServeCommand(click.Command):
@@ -64,28 +54,14 @@ def serve(**opts: Any) -> None:
     """Start the OpenAI-compatible server (first start converts the model and creates a key)."""
     import uvicorn
 
-    from app.bootstrap import bootstrap, make_jwt_verifier
-    from app.cluster import ClusterConfig
-    from app.console.sessions import ConsoleSessions
     from app.draining import DrainingServer
+    from app.parts import parts_from_settings
     from app.server import create_app
-    from engine.async_engine import AsyncLLM
 
     settings = _settings(**opts)
     replica_id = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
     configure_logging(settings.log_format, settings.log_level, replica_id)
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")
-    try:
-        settings.engine_config(settings.data_dir / "models")  # a bad engine flag: before any write
-        boot = bootstrap(settings)
-        verifier = make_jwt_verifier(settings)
-        console_sessions = ConsoleSessions(settings.console_session_idle_s,
-                                           settings.console_session_max_s,
-                                           secure_cookie=settings.console_secure_cookie)
-        # Built and stepped on one thread: see AsyncLLM.from_config.
-        client = AsyncLLM.from_config(settings.engine_config(boot.model_dir))
-    except (ValueError, FileNotFoundError) as e:  # a bad flag, missing weights or GGUF
-        raise click.UsageError(str(e)) from None
     server: uvicorn.Server | None = None
 
     def stop_serving() -> None:  # the engine died: stop, then exit non-zero (below)
@@ -93,24 +69,22 @@ def serve(**opts: Any) -> None:
             server.should_exit = True
 
     try:
-        app = create_app(client, boot.repo, settings.max_request_body_bytes,
-                         settings.metrics_token, jwt_verifier=verifier,
-                         on_engine_death=stop_serving,
-                         usage_journal_dir=settings.data_dir / _journal_name(settings),
-                         console_sessions=console_sessions,
-                         cluster=ClusterConfig(settings.redis_url, settings.redis_namespace,
-                                               replica_id))
+        built = parts_from_settings(settings, replica_id, on_engine_death=stop_serving)
+    except (ValueError, FileNotFoundError) as e:  # a bad flag, missing weights or GGUF
+        raise click.UsageError(str(e)) from None
     except RuntimeError as e:  # another server already uses this data dir's usage journal
         raise click.ClickException(str(e)) from None
+    parts = built.parts
+    app = create_app(parts)
     base = f"http://{settings.host}:{settings.port}"
-    if boot.demo_key and sys.stdout.isatty():
+    if built.demo_key and sys.stdout.isatty():
         click.echo("\nCreated tenant 'demo' with an API key (shown once; also saved with mode "
-                   f"0600 in {boot.demo_key_file}):\n\n    {boot.demo_key}\n")
-    elif boot.demo_key:  # stdout is a log someone keeps: never the key itself
+                   f"0600 in {built.demo_key_file}):\n\n    {built.demo_key}\n")
+    elif built.demo_key:  # stdout is a log someone keeps: never the key itself
         click.echo(f"\nCreated tenant 'demo' with an API key, saved with mode 0600 in "
-                   f"{boot.demo_key_file} (not printed: stdout is not a terminal).\n")
-    key_file = boot.demo_key_file or "<file with your API key>"
-    name = client.model_info().served_model_name
+                   f"{built.demo_key_file} (not printed: stdout is not a terminal).\n")
+    key_file = built.demo_key_file or "<file with your API key>"
+    name = parts.engine.model_info().served_model_name
     click.echo(f"""Try it:
 
   curl {base}/v1/chat/completions \\
@@ -137,12 +111,13 @@ def serve(**opts: Any) -> None:
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, log_config=None,
                                            timeout_keep_alive=75),
-                            app, settings.drain_seconds, on_stop=shutdown_parse_pool)
+                            settings.drain_seconds, on_drain=parts.start_draining,
+                            on_stop=shutdown_parse_pool)
     try:
         server.run()
     finally:
         shutdown_parse_pool()
-    if client.errored:
+    if parts.engine.errored:
         click.echo("saltserve: the inference engine died; exiting with status 1 so that a "
                    "supervisor restarts the server", err=True)
         raise SystemExit(1)

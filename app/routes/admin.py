@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth import AdminPrincipal
+from app.deps import AdminServiceDep, RepoDep
 from app.errors import APIError
 from app.services.admin import NULLABLE_LIMITS, AdminService, in_thread
 from tenants.api_key_store import MAX_KEY_NAME_CHARS
@@ -62,10 +63,6 @@ class KeyCreate(BaseModel):
                                         description="timezone-aware ISO 8601, in the future")
 
 
-def _admin(request: Request) -> AdminService:
-    return request.app.state.admin
-
-
 def _tenant_out(t: TenantInfo) -> dict:
     return dataclasses.asdict(t)
 
@@ -74,91 +71,93 @@ def _key_out(k: ApiKeyInfo) -> dict:
     return dataclasses.asdict(k)
 
 
-async def resolve_tenant(request: Request, name_or_id: str) -> TenantInfo:
+async def resolve_tenant(svc: AdminService, name_or_id: str) -> TenantInfo:
     """The tenant a path or query names, by id or by name (``AdminService.resolve_tenant``)."""
-    return await _admin(request).resolve_tenant(name_or_id)
+    return await svc.resolve_tenant(name_or_id)
 
 
 # -- tenants --------------------------------------------------------------------------------------
 @router.get("/tenants")
-async def list_tenants(request: Request, _: AdminPrincipal) -> dict:
-    tenants = await _admin(request).list_tenants()
+async def list_tenants(svc: AdminServiceDep, _: AdminPrincipal) -> dict:
+    tenants = await svc.list_tenants()
     return {"object": "list", "data": [_tenant_out(t) for t in tenants]}
 
 
 @router.post("/tenants", status_code=201)
-async def create_tenant(body: TenantCreate, request: Request, admin: AdminPrincipal) -> dict:
+async def create_tenant(body: TenantCreate, svc: AdminServiceDep,
+                        admin: AdminPrincipal) -> dict:
     """Creates a tenant (salt version 1). 409 when the name is taken."""
-    return _tenant_out(await _admin(request).create_tenant(
+    return _tenant_out(await svc.create_tenant(
         body.name, body.enable_prefix_caching, admin.subject))
 
 
 @router.get("/tenants/{tenant}")
-async def get_tenant(tenant: str, request: Request, _: AdminPrincipal) -> dict:
+async def get_tenant(tenant: str, svc: AdminServiceDep, _: AdminPrincipal) -> dict:
     """One tenant, by id or name."""
-    return _tenant_out(await resolve_tenant(request, tenant))
+    return _tenant_out(await resolve_tenant(svc, tenant))
 
 
 @router.patch("/tenants/{tenant}")
-async def update_tenant(tenant: str, body: TenantPatch, request: Request,
+async def update_tenant(tenant: str, body: TenantPatch, svc: AdminServiceDep,
                         admin: AdminPrincipal) -> dict:
     """Changes flags and limits (tenant by id or name). Turning prefix caching off also drops
     the tenant's cached blocks (reason ``reset``), so nothing of theirs stays cached."""
     limits = {k: getattr(body, k) for k in NULLABLE_LIMITS if k in body.model_fields_set}
-    return _tenant_out(await _admin(request).update_tenant(
+    return _tenant_out(await svc.update_tenant(
         tenant, admin.subject, disabled=body.disabled,
         enable_prefix_caching=body.enable_prefix_caching, weight=body.weight, **limits))
 
 
 @router.post("/tenants/{tenant}/rotate-salt")
-async def rotate_salt(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
+async def rotate_salt(tenant: str, svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
     """New salt version, current at once; the tenant's cached blocks are dropped (reason
     ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
-    return await _admin(request).rotate_salt(tenant, admin.subject)
+    return await svc.rotate_salt(tenant, admin.subject)
 
 
 @router.post("/tenants/{tenant}/cache/reset")
-async def reset_tenant_cache(tenant: str, request: Request, admin: AdminPrincipal) -> dict:
+async def reset_tenant_cache(tenant: str, svc: AdminServiceDep,
+                             admin: AdminPrincipal) -> dict:
     """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
-    return await _admin(request).reset_tenant_cache(tenant, admin.subject)
+    return await svc.reset_tenant_cache(tenant, admin.subject)
 
 
 @router.get("/cache")
-async def cache_stats(request: Request, _: AdminPrincipal) -> dict:
+async def cache_stats(svc: AdminServiceDep, _: AdminPrincipal) -> dict:
     """The KV block pool and each tenant's prefix-cache accounting, without Prometheus:
     blocks (total, free, used, cached), and per tenant resident blocks, queried and hit
     prompt tokens (cumulative since start), hit rate and evicted blocks by reason. Tenant
     names beside ids (``null`` for a tenant deleted since, or tenantless requests)."""
-    return await _admin(request).cache_stats()
+    return await svc.cache_stats()
 
 
 @router.post("/cache/reset")
-async def reset_cache(request: Request, admin: AdminPrincipal) -> dict:
+async def reset_cache(svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
     """Drops every cached block of every tenant; running requests unharmed."""
-    return await _admin(request).reset_cache(admin.subject)
+    return await svc.reset_cache(admin.subject)
 
 
 # -- API keys -------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant}/keys")
-async def list_keys(tenant: str, request: Request, _: AdminPrincipal) -> dict:
+async def list_keys(tenant: str, svc: AdminServiceDep, _: AdminPrincipal) -> dict:
     """The tenant's keys (no secrets), with ``last_used_at``."""
-    keys = await _admin(request).list_keys(tenant)
+    keys = await svc.list_keys(tenant)
     return {"object": "list", "data": [_key_out(k) for k in keys]}
 
 
 @router.post("/tenants/{tenant}/keys", status_code=201)
-async def create_key(tenant: str, body: KeyCreate, request: Request,
+async def create_key(tenant: str, body: KeyCreate, svc: AdminServiceDep,
                      admin: AdminPrincipal) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
-    token, info = await _admin(request).create_key(tenant, body.name, body.expires_at,
+    token, info = await svc.create_key(tenant, body.name, body.expires_at,
                                                    admin.subject)
     return {**_key_out(info), "key": token}
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_key(key_id: str, request: Request, admin: AdminPrincipal) -> dict:
+async def revoke_key(key_id: str, svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
     """Revokes a key (idempotent); refused from the next request on."""
-    return _key_out(await _admin(request).revoke_key(key_id, admin.subject))
+    return _key_out(await svc.revoke_key(key_id, admin.subject))
 
 
 # -- platform tokens ------------------------------------------------------------------------------
@@ -169,16 +168,16 @@ class TokenRevoke(BaseModel):
 
 
 @router.post("/tokens/revoke")
-async def revoke_token(body: TokenRevoke, request: Request, admin: AdminPrincipal) -> dict:
+async def revoke_token(body: TokenRevoke, repo: RepoDep, admin: AdminPrincipal) -> dict:
     """Revokes a platform JWT by its ``jti`` (idempotent): refused from its next request on."""
-    revoked_at = await in_thread(request.app.state.repo.revocations.revoke, body.jti,
+    revoked_at = await in_thread(repo.revocations.revoke, body.jti,
                                   _param="jti", actor=admin.subject)
     return {"jti": body.jti, "revoked_at": revoked_at}
 
 
 # -- audit and usage ------------------------------------------------------------------------------
 @router.get("/audit")
-async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = None,
+async def audit_log(svc: AdminServiceDep, _: AdminPrincipal, tenant: str | None = None,
                     action: str | None = Query(None, max_length=64),
                     actor: str | None = Query(None, max_length=255),
                     since: datetime | None = None, until: datetime | None = None,
@@ -188,7 +187,7 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
     (``since`` inclusive, ``until`` exclusive; timezone-aware ISO 8601). Pages: pass the
     previous page's ``next_cursor`` as ``cursor`` (None on the last page). Rows hold salt
     versions and key ids, never salts or secrets."""
-    page = await _admin(request).audit_page(tenant=tenant, action=action, actor=actor,
+    page = await svc.audit_page(tenant=tenant, action=action, actor=actor,
                                             since=since, until=until, cursor=cursor,
                                             limit=limit)
     return {"object": "list", "data": [dataclasses.asdict(r) for r in page.rows],
@@ -197,7 +196,8 @@ async def audit_log(request: Request, _: AdminPrincipal, tenant: str | None = No
 
 _USAGE_COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
 @router.get("/usage", response_model=None)
-async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
+async def usage(svc: AdminServiceDep, repo: RepoDep, _: AdminPrincipal,
+                tenant: str | None = None,
                 since: datetime | None = None, until: datetime | None = None,
                 limit: int | None = Query(None, ge=1, le=100_000),
                 end_user: str | None = Query(None, max_length=256),
@@ -209,8 +209,8 @@ async def usage(request: Request, _: AdminPrincipal, tenant: str | None = None,
     if bucket_s is not None:  # removed: sums per bucket come from SQL now
         raise APIError(400, "bucket_s is gone: use GET /admin/usage/report?bucket=1m|1h|1d",
                        "bucket_s", "unsupported_parameter")
-    tenant_id = None if tenant is None else (await resolve_tenant(request, tenant)).id
-    records = await in_thread(request.app.state.repo.usage.list_usage, tenant_id, since, until,
+    tenant_id = None if tenant is None else (await resolve_tenant(svc, tenant)).id
+    records = await in_thread(repo.usage.list_usage, tenant_id, since, until,
                               limit, end_user)
     rows, columns = [dataclasses.asdict(r) for r in records], _USAGE_COLUMNS
     if format == "json":

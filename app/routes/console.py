@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.auth import principal_for_token, record_forbidden
 from app.console import views
 from app.console.sessions import COOKIE, LOGIN_COOKIE, ConsoleSession, ConsoleSessions
+from app.deps import get_parts
 from app.errors import client_error
 from app.services.admin import NULLABLE_LIMITS, AdminService, usage_report
 from tenants.api_keys import looks_like_api_key
@@ -73,11 +74,11 @@ class CsrfRefused(Exception):
 
 # -- sessions, CSRF and headers ---------------------------------------------------------------
 def _sessions(request: Request) -> ConsoleSessions:
-    return request.app.state.console_sessions
+    return get_parts(request).console_sessions
 
 
 def _admin(request: Request) -> AdminService:
-    return request.app.state.admin
+    return get_parts(request).admin
 
 
 async def _live_session(request: Request, touch: bool) -> ConsoleSession:
@@ -94,7 +95,7 @@ async def _live_session(request: Request, touch: bool) -> ConsoleSession:
     if session is None:
         raise LoginRequired
     if session.jti is not None and await run_in_threadpool(
-            request.app.state.repo.revocations.is_revoked, session.jti):
+            get_parts(request).repo.revocations.is_revoked, session.jti):
         sessions.end(session_id)
         raise LoginRequired
     return session
@@ -218,9 +219,9 @@ def _tenant_path(tenant: str, rest: str = "") -> str:
     return f"/tenants/{quote(tenant, safe='')}{rest}"
 
 
-def install(app: FastAPI, sessions: ConsoleSessions) -> None:
-    """Adds the console to ``app``: routes, static assets, headers and its error pages."""
-    app.state.console_sessions = sessions
+def install(app: FastAPI) -> None:
+    """Adds the console to ``app``: routes, static assets, headers and its error pages (its
+    sessions are ``ServerParts.console_sessions``)."""
     # The assets first: the router ends with a catch-all 404 page for /console/*.
     app.mount(PREFIX + "/static", StaticFiles(directory=CONSOLE_DIR / "static"),
               name="console-static")
@@ -304,7 +305,7 @@ async def login(request: Request) -> Response:
     if not (_same_origin(request) and isinstance(presented, str) and expected
             and secrets.compare_digest(presented.encode(), expected.encode())):
         raise CsrfRefused
-    refusals = request.app.state.admin_refusals
+    refusals = get_parts(request).admin_refusals
     token = form.get("token")
     token = token.strip() if isinstance(token, str) else ""
     if not token:
@@ -330,7 +331,7 @@ async def login(request: Request) -> Response:
     session_id, session = sessions.create(principal.subject, principal.jti,
                                           principal.expires_at)
     ends = datetime.fromtimestamp(session.expires_at, UTC)
-    await run_in_threadpool(request.app.state.repo.usage.audit, principal.subject,
+    await run_in_threadpool(get_parts(request).repo.usage.audit, principal.subject,
                             "console.login", None,
                             f"session_ends={ends.strftime('%Y-%m-%dT%H:%M:%SZ')}")
     response = _redirect("/overview")
@@ -344,7 +345,7 @@ async def login(request: Request) -> Response:
 async def logout(request: Request, session: Mutation) -> Response:
     """Ends the session (audited ``console.logout``) and clears the cookie."""
     _sessions(request).end(request.cookies.get(COOKIE))
-    await run_in_threadpool(request.app.state.repo.usage.audit, session.subject,
+    await run_in_threadpool(get_parts(request).repo.usage.audit, session.subject,
                             "console.logout", None, None)
     response = _redirect("/login?logged_out=1")
     response.delete_cookie(COOKIE, path=PREFIX)
@@ -629,7 +630,7 @@ async def _usage_rows(request: Request, session: ConsoleSession, f: _UsageFilter
         tenant_id = t.id
     until = datetime.now(UTC)
     return await _attempt(session, usage_report(
-        request.app.state.repo.usage, tenant_id, until - views.RANGES[f.range], until, f.bucket, ("tenant",)))
+        get_parts(request).repo.usage, tenant_id, until - views.RANGES[f.range], until, f.bucket, ("tenant",)))
 
 
 @router.get("/usage")

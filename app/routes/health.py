@@ -5,25 +5,24 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from app.deps import Parts
 from engine.errors import EngineDeadError
-from engine.protocol import EngineClient
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-async def health(request: Request) -> JSONResponse:
+async def health(parts: Parts) -> JSONResponse:
     """200 while the engine loop runs; 503 once it has died, or while the server drains before
     it stops (SIGTERM with ``--drain-seconds``: a load balancer stops sending new requests
     while the running ones finish)."""
-    engine: EngineClient = request.app.state.engine
-    if getattr(request.app.state, "draining", False):
+    if parts.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     try:
-        await engine.check_health()
+        await parts.engine.check_health()
         ok = True
     except EngineDeadError:
         ok = False

@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from app.auth import CurrentTenant
+from app.deps import CompletionsDep, Parts, TokenizersDep
 from app.errors import APIError
+from app.parts import ServerParts
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,15 +26,9 @@ from app.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from app.services.completions import CompletionsService
-from app.services.prompts import TokenizerService
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 tokenizer_router = APIRouter(tags=["vllm"])
-
-
-def _service(request: Request) -> CompletionsService:
-    return request.app.state.completions
 
 
 def _body_schema(model: type[BaseModel]) -> dict:
@@ -56,54 +52,50 @@ def _body_schema(model: type[BaseModel]) -> dict:
 
 @router.post("/chat/completions", response_model=None,
              openapi_extra=_body_schema(ChatCompletionRequest))
-async def chat_completions(request: Request,
-                           auth: CurrentTenant) -> JSONResponse | StreamingResponse:
+async def chat_completions(request: Request, auth: CurrentTenant,
+                           service: CompletionsDep) -> JSONResponse | StreamingResponse:
     """OpenAI chat completions (``stream`` for SSE); body: ``ChatCompletionRequest``."""
-    return await _service(request).create_chat_completion(request.body, auth,
-                                                          request.is_disconnected)
+    return await service.create_chat_completion(request.body, auth, request.is_disconnected)
 
 
 @router.post("/completions", response_model=None, openapi_extra=_body_schema(CompletionRequest))
-async def completions(request: Request,
-                      auth: CurrentTenant) -> JSONResponse | StreamingResponse:
+async def completions(request: Request, auth: CurrentTenant,
+                      service: CompletionsDep) -> JSONResponse | StreamingResponse:
     """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids; body:
     ``CompletionRequest``."""
-    return await _service(request).create_completion(request.body, auth,
-                                                     request.is_disconnected)
+    return await service.create_completion(request.body, auth, request.is_disconnected)
 
 
-def _model_card(request: Request) -> ModelCard:
-    info = _service(request).info
-    return ModelCard(id=info.served_model_name, created=request.app.state.started_at,
+def _model_card(parts: ServerParts) -> ModelCard:
+    info = parts.engine.model_info()
+    return ModelCard(id=info.served_model_name, created=parts.started_at,
                      max_model_len=info.max_model_len)
 
 
 @router.get("/models")
-async def list_models(request: Request, auth: CurrentTenant) -> ModelList:
-    return ModelList(data=[_model_card(request)])
+async def list_models(auth: CurrentTenant, parts: Parts) -> ModelList:
+    return ModelList(data=[_model_card(parts)])
 
 
 @router.get("/models/{model_id:path}")
-async def retrieve_model(request: Request, model_id: str, auth: CurrentTenant) -> ModelCard:
+async def retrieve_model(model_id: str, auth: CurrentTenant, parts: Parts) -> ModelCard:
     """OpenAI "retrieve model"; an unknown id is 404 ``model_not_found``, as in OpenAI."""
-    card = _model_card(request)
+    card = _model_card(parts)
     if model_id != card.id:
         raise APIError(404, f"the model {model_id!r} does not exist", "model",
                        "model_not_found")
     return card
 
 
-def _tokenizer(request: Request) -> TokenizerService:
-    return request.app.state.tokenizer_service
-
-
 @tokenizer_router.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
-async def tokenize(request: Request, auth: CurrentTenant) -> TokenizeResponse:
+async def tokenize(request: Request, auth: CurrentTenant,
+                   tokenizers: TokenizersDep) -> TokenizeResponse:
     """vLLM ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
-    return await _tokenizer(request).tokenize(await request.body(), auth.tenant_id)
+    return await tokenizers.tokenize(await request.body(), auth.tenant_id)
 
 
 @tokenizer_router.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
-async def detokenize(request: Request, auth: CurrentTenant) -> DetokenizeResponse:
+async def detokenize(request: Request, auth: CurrentTenant,
+                     tokenizers: TokenizersDep) -> DetokenizeResponse:
     """vLLM ``/detokenize``: token ids to text."""
-    return await _tokenizer(request).detokenize(await request.body(), auth.tenant_id)
+    return await tokenizers.detokenize(await request.body(), auth.tenant_id)

@@ -18,10 +18,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from app.cluster import ClusterEvents
 from app.errors import APIError
+from app.services.cache_generations import CacheGenerationService
 from engine.protocol import EngineClient
-from tenants.cache_generations import CacheGenerations
 from tenants.errors import TenantNotFound
 from tenants.records import ApiKeyInfo, AuditEntry, TenantInfo
 from tenants.repository import TenantRepository
@@ -56,50 +55,18 @@ class AuditPage:
 class AdminService:
     """Tenants, keys, salts, caches and audit, for an admin ``actor``.
 
-    Evictions (rotation, resets, caching off) are done here, recorded in ``generations`` and
-    broadcast through ``events`` so that every replica drops the same blocks (``app.cluster``).
+    Evictions (rotation, resets, caching off) go through ``generations``, which drops the same
+    blocks on every replica.
 
     Args:
         repo: the tenant repository (stores for tenants, keys, usage and audit).
-        engine: the engine client whose prefix cache the resets and rotations drop from.
-        generations: this process's view of each tenant's cache generation, shared with
-            ``app.auth`` (a change applied here is not evicted again on the next request).
-        events: the broadcast to the other replicas (None: a single replica).
+        engine: the engine client (cache statistics).
+        generations: the cache-generation rule (``app.services.cache_generations``).
     """
 
     def __init__(self, repo: TenantRepository, engine: EngineClient,
-                 generations: CacheGenerations, events: ClusterEvents | None = None) -> None:
+                 generations: CacheGenerationService) -> None:
         self.repo, self.engine, self.generations = repo, engine, generations
-        self.events = events
-
-    async def _evicted(self, tenant: TenantInfo, reason: str) -> int:
-        """Records ``tenant``'s new generation, drops its blocks here, tells the other
-        replicas; returns the blocks dropped here."""
-        self.generations.note_applied(tenant.id, tenant.current_salt_version, tenant.cache_epoch)
-        dropped = await self.engine.evict_tenant_cache(tenant.id, reason)
-        if self.events is not None:
-            self.events.announce(tenant.id, reason)
-        return dropped
-
-    async def apply_event(self, tenant_id: str | None) -> None:
-        """Applies another replica's eviction (``app.cluster.ClusterEvents``) of one tenant, or
-        of every tenant for None. The event is a hint: the generations come from the database,
-        and only a tenant whose salt version or cache epoch is newer than this replica last saw
-        is evicted (a forged or replayed event changes nothing)."""
-        if tenant_id is None:
-            tenants = await self.list_tenants()
-        else:
-            try:
-                tenants = [await in_thread(self.repo.tenants.get, tenant_id)]
-            except TenantNotFound:
-                return
-        dropped = 0
-        for t in tenants:
-            reason = self.generations.note_seen(t.id, t.current_salt_version, t.cache_epoch)
-            if reason is not None:
-                dropped += await self.engine.evict_tenant_cache(t.id, reason)
-        logger.info("applied a cache event: %s, %d blocks dropped",
-                    "every tenant" if tenant_id is None else f"tenant {tenant_id}", dropped)
 
     # -- tenants ----------------------------------------------------------------------------
     async def resolve_tenant(self, name_or_id: str) -> TenantInfo:
@@ -129,7 +96,7 @@ class AdminService:
         before = await self.resolve_tenant(tenant)
         after = await in_thread(self.repo.tenants.update, before.id, actor=actor, **changes)
         if before.enable_prefix_caching and not after.enable_prefix_caching:
-            dropped = await self._evicted(after, "reset")  # the update bumped the epoch
+            dropped = await self.generations.applied(after, "reset")  # the update bumped the epoch
             await in_thread(self.repo.usage.audit, actor, "cache.reset", before.id,
                             f"blocks={dropped} salt_version={after.current_salt_version} "
                             "cause=prefix_caching_off")
@@ -141,8 +108,8 @@ class AdminService:
         ``salt_version`` and ``blocks_dropped``, never the salt."""
         t = await self.resolve_tenant(tenant)
         version = await in_thread(self.repo.tenants.rotate_salt, t.id, actor=actor)
-        dropped = await self._evicted(dataclasses.replace(t, current_salt_version=version),
-                                      "salt_rotation")
+        dropped = await self.generations.applied(
+            dataclasses.replace(t, current_salt_version=version), "salt_rotation")
         return {"tenant_id": t.id, "salt_version": version, "blocks_dropped": dropped}
 
     # -- caches -----------------------------------------------------------------------------
@@ -151,18 +118,15 @@ class AdminService:
         unharmed. Returns ``tenant_id`` and ``blocks_dropped``."""
         [t] = await in_thread(self.repo.tenants.bump_cache_epoch,
                               (await self.resolve_tenant(tenant)).id)
-        dropped = await self._evicted(t, "reset")
+        dropped = await self.generations.applied(t, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset", t.id,
                         f"blocks={dropped} salt_version={t.current_salt_version}")
         return {"tenant_id": t.id, "blocks_dropped": dropped}
 
     async def reset_cache(self, actor: str) -> dict:
         """Drops every cached block of every tenant (audited); running requests unharmed."""
-        for t in await in_thread(self.repo.tenants.bump_cache_epoch, None):
-            self.generations.note_applied(t.id, t.current_salt_version, t.cache_epoch)
-        dropped = await self.engine.reset_prefix_cache()
-        if self.events is not None:
-            self.events.announce(None, "reset")
+        tenants = await in_thread(self.repo.tenants.bump_cache_epoch, None)
+        dropped = await self.generations.applied_to_all(tenants)
         await in_thread(self.repo.usage.audit, actor, "cache.reset_all", None,
                         f"blocks={dropped}")
         return {"blocks_dropped": dropped}

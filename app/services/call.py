@@ -103,6 +103,8 @@ class CompletionCall:
         assert self.params is not None
         n = self.params.n
         private = n > 1 and not self.auth.enable_prefix_caching
+        quota = self.auth.quota
+        share = TenantShare(quota.weight, quota.min_cache_blocks, quota.max_cache_blocks)
         reqs = []
         for j, prompt in enumerate(self.prompts):
             salt = secrets.token_bytes(32) if private else self.cache_salt
@@ -120,8 +122,7 @@ class CompletionCall:
                     cache_salt=salt, private_cache=private,
                     grammar=None if self.grammar is None else self.grammar.deep_copy(),
                     enable_prefix_caching=self.auth.enable_prefix_caching,
-                    tenant_share=TenantShare(self.auth.weight, self.auth.min_cache_blocks,
-                                             self.auth.max_cache_blocks)))
+                    tenant_share=share))
         return reqs
 
     def apply(self, i: int, out: RequestOutput) -> None:

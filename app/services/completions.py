@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from app.errors import APIError, error_body
-from app.limits import Lease, RateLimiter, RateLimitExceeded, TenantLimits
+from app.limits import Lease, RateLimiter, RateLimitExceeded
 from app.metrics import ServerMetrics
 from app.protocol import (
     ChatCompletionRequest,
@@ -342,10 +342,6 @@ class CompletionsService:
                 out.append(Prompt(list(p), text))
         return out
 
-    @staticmethod
-    def _limits(auth: AuthContext) -> TenantLimits:
-        return TenantLimits(auth.rpm_limit, auth.tpm_limit, auth.max_concurrent)
-
     def admit(self, auth: AuthContext) -> Lease | None:
         """Takes a lease on the tenant's limits before any work: one request (rpm), one
         concurrency slot, and a token window that is not already full (tpm). Also used by
@@ -357,11 +353,11 @@ class CompletionsService:
         Raises:
             APIError: 429 ``rate_limit_exceeded`` with ``x-ratelimit-*`` and ``Retry-After``.
         """
-        limits = self._limits(auth)
-        if not limits.any:
+        quota = auth.quota
+        if not quota.any_limit:
             return None
         try:
-            return self.limiter.acquire(auth.tenant_id, limits, 0)
+            return self.limiter.acquire(auth.tenant_id, quota, 0)
         except RateLimitExceeded as e:
             raise APIError(429, e.message, None, "rate_limit_exceeded", e.headers) from None
 
@@ -378,7 +374,7 @@ class CompletionsService:
         tokens = sum(len(p.token_ids) + params.n * (params.max_tokens or limit - len(p.token_ids))
                      for p in call.prompts)
         try:
-            call.lease.reserve(self._limits(call.auth), tokens)
+            call.lease.reserve(call.auth.quota, tokens)
         except RateLimitExceeded as e:
             # The body was read and tokenised: the call counts as a request, with no tokens.
             call.lease.release(0)

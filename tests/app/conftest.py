@@ -15,6 +15,7 @@ import pytest
 from fake_engine import FakeExecutor, make_fake_llm_engine
 from fastapi.testclient import TestClient
 
+from app.parts import build_parts
 from app.server import create_app
 from engine.async_engine import AsyncLLM
 from tenants.crypto import SaltCipher, decode_master_key, generate_master_key
@@ -85,7 +86,7 @@ def build_app_env(make_llm_engine, model_dir: Path, tokenizer, tmp: Path,
     """A running app over a fresh engine and database with tenants A and B (one key each).
 
     Args:
-        metrics_token: passed to ``create_app`` (None: ``/metrics`` answers 403).
+        metrics_token: passed to ``build_parts`` (None: ``/metrics`` answers 403).
         database_url: tenants database (default: SQLite in ``tmp``).
         real_model: the bundled model instead of the fake one.
         engine_overrides: ``EngineConfig`` fields; default max_model_len 512 and 128 KV blocks.
@@ -101,8 +102,9 @@ def build_app_env(make_llm_engine, model_dir: Path, tokenizer, tmp: Path,
     engine = AsyncLLM(core)
     platform_key = load_or_create_platform_key(tmp)
     verifier = JWTVerifier(JWTConfig(), platform_key.public_key())
-    app = create_app(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier,
-                     last_used_flush_s=last_used_flush_s, usage_journal_dir=tmp / "usage-journal")
+    app = create_app(build_parts(engine, repo, metrics_token=metrics_token, jwt_verifier=verifier,
+                                 last_used_flush_s=last_used_flush_s,
+                                 usage_journal_dir=tmp / "usage-journal"))
     admin = issue_token(platform_key, JWTConfig(), subject="test-admin", role="admin",
                         tenant_id=None, ttl_s=3600)
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -222,7 +222,7 @@ def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
 def test_refused_admin_calls_never_flood_the_audit_log(env):
     """Unauthenticated refusals: counted, never audit rows. Forbidden ones (a tenant key): one
     aggregated row per actor and minute with the count; never a token in either."""
-    refusals = env.client.app.state.admin_refusals
+    refusals = env.client.app.state.parts.admin_refusals
     refusals._now = lambda: 1_800_000_000.0  # one fixed minute
     refusals.flush(env.repo.usage.audit, everything=True)
     before = [a.id for a in env.repo.usage.list_audit(limit=1000)]
@@ -244,18 +244,18 @@ def test_refused_admin_calls_never_flood_the_audit_log(env):
 
 
 def test_unauthenticated_refusals_log_at_most_one_line_per_interval(caplog):
-    from app.auth import AdminRefusals
+    from app.admin_refusals import AdminRefusals
 
     now = [1000.0]
     counted: list[str] = []
     refusals = AdminRefusals(counted.append, log_interval_s=10.0, now=lambda: now[0])
-    with caplog.at_level("WARNING", logger="app.auth"):
+    with caplog.at_level("WARNING", logger="app.admin_refusals"):
         for i in range(500):
             now[0] = 1000.0 + i * 0.01                      # 500 refusals in 5 s
             refusals.anonymous("bad_jwt" if i % 2 else "malformed")
         now[0] = 1011.0
         refusals.anonymous("expired")
-    lines = [r.getMessage() for r in caplog.records if r.name == "app.auth"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "app.admin_refusals"]
     assert lines == ["refused 1 unauthenticated /admin request(s) (latest reason: malformed)",
                      "refused 500 unauthenticated /admin request(s) (latest reason: expired)"]
     assert len(counted) == 501 and counted[-1] == "expired"
@@ -300,7 +300,7 @@ def test_a_slow_identity_provider_never_slows_api_key_requests(env, request):
         return 200, json.dumps({"keys": []}).encode()
 
     url, _ = serve_jwks(request, slow_empty_key_set)
-    state = env.client.app.state
+    state = env.client.app.state.parts
     saved = state.jwt_verifier
     state.jwt_verifier = JWTVerifier(JWTConfig(jwks_url=url, jwks_refetch_cooldown_s=0),
                                      saved._platform)

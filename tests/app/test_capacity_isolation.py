@@ -54,7 +54,7 @@ def _post_raw(env, key: str, path: str, body: bytes):
 
 
 def test_rate_limited_tenant_gets_a_fast_429_whatever_the_body(env):
-    svc = env.client.app.state.completions
+    svc = env.client.app.state.parts.completions
     bodies = _big_bodies(env.model)
     prepared = []  # bodies read and handed to the parse pool
     original = svc.preprocessor.parse
@@ -314,6 +314,7 @@ def test_metrics_export_cache_share_and_over_share_evictions(app_env_builder, tm
 def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path):
     from fastapi.testclient import TestClient
 
+    from app.parts import build_parts
     from app.server import create_app
     from tests.app.conftest import make_repo
     from tests.fake_engine import make_fake_engine_client
@@ -323,7 +324,7 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
     tenant = repo.tenants.create("t")
     key, _ = repo.keys.create(tenant.id)
     died = threading.Event()
-    app = create_app(engine, repo, on_engine_death=died.set)
+    app = create_app(build_parts(engine, repo, on_engine_death=died.set))
     with TestClient(app, raise_server_exceptions=False) as client:
         engine.engine.runner.fail = True
         h = {"Authorization": f"Bearer {key}"}
@@ -336,7 +337,7 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
 
 
 def test_tpm_refusal_after_tokenising_counts_one_request_and_no_tokens(env):
-    svc = env.client.app.state.completions
+    svc = env.client.app.state.parts.completions
     env.repo.tenants.update(env.tenant_b, tpm_limit=50, rpm_limit=100)
     try:
         w_before = len(getattr(svc.limiter._tenants.get(env.tenant_b), "requests", []))

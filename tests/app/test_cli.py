@@ -104,7 +104,8 @@ def test_serve_with_a_model_folder_without_config_is_a_one_line_error(tmp_path):
 def test_serve_with_a_bad_engine_flag_fails_before_writing_the_data_dir(tmp_path, flags,
                                                                         message):
     """An engine flag that EngineConfig refuses is a one-line usage error, before the data dir
-    gets a database, keys or a demo tenant (it was checked after them)."""
+    gets a database, keys or a demo tenant (checked after them, it would leave a half-made data
+    dir)."""
     data = tmp_path / "data"
     r = CliRunner().invoke(main, ["serve", "--port", "1", "--data-dir", str(data), *flags])
     assert r.exit_code == 2 and "Traceback" not in r.output

@@ -17,6 +17,7 @@ from fake_engine import make_fake_llm_engine
 from fastapi.testclient import TestClient
 
 from app.cluster import ClusterConfig
+from app.parts import build_parts
 from app.server import create_app
 from engine.async_engine import AsyncLLM
 from tenants.crypto import SaltCipher, decode_master_key, generate_master_key
@@ -104,13 +105,13 @@ def cluster(database_url, model_dir, tokenizer, tmp_path) -> Iterator[Cluster]:
         def start(name: str, redis: bool = True) -> Replica:
             core = make_fake_llm_engine(model_dir, tokenizer, max_model_len=512,
                                         num_gpu_blocks_override=64)
-            app = create_app(AsyncLLM(core), new_repo(), jwt_verifier=verifier,
-                             usage_journal_dir=tmp_path / name,
-                             cluster=ClusterConfig(REDIS_URL if redis else None, namespace,
-                                                   name))
+            app = create_app(build_parts(
+                AsyncLLM(core), new_repo(), jwt_verifier=verifier,
+                usage_journal_dir=tmp_path / name,
+                cluster=ClusterConfig(REDIS_URL if redis else None, namespace, name)))
             client = stack.enter_context(TestClient(app, raise_server_exceptions=False))
             deadline = time.time() + 5
-            while redis and not app.state.cluster_events.subscribed.is_set():
+            while redis and not app.state.parts.listener.subscribed.is_set():
                 assert time.time() < deadline, "the replica never subscribed"
                 time.sleep(0.02)
             return Replica(client, admin)

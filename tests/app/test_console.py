@@ -280,7 +280,7 @@ def test_revoking_the_admin_token_ends_its_console_sessions(env, console):
 def test_the_overview_refresh_does_not_keep_an_idle_session_alive(env, console):
     app = env.client.app
     now = [1000.0]
-    real, app.state.console_sessions = app.state.console_sessions, ConsoleSessions(
+    real, app.state.parts.console_sessions = app.state.parts.console_sessions, ConsoleSessions(
         idle_s=60, max_age_s=600, now=lambda: now[0])
     try:
         assert console.login().status_code == 303
@@ -297,7 +297,7 @@ def test_the_overview_refresh_does_not_keep_an_idle_session_alive(env, console):
             now[0] += 25
             assert console.get("/console/tenants").status_code == 200
     finally:
-        app.state.console_sessions = real
+        app.state.parts.console_sessions = real
 
 
 def test_sessions_end_when_idle_after_max_age_and_at_the_jwt_exp():
@@ -497,7 +497,7 @@ def test_overview_and_usage_show_the_numbers_and_charts(env, console):
             "messages": [{"role": "user", "content": "usage page " * 60}]}
     for _ in range(2):
         assert env.client.post("/v1/chat/completions", headers=h, json=body).status_code == 200
-    assert env.client.app.state.usage_journal.wait_stored()
+    assert env.client.app.state.parts.journal.wait_stored()
     overview = console.get("/console/overview").text
     charts = {c["id"]: c for c in chart_specs(overview)}
     assert set(charts) == {"chart-pool", "chart-resident", "chart-hit-rate", "chart-evictions"}
@@ -590,7 +590,7 @@ def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
     r = env.client.post("/v1/chat/completions", headers=env.headers(key),
                         json={**CHAT, "model": env.model})
     assert r.status_code == 200, r.text
-    assert env.client.app.state.usage_journal.wait_stored()
+    assert env.client.app.state.parts.journal.wait_stored()
     for path in ("/console/tenants", f"/console/tenants/{tenant.id}", "/console/audit",
                  "/console/overview", f"/console/usage?tenant={tenant.id}&range=1h"):
         html = console.get(path).text

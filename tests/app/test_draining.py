@@ -17,7 +17,7 @@ def test_on_stop_runs_before_uvicorn_raises_the_caught_signal_again():
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: calls.append("signal"))
     try:
         app = FastAPI()
-        server = DrainingServer(uvicorn.Config(app, log_config=None), app, 0.0,
+        server = DrainingServer(uvicorn.Config(app, log_config=None), 0.0,
                                 on_stop=lambda: calls.append("on_stop"))
         with server.capture_signals():
             signal.raise_signal(signal.SIGTERM)  # caught by the server: it only stops
@@ -31,7 +31,7 @@ def test_on_stop_runs_before_uvicorn_raises_the_caught_signal_again():
 def test_without_a_signal_on_stop_still_runs_once():
     calls: list[str] = []
     app = FastAPI()
-    server = DrainingServer(uvicorn.Config(app, log_config=None), app, 0.0,
+    server = DrainingServer(uvicorn.Config(app, log_config=None), 0.0,
                             on_stop=lambda: calls.append("stop"))
     with server.capture_signals():
         pass
@@ -48,7 +48,7 @@ def test_an_on_stop_that_fails_is_logged_and_the_signal_is_still_raised(caplog):
 
     try:
         app = FastAPI()
-        server = DrainingServer(uvicorn.Config(app, log_config=None), app, 0.0, on_stop=fail)
+        server = DrainingServer(uvicorn.Config(app, log_config=None), 0.0, on_stop=fail)
         with server.capture_signals():
             signal.raise_signal(signal.SIGTERM)
         assert calls == ["on_stop", "signal"]

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from app.limits import RateLimiter, RateLimitExceeded, TenantLimits, format_reset
+from app.limits import RateLimiter, RateLimitExceeded, format_reset
+from tenants.records import TenantQuota
 
 
 class FakeClock:
@@ -26,7 +27,7 @@ class FakeClock:
 def test_rpm_sliding_window_and_headers() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(rpm=2)
+    limits = TenantQuota(rpm_limit=2)
     first = lim.acquire("t", limits, 10)
     assert first.headers == {"x-ratelimit-limit-requests": "2",
                              "x-ratelimit-remaining-requests": "1",
@@ -46,7 +47,7 @@ def test_rpm_sliding_window_and_headers() -> None:
 def test_tpm_reserves_then_corrects_to_actual_usage() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(tpm=100)
+    limits = TenantQuota(tpm_limit=100)
     lease = lim.acquire("t", limits, 80)
     assert lease.headers["x-ratelimit-remaining-tokens"] == "20"
     with pytest.raises(RateLimitExceeded, match="tokens per minute"):
@@ -63,7 +64,7 @@ def test_cancel_undoes_an_admission_as_if_it_never_happened() -> None:
     """The engine refused the call before any work (e.g. it died): nothing stays counted."""
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(rpm=2, tpm=100, max_concurrent=1)
+    limits = TenantQuota(rpm_limit=2, tpm_limit=100, max_concurrent=1)
     kept = lim.acquire("t", limits, 30)
     kept.release(30)
     cancelled = lim.acquire("t", limits, 70)
@@ -80,7 +81,7 @@ def test_cancel_undoes_an_admission_as_if_it_never_happened() -> None:
 def test_tpm_retry_after_waits_for_enough_tokens_and_oversized_calls_say_so() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(tpm=100)
+    limits = TenantQuota(tpm_limit=100)
     lim.acquire("t", limits, 40)
     clock.now += 20
     lim.acquire("t", limits, 40)
@@ -96,7 +97,7 @@ def test_tpm_retry_after_waits_for_enough_tokens_and_oversized_calls_say_so() ->
 def test_correcting_a_lease_after_it_left_the_window_does_not_go_negative() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(tpm=100)
+    limits = TenantQuota(tpm_limit=100)
     long_call = lim.acquire("t", limits, 100)
     clock.now += 61  # a long generation: its reservation expired while it ran
     lease = lim.acquire("t", limits, 100)
@@ -109,7 +110,7 @@ def test_correcting_a_lease_after_it_left_the_window_does_not_go_negative() -> N
 def test_max_concurrent_until_release_and_rejections_count_nothing() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(rpm=3, max_concurrent=1)
+    limits = TenantQuota(rpm_limit=3, max_concurrent=1)
     lease = lim.acquire("t", limits, 1)
     for _ in range(5):
         with pytest.raises(RateLimitExceeded, match="concurrent") as exc:
@@ -126,7 +127,7 @@ def test_max_concurrent_until_release_and_rejections_count_nothing() -> None:
 
 def test_limiter_is_thread_safe() -> None:
     lim = RateLimiter(FakeClock())
-    limits = TenantLimits(rpm=500, max_concurrent=1000)
+    limits = TenantQuota(rpm_limit=500, max_concurrent=1000)
     admitted = []
 
     def worker() -> None:
@@ -166,7 +167,7 @@ def env(app_env_builder, tmp_path_factory):
 def clock(env):
     """A fresh fake-clock limiter per test; limits of both tenants reset afterwards."""
     clock = FakeClock()
-    env.client.app.state.completions.limiter = RateLimiter(clock)
+    env.client.app.state.parts.completions.limiter = RateLimiter(clock)
     yield clock
     for tenant in (env.tenant_a, env.tenant_b):
         env.repo.tenants.update(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
@@ -235,14 +236,14 @@ def test_tpm_counts_actual_usage_and_rejects_oversized_max_tokens(env, clock):
 
 def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock):
     env.repo.tenants.update(env.tenant_b, max_concurrent=1)
-    limiter = env.client.app.state.completions.limiter
+    limiter = env.client.app.state.parts.completions.limiter
     body = {"model": env.model, "prompt": [21, 22, 23], "max_tokens": 3, "temperature": 0,
             "stream": True}
     h = env.headers(env.key_b)
     # TestClient runs the whole ASGI call before returning, so hold the slot with a lease of
     # our own and check that a second call is refused (the disconnect test below holds it
     # with a real stream).
-    held = limiter.acquire(env.tenant_b, TenantLimits(max_concurrent=1), 1)
+    held = limiter.acquire(env.tenant_b, TenantQuota(max_concurrent=1), 1)
     r = env.client.post("/v1/completions", json=body, headers=h)
     assert r.status_code == 429 and "concurrent" in r.json()["error"]["message"]
     assert r.headers["retry-after"] == "1"
@@ -259,7 +260,7 @@ def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock)
 
 def test_lease_released_on_engine_rejection_and_bad_request(env, clock):
     env.repo.tenants.update(env.tenant_b, max_concurrent=1, rpm_limit=100)
-    limiter = env.client.app.state.completions.limiter
+    limiter = env.client.app.state.parts.completions.limiter
     assert _post(env, env.key_b, model="nope").status_code == 404  # before admission
     assert limiter.in_flight(env.tenant_b) == 0
     r = _post(env, env.key_b, stream=True, max_tokens=2)
@@ -271,7 +272,7 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     import asyncio
 
     env.repo.tenants.update(env.tenant_a, max_concurrent=1, tpm_limit=5000)
-    limiter = env.client.app.state.completions.limiter
+    limiter = env.client.app.state.parts.completions.limiter
     body = json.dumps({"model": env.model, "prompt": list(range(300, 360)), "max_tokens": 300,
                        "ignore_eos": True, "temperature": 0, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -372,7 +373,7 @@ def test_body_over_4_mib_gets_413(env, clock, chunked):
 def test_tokens_reserved_after_a_slow_body_count_from_when_they_are_reserved() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(tpm=1000)
+    limits = TenantQuota(tpm_limit=1000)
     slow = lim.acquire("t", limits, 0)          # admitted; its body takes 61 s to arrive
     clock.now += 61                              # the admission entry leaves the window
     slow.reserve(limits, 700)
@@ -394,7 +395,7 @@ def test_tokens_reserved_after_a_slow_body_count_from_when_they_are_reserved() -
 def test_a_full_token_window_refuses_at_admission_before_the_body_is_read() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(tpm=100)
+    limits = TenantQuota(tpm_limit=100)
     lim.acquire("t", limits, 0).reserve(limits, 100)   # the window is exactly full
     with pytest.raises(RateLimitExceeded, match="tokens per minute") as e:
         lim.acquire("t", limits, 0)
@@ -406,7 +407,7 @@ def test_a_full_token_window_refuses_at_admission_before_the_body_is_read() -> N
 def test_cancel_after_reserve_still_removes_the_rpm_entry() -> None:
     clock = FakeClock()
     lim = RateLimiter(clock)
-    limits = TenantLimits(rpm=5, tpm=1000)
+    limits = TenantQuota(rpm_limit=5, tpm_limit=1000)
     lease = lim.acquire("t", limits, 0)
     clock.now += 1
     lease.reserve(limits, 300)                          # re-dated token entry

@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 
-from app.limits import RateLimitExceeded, TenantLimits
+from app.limits import RateLimitExceeded
 from app.limits_redis import RedisRateLimiter
+from tenants.records import TenantQuota
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -24,7 +25,7 @@ def pair() -> tuple[RedisRateLimiter, RedisRateLimiter]:
 
 def test_rpm_holds_across_replicas_and_a_refusal_counts_nothing(pair):
     a, b = pair
-    limits = TenantLimits(rpm=3)
+    limits = TenantQuota(rpm_limit=3)
     leases = [a.acquire("t", limits, 0), b.acquire("t", limits, 0), a.acquire("t", limits, 0)]
     for replica in (a, b):
         with pytest.raises(RateLimitExceeded) as e:
@@ -44,7 +45,7 @@ def test_rpm_holds_across_replicas_and_a_refusal_counts_nothing(pair):
 
 def test_concurrency_slots_are_shared_released_once_and_expire(pair):
     a, b = pair
-    limits = TenantLimits(max_concurrent=2)
+    limits = TenantQuota(max_concurrent=2)
     first, _second = a.acquire("t", limits, 0), b.acquire("t", limits, 0)
     assert a.in_flight("t") == 2 == b.in_flight("t")
     with pytest.raises(RateLimitExceeded, match="2 at a time"):
@@ -56,16 +57,16 @@ def test_concurrency_slots_are_shared_released_once_and_expire(pair):
         a.acquire("t", limits, 0)
     # A replica killed mid-request never releases: its slots come back after the lease TTL.
     short = RedisRateLimiter(REDIS_URL, f"test-{uuid.uuid4().hex}", lease_ttl_s=0.3)
-    short.acquire("t", TenantLimits(max_concurrent=1), 0)
+    short.acquire("t", TenantQuota(max_concurrent=1), 0)
     with pytest.raises(RateLimitExceeded):
-        short.acquire("t", TenantLimits(max_concurrent=1), 0)
+        short.acquire("t", TenantQuota(max_concurrent=1), 0)
     time.sleep(0.4)
-    short.acquire("t", TenantLimits(max_concurrent=1), 0)
+    short.acquire("t", TenantQuota(max_concurrent=1), 0)
 
 
 def test_tpm_reservations_are_refunded_to_what_was_used(pair):
     a, b = pair
-    limits = TenantLimits(tpm=150)
+    limits = TenantQuota(tpm_limit=150)
     lease = a.acquire("t", limits, 0)
     lease.reserve(limits, 100)  # prompt + max_tokens, known after tokenisation
     assert lease.headers["x-ratelimit-remaining-tokens"] == "50"
@@ -77,7 +78,7 @@ def test_tpm_reservations_are_refunded_to_what_was_used(pair):
     other.reserve(limits, 120)  # 20 + 120 <= 150
     assert other.headers["x-ratelimit-remaining-tokens"] == "10"
     with pytest.raises(RateLimitExceeded, match="request too large"):
-        b.acquire("u", TenantLimits(tpm=100), 500)
+        b.acquire("u", TenantQuota(tpm_limit=100), 500)
     lease.release(5)  # released already: changes nothing
     with pytest.raises(RateLimitExceeded):
         a.acquire("t", limits, 11)
@@ -85,7 +86,7 @@ def test_tpm_reservations_are_refunded_to_what_was_used(pair):
 
 def test_redis_down_falls_back_to_this_replicas_own_limits(caplog):
     down = RedisRateLimiter("redis://127.0.0.1:9/0", "test-down")  # nothing listens on 9
-    limits = TenantLimits(rpm=2)
+    limits = TenantQuota(rpm_limit=2)
     down.acquire("t", limits, 0)
     down.acquire("t", limits, 0)
     with pytest.raises(RateLimitExceeded):  # still limited, by this replica alone
@@ -96,13 +97,13 @@ def test_redis_down_falls_back_to_this_replicas_own_limits(caplog):
 
 def test_a_flooding_tenant_does_not_touch_anothers_window(pair):
     a, b = pair
-    flood = TenantLimits(rpm=5)
+    flood = TenantQuota(rpm_limit=5)
     for _ in range(5):
         a.acquire("noisy", flood, 0)
     for _ in range(20):
         with pytest.raises(RateLimitExceeded):
             b.acquire("noisy", flood, 0)
-    quiet = a.acquire("quiet", TenantLimits(rpm=5, tpm=1000), 0)
+    quiet = a.acquire("quiet", TenantQuota(rpm_limit=5, tpm_limit=1000), 0)
     assert quiet.headers["x-ratelimit-remaining-requests"] == "4"
     assert quiet.headers["x-ratelimit-remaining-tokens"] == "1000"
 
@@ -128,7 +129,7 @@ def test_a_hung_redis_costs_one_timeout_per_breaker_interval_not_one_per_call():
     port = server.getsockname()[1]
     hung = RedisRateLimiter(f"redis://127.0.0.1:{port}/0", "test-hung",
                             socket_timeout_s=0.2, retry_after_s=30)
-    limits = TenantLimits(rpm=100)
+    limits = TenantQuota(rpm_limit=100)
     start = time.perf_counter()
     hung.acquire("t", limits, 0)
     first = time.perf_counter() - start
@@ -147,7 +148,7 @@ def test_a_hung_redis_costs_one_timeout_per_breaker_interval_not_one_per_call():
 
 def test_releases_lost_while_redis_was_away_are_retried(pair):
     a, _ = pair
-    limits = TenantLimits(max_concurrent=1)
+    limits = TenantQuota(max_concurrent=1)
     lease = a.acquire("t", limits, 0)
     a._down_until = time.monotonic() + 60  # Redis goes away (the breaker is open)
     lease.release(0)  # cannot reach Redis: kept for later
@@ -165,12 +166,12 @@ def test_only_the_limits_a_tenant_has_keep_state(pair):
     per-request entries behind (every script stays cheap for everyone else)."""
     a, _ = pair
     for _ in range(200):
-        a.acquire("flood", TenantLimits(max_concurrent=5), 0).release(0)
+        a.acquire("flood", TenantQuota(max_concurrent=5), 0).release(0)
     req, tok, tokn, used, run = a._keys("flood")
     assert a._redis.exists(req, tok, tokn) == 0 and a._redis.zcard(run) == 0
-    lease = a.acquire("flood", TenantLimits(tpm=100), 30)
+    lease = a.acquire("flood", TenantQuota(tpm_limit=100), 30)
     lease.release(10)
     assert int(a._redis.get(used)) == 10  # the running total follows refunds
-    lease2 = a.acquire("flood", TenantLimits(tpm=100), 50)
+    lease2 = a.acquire("flood", TenantQuota(tpm_limit=100), 50)
     lease2.cancel()
     assert int(a._redis.get(used)) == 10

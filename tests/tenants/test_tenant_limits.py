@@ -13,14 +13,14 @@ def test_limits_default_to_unlimited_and_reach_auth_context(repo: TenantReposito
     assert (t.rpm_limit, t.tpm_limit, t.max_concurrent) == (None, None, None)
     token, _ = repo.keys.create(t.id)
     ctx = repo.authenticator.authenticate_api_key(token)
-    assert (ctx.rpm_limit, ctx.tpm_limit, ctx.max_concurrent) == (None, None, None)
+    assert (ctx.quota.rpm_limit, ctx.quota.tpm_limit, ctx.quota.max_concurrent) == (None, None, None)
 
     info = repo.tenants.update(t.id, rpm_limit=60, tpm_limit=10_000, max_concurrent=2)
     assert (info.rpm_limit, info.tpm_limit, info.max_concurrent) == (60, 10_000, 2)
     ctx = repo.authenticator.authenticate_api_key(token)
-    assert (ctx.rpm_limit, ctx.tpm_limit, ctx.max_concurrent) == (60, 10_000, 2)
+    assert (ctx.quota.rpm_limit, ctx.quota.tpm_limit, ctx.quota.max_concurrent) == (60, 10_000, 2)
     ctx = repo.authenticator.context_for_tenant(t.id)
-    assert (ctx.rpm_limit, ctx.tpm_limit, ctx.max_concurrent) == (60, 10_000, 2)
+    assert (ctx.quota.rpm_limit, ctx.quota.tpm_limit, ctx.quota.max_concurrent) == (60, 10_000, 2)
     assert repo.tenants.get(t.id).tpm_limit == 10_000
 
 
