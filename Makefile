@@ -12,7 +12,7 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
 
-.PHONY: serve test install lint bench cluster
+.PHONY: serve test test-fast check-wheel install lint bench cluster
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,17 @@ serve: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM) $(HAPROXY)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
+
+# Everyday tier (under 2 minutes on 2 cores): unit, engine and API tests on the fake model; no
+# browser, HAProxy/Redis cluster, real-model runs, `saltserve serve` processes, HF-parity checks
+# or native builds (tests/conftest.py marks those `slow`). Our CPU kernels stay off, so an edited
+# .cpp is not rebuilt (~1-3 minutes) at collection. Needs only the venv.
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 SALTSERVE_CPU_KERNELS=0 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# The wheel, installed in a clean temp venv and served from outside the checkout (CI runs it).
+check-wheel:
+	PY=$(PY) bash scripts/check_wheel.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check app engine tenants kernels tests benchmarks

@@ -158,3 +158,69 @@ def fused_layer_calls(monkeypatch) -> list:
     monkeypatch.setattr(cpu_ops, "decode_layer", spy_one)
     monkeypatch.setattr(cpu_ops, "decode_layers", spy_whole)
     return calls
+
+
+# -- test tiers -----------------------------------------------------------------------------
+# `make test` runs everything; `make test-fast` runs `-m "not slow"`: unit, engine and API tests
+# on the fake model. Each test below gets its kind's marker and `slow` (registered in
+# pyproject.toml). Kinds come from the test's file or function (keys relative to tests/,
+# tests/test_tiers.py checks that each still exists), or from the fixtures it reaches.
+SLOW_TESTS: dict[str, tuple[str, ...]] = {
+    "app/test_console_browser.py": ("browser",),         # Playwright + Debian's chromium
+    "app/test_cluster_haproxy.py": ("cluster", "real_model"),  # HAProxy + `saltserve serve`s
+    "app/test_cluster.py": ("cluster",),                 # two replicas over PostgreSQL + Redis
+    "app/test_limits_redis.py": ("cluster",),            # replicas' shared limits in Redis
+    "app/test_serve_e2e.py": ("real_model",),            # `saltserve serve` / `bench` processes
+    "app/test_bench_in_process.py": ("real_model",),
+    "app/test_timing_side_channel.py": ("real_model",),  # real_model=True
+    "app/test_fuzz_schema.py": (),                       # schemathesis over every route
+    # These build our C++ kernels when their module is imported (cpu_linear.load()).
+    "engine/test_fused_decode.py": ("native",),
+    "engine/test_kv_cache_dtype.py": ("native",),
+    "engine/test_quantization.py": ("native",),
+    "kernels/test_cpu_linear.py": ("native",),
+    "kernels/test_cpu_ops.py": ("native",),
+    "kernels/test_kernel_compile.py": ("native",),       # Triton kernels compiled to cubins
+    "engine/test_step_threads.py::test_a_served_engine_times_both_counts_and_gives_the_threads_back":
+        ("real_model",),                                 # AsyncLLM.from_config on the model
+}
+# The real bundled model: an engine on it, the HF reference, or an app serving it.
+REAL_MODEL_FIXTURES = frozenset({"make_llm_engine", "hf_model", "real_app_env"})
+# Reaches make_llm_engine for its real_model=True option; on its own it builds the fake model.
+FAKE_MODEL_BUILDERS = frozenset({"app_env_builder"})
+
+
+def _reached_fixtures(item: pytest.Item) -> set[str]:
+    """The fixtures ``item`` requests, directly or through other fixtures, without looking
+    inside ``FAKE_MODEL_BUILDERS``."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set(getattr(item, "fixturenames", ()))
+    seen: set[str] = set()
+    todo = list(info.initialnames)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        defs = info.name2fixturedefs.get(name)
+        if defs and name not in FAKE_MODEL_BUILDERS:
+            todo.extend(defs[-1].argnames)
+    return seen
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            rel = item.path.resolve().relative_to(tests_dir).as_posix()
+        except ValueError:
+            continue
+        name = getattr(item, "originalname", item.name)
+        found = [SLOW_TESTS[k] for k in (rel, f"{rel}::{name}") if k in SLOW_TESTS]
+        marks = {kind for kinds in found for kind in kinds}
+        if REAL_MODEL_FIXTURES & _reached_fixtures(item):
+            marks.add("real_model")
+        if found or marks:
+            for mark in sorted(marks | {"slow"}):
+                item.add_marker(mark)
