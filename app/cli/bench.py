@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from app.bench import IN_PROCESS_URL, PROFILES, SWEEP_AXES
-from app.cli.options import _settings
+from app.cli.options import settings_from_options
 
 
 @click.group()
@@ -91,7 +91,7 @@ def _bench_seeded(fn):  # --seed and --run-nonce: a prompt set a later run can r
 def _model_dir(model_dir: Path | None, data_dir: Path | None) -> Path:
     from engine.weights import ensure_default_model
 
-    return model_dir or ensure_default_model(_settings(data_dir=data_dir).data_dir)
+    return model_dir or ensure_default_model(settings_from_options(data_dir=data_dir).data_dir)
 
 
 def _ours(stack: Any, in_process: bool, model_dir: Path | None, data_dir: Path | None,
@@ -106,7 +106,7 @@ def _ours(stack: Any, in_process: bool, model_dir: Path | None, data_dir: Path |
     if in_process:
         from app.bench.in_process import InProcessEngine
 
-        settings = _settings(data_dir=data_dir)
+        settings = settings_from_options(data_dir=data_dir)
         engine = stack.enter_context(InProcessEngine(
             settings.engine_config(_model_dir(model_dir, data_dir))))
         return engine.endpoint("bench-on"), engine.endpoint("bench-off", False), engine.probe()

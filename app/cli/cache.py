@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from app.cli.options import _cli_actor, _common, _settings
+from app.cli.options import cli_actor, common_options, settings_from_options
 
 
 def _server_call(method: str, path: str, url: str, opts: dict[str, Any]) -> dict:
@@ -19,9 +19,9 @@ def _server_call(method: str, path: str, url: str, opts: dict[str, Any]) -> dict
     from app.bootstrap import prepare_data_dir
     from tenants.tokens import issue_token, load_or_create_platform_key
 
-    settings = _settings(**opts)
+    settings = settings_from_options(**opts)
     key = load_or_create_platform_key(prepare_data_dir(settings.data_dir))
-    jwt = issue_token(key, settings.jwt_config(), subject=_cli_actor(), role="admin",
+    jwt = issue_token(key, settings.jwt_config(), subject=cli_actor(), role="admin",
                       tenant_id=None, ttl_s=60)
     req = urllib.request.Request(url.rstrip("/") + path, method=method,
                                  headers={"Authorization": f"Bearer {jwt}"})
@@ -50,7 +50,7 @@ def cache() -> None:
 
 @cache.command("stats")
 @_server_url
-@_common
+@common_options
 def cache_stats(url: str, **opts: Any) -> None:
     """Pool blocks and each tenant's resident blocks, hit rate and evictions."""
     s = _server_call("GET", "/admin/cache", url, opts)
@@ -66,7 +66,7 @@ def cache_stats(url: str, **opts: Any) -> None:
 @cache.command("reset")
 @click.option("--tenant", default=None, help="Only this tenant (name or id). [every tenant]")
 @_server_url
-@_common
+@common_options
 def cache_reset(tenant: str | None, url: str, **opts: Any) -> None:
     """Drop cached blocks (running requests are unharmed); audited."""
     from urllib.parse import quote

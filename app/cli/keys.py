@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from app.cli.options import _cli_actor, _common, _open_repository, _settings, _tenant_id
+from app.cli.options import (
+    cli_actor,
+    common_options,
+    open_repository,
+    settings_from_options,
+    tenant_id_of,
+)
 
 
 @click.group()
@@ -20,15 +26,15 @@ def keys() -> None:
 @click.option("--tenant", required=True, help="Tenant name or id.")
 @click.option("--name", default=None, help="Label for the key.")
 @click.option("--expires-in-days", type=int, default=None, help="Expiry. [never]")
-@_common
+@common_options
 def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **opts: Any) -> None:
     """Create an API key; the key is printed once and never stored in plain text."""
 
-    repo = _open_repository(_settings(**opts))
+    repo = open_repository(settings_from_options(**opts))
     expires = (datetime.now(UTC) + timedelta(days=expires_in_days)) if expires_in_days else None
     try:
-        key, info = repo.keys.create(_tenant_id(repo, tenant), name, expires,
-                                     actor=_cli_actor())
+        key, info = repo.keys.create(tenant_id_of(repo, tenant), name, expires,
+                                     actor=cli_actor())
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"key id {info.id} for tenant {tenant} (shown once):", err=True)
@@ -37,32 +43,32 @@ def keys_create(tenant: str, name: str | None, expires_in_days: int | None, **op
 
 @keys.command("list")
 @click.option("--tenant", required=True, help="Tenant name or id.")
-@_common
+@common_options
 def keys_list(tenant: str, **opts: Any) -> None:
     """List a tenant's keys (display prefix and last 4 characters only)."""
 
-    repo = _open_repository(_settings(**opts))
-    for k in repo.keys.list_for_tenant(_tenant_id(repo, tenant)):
+    repo = open_repository(settings_from_options(**opts))
+    for k in repo.keys.list_for_tenant(tenant_id_of(repo, tenant)):
         state = "revoked" if k.revoked_at else "active"
         click.echo(f"{k.id}  {k.display_prefix}-...{k.last4}  {state}  name={k.name}")
 
 
 @keys.command("revoke")
 @click.argument("key_id")
-@_common
+@common_options
 def keys_revoke(key_id: str, **opts: Any) -> None:
     """Revoke key KEY_ID (effective on the next request)."""
     from tenants.errors import TenantError
 
     try:
-        _open_repository(_settings(**opts)).keys.revoke(key_id, actor=_cli_actor())
+        open_repository(settings_from_options(**opts)).keys.revoke(key_id, actor=cli_actor())
     except TenantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"revoked {key_id}")
 
 
 @keys.command("rotate-master")
-@_common
+@common_options
 def keys_rotate_master(**opts: Any) -> None:
     """Re-encrypt every tenant salt under a new master key (one transaction).
 
@@ -79,12 +85,12 @@ def keys_rotate_master(**opts: Any) -> None:
         generate_master_key,
     )
 
-    settings = _settings(**opts)
-    repo = _open_repository(settings)
+    settings = settings_from_options(**opts)
+    repo = open_repository(settings)
     new_text = generate_master_key()
     new_cipher = SaltCipher(decode_master_key(new_text))
     if settings.master_key:
-        n = repo.tenants.reencrypt_salts(new_cipher, actor=_cli_actor())
+        n = repo.tenants.reencrypt_salts(new_cipher, actor=cli_actor())
         click.echo(f"re-encrypted {n} salts; set SALTSERVE_MASTER_KEY to the new key "
                    "(shown once) and restart servers:", err=True)
         click.echo(new_text)
@@ -93,7 +99,7 @@ def keys_rotate_master(**opts: Any) -> None:
     staged, backup = path.with_name(path.name + ".new"), path.with_name(path.name + ".bak")
     write_secret_file(staged, new_text)
     try:
-        n = repo.tenants.reencrypt_salts(new_cipher, actor=_cli_actor())
+        n = repo.tenants.reencrypt_salts(new_cipher, actor=cli_actor())
     except BaseException:
         staged.unlink()
         raise

@@ -10,9 +10,10 @@ from __future__ import annotations
 import getpass
 import os
 import types
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import click
 
@@ -20,18 +21,27 @@ from app.logs import LOG_FORMATS, LOG_LEVELS
 from app.settings import Settings
 from engine.config import EngineConfig
 
+if TYPE_CHECKING:
+    from tenants.repository import TenantRepository
 
-def _open_repository(settings: Settings):
-    """``app.bootstrap.open_repository``; a bad database file or key file is a one-line error."""
-    from app.bootstrap import open_repository
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def open_repository(settings: Settings) -> TenantRepository:
+    """``app.bootstrap.open_repository`` (checks, migrates, opens).
+
+    Raises:
+        click.ClickException: a bad database file or key file, as one line.
+    """
+    from app.bootstrap import open_repository as open_and_migrate
 
     try:
-        return open_repository(settings)
+        return open_and_migrate(settings)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
 
 
-def _cli_actor() -> str:
+def cli_actor() -> str:
     """The audit actor of a CLI action: ``cli:<OS user>``."""
     try:
         user = getpass.getuser()
@@ -40,11 +50,13 @@ def _cli_actor() -> str:
     return f"cli:{user}"
 
 
-def _settings(**overrides: Any) -> Settings:
+def settings_from_options(**overrides: Any) -> Settings:
+    """``Settings`` from the environment, with every option the user gave (not None) on top."""
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def _common(fn):  # --data-dir and --database-url for every command
+def common_options(fn: F) -> F:
+    """Adds ``--data-dir`` and ``--database-url``, which every command takes."""
     fn = click.option("--database-url", default=None,
                       help="SQLAlchemy URL. [sqlite in the data dir; env SALTSERVE_DATABASE_URL]")(fn)
     fn = click.option("--data-dir", type=click.Path(path_type=Path), default=None,
@@ -52,7 +64,7 @@ def _common(fn):  # --data-dir and --database-url for every command
     return fn
 
 
-def _tenant_id(repo, tenant: str) -> str:
+def tenant_id_of(repo: TenantRepository, tenant: str) -> str:
     """The id of the tenant with id ``tenant``, else named ``tenant`` (ids first; ClickException
     if none, or if it is one tenant's id and another's name)."""
     from tenants.errors import TenantNotFound
@@ -91,7 +103,7 @@ def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
     return specs
 
 
-def _serve_options(fn):
+def serve_options(fn):
     for decl, kwargs in reversed(engine_option_specs()):
         fn = click.option(decl, **kwargs)(fn)
     fn = click.option("--model", default=None,
@@ -114,7 +126,7 @@ def _serve_options(fn):
     fn = click.option("--replica-id", default=None,
                       help="This replica's name in log lines. [<hostname>:<port>; env "
                            "SALTSERVE_REPLICA_ID]")(fn)
-    return _common(fn)
+    return common_options(fn)
 
 
 def env_only_settings(serve: click.Command) -> list[str]:

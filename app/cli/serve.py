@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from app.cli.options import _serve_options, _settings, env_only_settings
+from app.cli.options import env_only_settings, serve_options, settings_from_options
 from app.logs import configure_logging
 
 
@@ -49,7 +49,7 @@ def _freeze_startup_heap() -> int:
 
 
 @click.command(cls=_ServeCommand)
-@_serve_options
+@serve_options
 def serve(**opts: Any) -> None:
     """Start the OpenAI-compatible server (first start converts the model and creates a key)."""
     import uvicorn
@@ -58,7 +58,7 @@ def serve(**opts: Any) -> None:
     from app.parts import parts_from_settings
     from app.server import create_app
 
-    settings = _settings(**opts)
+    settings = settings_from_options(**opts)
     replica_id = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
     configure_logging(settings.log_format, settings.log_level, replica_id)
     click.echo(f"saltserve: data dir {settings.data_dir.resolve()}")

@@ -7,7 +7,13 @@ from typing import Any
 
 import click
 
-from app.cli.options import _cli_actor, _common, _open_repository, _settings, _tenant_id
+from app.cli.options import (
+    cli_actor,
+    common_options,
+    open_repository,
+    settings_from_options,
+    tenant_id_of,
+)
 
 
 @click.group()
@@ -18,25 +24,25 @@ def tenants() -> None:
 @tenants.command("create")
 @click.argument("name")
 @click.option("--no-prefix-caching", is_flag=True, help="Never cache this tenant's prompts.")
-@_common
+@common_options
 def tenants_create(name: str, no_prefix_caching: bool, **opts: Any) -> None:
     """Create tenant NAME (with salt version 1)."""
     from tenants.errors import DuplicateTenant
 
-    repo = _open_repository(_settings(**opts))
+    repo = open_repository(settings_from_options(**opts))
     try:
-        t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor=_cli_actor())
+        t = repo.tenants.create(name, enable_prefix_caching=not no_prefix_caching, actor=cli_actor())
     except (DuplicateTenant, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} salt_version={t.current_salt_version}")
 
 
 @tenants.command("list")
-@_common
+@common_options
 def tenants_list(**opts: Any) -> None:
     """List tenants."""
 
-    for t in _open_repository(_settings(**opts)).tenants.list_all():
+    for t in open_repository(settings_from_options(**opts)).tenants.list_all():
         state = "disabled" if t.disabled else "active"
         click.echo(f"{t.id}  {t.name}  {state}  salt_version={t.current_salt_version}  "
                    f"weight={t.weight}")
@@ -68,16 +74,16 @@ def _cache_bound(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--max-cache-blocks", callback=_cache_bound, default=None, metavar="N|none",
               help="Above this many cached blocks the tenant is always over its share. "
                    "[unchanged]")
-@_common
+@common_options
 def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
                       max_cache_blocks: Any, **opts: Any) -> None:
     """Set TENANT's capacity share (name or id); applies from its next request."""
 
-    repo = _open_repository(_settings(**opts))
+    repo = open_repository(settings_from_options(**opts))
     try:
-        t = repo.tenants.update(_tenant_id(repo, tenant), weight=weight,
+        t = repo.tenants.update(tenant_id_of(repo, tenant), weight=weight,
                                 min_cache_blocks=min_cache_blocks,
-                                max_cache_blocks=max_cache_blocks, actor=_cli_actor())
+                                max_cache_blocks=max_cache_blocks, actor=cli_actor())
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} weight={t.weight} "
@@ -86,14 +92,14 @@ def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
 
 def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
 
-    repo = _open_repository(_settings(**opts))
-    t = repo.tenants.update(_tenant_id(repo, tenant), disabled=disabled, actor=_cli_actor())
+    repo = open_repository(settings_from_options(**opts))
+    t = repo.tenants.update(tenant_id_of(repo, tenant), disabled=disabled, actor=cli_actor())
     click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
 
 
 @tenants.command("disable")
 @click.argument("tenant")
-@_common
+@common_options
 def tenants_disable(tenant: str, **opts: Any) -> None:
     """Disable TENANT (name or id): its keys and tokens are refused from the next request."""
     _set_disabled(tenant, True, opts)
@@ -101,7 +107,7 @@ def tenants_disable(tenant: str, **opts: Any) -> None:
 
 @tenants.command("enable")
 @click.argument("tenant")
-@_common
+@common_options
 def tenants_enable(tenant: str, **opts: Any) -> None:
     """Enable TENANT (name or id) again."""
     _set_disabled(tenant, False, opts)
@@ -109,7 +115,7 @@ def tenants_enable(tenant: str, **opts: Any) -> None:
 
 @tenants.command("rotate-salt")
 @click.argument("tenant")
-@_common
+@common_options
 def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
     """Rotate TENANT's salt (name or id): the new version is current at once.
 
@@ -119,10 +125,10 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
     """
     from app.cluster import ClusterConfig, publish_now
 
-    settings = _settings(**opts)
-    repo = _open_repository(settings)
-    tenant_id = _tenant_id(repo, tenant)
-    version = repo.tenants.rotate_salt(tenant_id, actor=_cli_actor())
+    settings = settings_from_options(**opts)
+    repo = open_repository(settings)
+    tenant_id = tenant_id_of(repo, tenant)
+    version = repo.tenants.rotate_salt(tenant_id, actor=cli_actor())
     told = publish_now(ClusterConfig(settings.redis_url, settings.redis_namespace, "cli"),
                        tenant_id, "salt_rotation")
     click.echo(f"tenant {tenant} id={tenant_id} salt_version={version}"
@@ -137,15 +143,15 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
               help="Tokens (prompt + max_tokens) per minute. [unchanged]")
 @click.option("--max-concurrent", callback=_cache_bound, default=None, metavar="N|none",
               help="Requests in flight at once. [unchanged]")
-@_common
+@common_options
 def tenants_set_limits(tenant: str, rpm: Any, tpm: Any, max_concurrent: Any,
                        **opts: Any) -> None:
     """Set TENANT's rate limits (name or id; 'none' removes one); apply from its next
     request."""
-    repo = _open_repository(_settings(**opts))
+    repo = open_repository(settings_from_options(**opts))
     try:
-        t = repo.tenants.update(_tenant_id(repo, tenant), rpm_limit=rpm, tpm_limit=tpm,
-                                max_concurrent=max_concurrent, actor=_cli_actor())
+        t = repo.tenants.update(tenant_id_of(repo, tenant), rpm_limit=rpm, tpm_limit=tpm,
+                                max_concurrent=max_concurrent, actor=cli_actor())
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"tenant {t.name} id={t.id} rpm={t.rpm_limit} tpm={t.tpm_limit} "

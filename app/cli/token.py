@@ -6,7 +6,13 @@ from typing import Any
 
 import click
 
-from app.cli.options import _cli_actor, _common, _open_repository, _settings, _tenant_id
+from app.cli.options import (
+    cli_actor,
+    common_options,
+    open_repository,
+    settings_from_options,
+    tenant_id_of,
+)
 
 
 @click.group()
@@ -22,17 +28,17 @@ def token() -> None:
               help="Lifetime in seconds, at most SALTSERVE_JWT_MAX_TOKEN_TTL_S. [30 days]")
 @click.option("--subject", default=None,
               help="The sub claim, recorded as the audit actor. [admin | tenant:<id>]")
-@_common
+@common_options
 def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
                 **opts: Any) -> None:
     """Print a signed JWT (shown once, never stored)."""
     from app.bootstrap import prepare_data_dir
     from tenants.tokens import issue_token, load_or_create_platform_key, token_jti
 
-    settings = _settings(**opts)
+    settings = settings_from_options(**opts)
     tenant_id = None
     if tenant is not None:
-        tenant_id = _tenant_id(_open_repository(settings), tenant)
+        tenant_id = tenant_id_of(open_repository(settings), tenant)
     elif role == "tenant":
         raise click.UsageError("--role tenant needs --tenant")
     try:
@@ -50,8 +56,8 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     jti = token_jti(token)
-    _open_repository(settings).usage.audit(
-        _cli_actor(), "token.issue", tenant_id,
+    open_repository(settings).usage.audit(
+        cli_actor(), "token.issue", tenant_id,
         f"role={role} sub={subject[:64]!r} ttl_s={ttl} jti={jti}")
     click.echo(f"jti {jti} (revoke with: saltserve token revoke {jti})", err=True)
     click.echo(token)
@@ -59,12 +65,12 @@ def token_issue(tenant: str | None, role: str, ttl: int, subject: str | None,
 
 @token.command("revoke")
 @click.argument("jti")
-@_common
+@common_options
 def token_revoke(jti: str, **opts: Any) -> None:
     """Revoke a platform JWT by its jti: refused from its next request on, on every server."""
 
     try:
-        _open_repository(_settings(**opts)).revocations.revoke(jti, actor=_cli_actor())
+        open_repository(settings_from_options(**opts)).revocations.revoke(jti, actor=cli_actor())
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"revoked jti {jti}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from app.cli.options import _common, _open_repository, _settings, _tenant_id
+from app.cli.options import common_options, open_repository, settings_from_options, tenant_id_of
 
 
 def _when(text: str | None, now: datetime) -> datetime | None:
@@ -40,18 +40,18 @@ def usage() -> None:
               help="Comma-separated: tenant, key, model, end_user.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
               show_default=True)
-@_common
+@common_options
 def usage_report(tenant: str | None, since: str | None, until: str | None, bucket: str,
                  group_by: str, fmt: str, **opts: Any) -> None:
     """Usage per calendar bucket (UTC): requests, errors, tokens, hit rate, TTFT p50 / p95."""
     from tenants.usage_reports import REPORT_COLUMNS, csv_text, default_query, report_dicts
 
     now = datetime.now(UTC)
-    repo = _open_repository(_settings(**opts))
+    repo = open_repository(settings_from_options(**opts))
     try:
         query = default_query(bucket, _when(since, now), _when(until, now),
                               tuple(g.strip() for g in group_by.split(",") if g.strip()),
-                              _tenant_id(repo, tenant) if tenant else None)
+                              tenant_id_of(repo, tenant) if tenant else None)
         rows = repo.usage.report(query)
     except ValueError as e:
         raise click.ClickException(str(e)) from None

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from app.bootstrap import open_repository
 from app.cli.main import main
-from app.cli.options import _cli_actor
+from app.cli.options import cli_actor
 from app.settings import Settings
 from tenants.crypto import MASTER_KEY_FILENAME
 from tenants.errors import InvalidToken, TenantDisabled
@@ -67,7 +67,7 @@ def test_token_issue(cli, tmp_path):
         "role=admin sub='admin' ttl_s=60", f"role=tenant sub='tenant:{cli.tenant_id}' ttl_s=60",
         "role=admin sub='alice' ttl_s=3600"]
     assert issued[0].detail.endswith(f"jti={token_jti(token)}")
-    assert all(a.actor == _cli_actor() and token not in (a.detail or "") for a in issued)
+    assert all(a.actor == cli_actor() and token not in (a.detail or "") for a in issued)
     assert [a.tenant_id for a in issued][::-1] == [None, cli.tenant_id, cli.tenant_id]
     # Another data dir's key does not verify this one's tokens.
     other = JWTVerifier(JWTConfig(), load_or_create_platform_key(tmp_path / "x").public_key())
@@ -85,8 +85,8 @@ def test_rotate_salt_disable_enable(cli, tmp_path):
     assert new.salt_version == 2 and new.effective_salt() != old.effective_salt()
     assert not old.salt_occurs_in(r.output) and not new.salt_occurs_in(r.output)
     audit = repo.usage.list_audit(cli.tenant_id)
-    assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == _cli_actor()
-    assert _cli_actor() == f"cli:{getpass.getuser()}"
+    assert audit[0].action == "tenant.rotate_salt" and audit[0].actor == cli_actor()
+    assert cli_actor() == f"cli:{getpass.getuser()}"
     assert audit[0].detail == "salt_version=2"
     assert "disabled" in cli("tenants", "disable", "acme").output
     with pytest.raises(TenantDisabled):
@@ -182,7 +182,7 @@ def test_token_revoke_and_maximum_lifetime(cli, tmp_path):
     assert repo.revocations.is_revoked(jti)
     cli("token", "revoke", jti)  # idempotent: one audit row
     rows = [a for a in repo.usage.list_audit() if a.action == "token.revoke"]
-    assert [(a.detail, a.actor) for a in rows] == [(f"jti={jti}", _cli_actor())]
+    assert [(a.detail, a.actor) for a in rows] == [(f"jti={jti}", cli_actor())]
     r = cli("token", "issue", "--role", "admin", "--ttl", str(30 * 86400 + 1), ok=False)
     assert r.exit_code == 2 and "ttl_s must be 1 to 2592000" in r.output
     assert cli("token", "revoke", "x" * 65, ok=False).exit_code == 2

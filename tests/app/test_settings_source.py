@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from app.cli.options import _serve_options, _settings
+from app.cli.options import serve_options, settings_from_options
 from app.cli.serve import serve
 from app.settings import Settings
 from engine.block_hash import HASH_ALGOS
@@ -95,9 +95,9 @@ def _run_serve_options(args: list[str], model_dir: Path) -> EngineConfig:
     seen: list[EngineConfig] = []
 
     @click.command()
-    @_serve_options
+    @serve_options
     def fake_serve(**opts):
-        seen.append(_settings(**opts).engine_config(model_dir))
+        seen.append(settings_from_options(**opts).engine_config(model_dir))
 
     assert [p.name for p in fake_serve.params] == [p.name for p in serve.params]
     r = CliRunner().invoke(fake_serve, args)
@@ -122,7 +122,7 @@ def test_env_reaches_engine_config_and_flags_win(monkeypatch, tmp_path):
 
 def test_bad_choice_flag_is_refused_by_click(tmp_path):
     @click.command()
-    @_serve_options
+    @serve_options
     def fake_serve(**opts):  # pragma: no cover - never reached
         raise AssertionError
 
