@@ -20,7 +20,7 @@ class AdminRefusals:
     - Unauthenticated (no, bad or expired credentials): ``anonymous`` counts them by reason
       (``count_refusal``, the Prometheus counter) and logs at most one line per
       ``log_interval_s`` with the number seen since the last line. No audit row: an anonymous
-      flood used to push real admin rows out of the reachable window.
+      flood would push real admin rows out of the reachable window.
     - Forbidden (valid tenant credentials): ``forbidden`` aggregates per (actor, minute);
       ``flush`` writes one ``auth.admin_forbidden`` row per closed minute with its count and the
       first method and path seen (percent-escaped, at most 128 characters).

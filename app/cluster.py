@@ -3,9 +3,9 @@
 Replicas share PostgreSQL (tenants, keys, salts, usage, audit) but each holds its own KV cache.
 When an operator rotates a tenant's salt, resets a tenant's cache, resets every cache or turns a
 tenant's caching off on one replica, that replica evicts its own blocks, commits the new
-generation (salt version, cache epoch; ``app.services.cache_generations``) and publishes an event on
-``<namespace>:cache-events``; every other replica evicts the same blocks on receipt (milliseconds). Nothing else
-needs a message: disable and enable, limits, key and token revocation are read from the database
+generation (salt version, cache epoch; ``app.services.cache_generations``) and publishes an
+event on ``<namespace>:cache-events``; every other replica evicts the same blocks on receipt
+(milliseconds). Nothing else needs a message: disable and enable, limits, key and token revocation are read from the database
 on every request.
 
 Pub/sub delivers at most once, so a replica that was disconnected misses events. The fallback

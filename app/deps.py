@@ -1,10 +1,10 @@
 """Typed FastAPI dependencies: each part of the server named once, with its type.
 
 Routes declare what they use (``admin: AdminServiceDep``) instead of reading
-``request.app.state``; ``get_parts`` is the one place that reads the app's state. Auth
-dependencies (``CurrentTenant``, ``AdminPrincipal``, ``MetricsScraper``) live in ``app.auth``.
-Tests replace a part with ``app.dependency_overrides`` or by setting a field of the app's
-``ServerParts``.
+``request.app.state``; ``get_parts`` is the one place that reads the app's state, and code that
+holds only the request (the auth dependencies in ``app.auth``, the console's helpers) calls it
+too. Tests replace a part by setting a field of the app's ``ServerParts`` (every caller sees
+the change); ``app.dependency_overrides[get_parts]`` would reach only the routes.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.admin_refusals import AdminRefusals
-from app.console.sessions import ConsoleSessions
 from app.metrics import ServerMetrics
 from app.parts import ServerParts
 from app.services.admin import AdminService
@@ -56,19 +54,9 @@ def get_metrics(parts: Parts) -> ServerMetrics:
     return parts.metrics
 
 
-def get_console_sessions(parts: Parts) -> ConsoleSessions:
-    return parts.console_sessions
-
-
-def get_admin_refusals(parts: Parts) -> AdminRefusals:
-    return parts.admin_refusals
-
-
 EngineDep = Annotated[EngineClient, Depends(get_engine)]
 RepoDep = Annotated[TenantRepository, Depends(get_repo)]
 CompletionsDep = Annotated[CompletionsService, Depends(get_completions)]
 TokenizersDep = Annotated[TokenizerService, Depends(get_tokenizers)]
 AdminServiceDep = Annotated[AdminService, Depends(get_admin_service)]
 MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
-ConsoleSessionsDep = Annotated[ConsoleSessions, Depends(get_console_sessions)]
-AdminRefusalsDep = Annotated[AdminRefusals, Depends(get_admin_refusals)]

@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """The first SIGTERM / SIGINT calls ``on_drain`` (``saltserve serve`` sets
     ``ServerParts.draining``: ``GET /health`` answers 503, new requests are still served), and
-    ``drain_s`` seconds later uvicorn's own graceful shutdown starts (the listener closes; running requests finish). A second signal during the drain,
-    or ``drain_s`` 0, starts that shutdown at once.
+    ``drain_s`` seconds later uvicorn's own graceful shutdown starts (the listener closes;
+    running requests finish). A second signal during the drain, or ``drain_s`` 0, starts that
+    shutdown at once.
 
     ``on_stop`` runs once the server has stopped, before uvicorn raises the caught signal again
     (SIGTERM's default action then ends the process at once: no ``finally`` block or ``atexit``

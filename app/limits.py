@@ -1,10 +1,10 @@
 """Per-tenant rate limits: requests per minute, tokens per minute, concurrent requests.
 
 Limits come from the tenant record (``tenants.records.TenantQuota``: ``rpm_limit``,
-``tpm_limit``, ``max_concurrent``; None = unlimited). ``RateLimiter.acquire`` admits a call or raises ``RateLimitExceeded`` without
-changing any state, so a rejected call is neither queued nor half-counted. An admitted call holds
-a ``Lease`` until ``Lease.release`` (idempotent), which frees its concurrency slot and corrects
-its token reservation to what the call really used::
+``tpm_limit``, ``max_concurrent``; None = unlimited). ``RateLimiter.acquire`` admits a call or
+raises ``RateLimitExceeded`` without changing any state, so a rejected call is neither queued nor
+half-counted. An admitted call holds a ``Lease`` until ``Lease.release`` (idempotent), which frees
+its concurrency slot and corrects its token reservation to what the call really used::
 
     admission: reserve prompt_tokens + n * max_tokens   (max_tokens None -> max_model_len - prompt)
     release:   reservation := prompt_tokens + completion_tokens   (never more than reserved)
@@ -250,7 +250,8 @@ class RateLimiter:
             # OpenAI: time until the limit is back to its initial state (window empty).
             reset = w.requests[-1] + self._window_s - now if w.requests else 0.0
             headers["x-ratelimit-limit-requests"] = str(limits.rpm_limit)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm_limit - len(w.requests)))
+            headers["x-ratelimit-remaining-requests"] = str(
+                max(0, limits.rpm_limit - len(w.requests)))
             headers["x-ratelimit-reset-requests"] = format_reset(reset)
         if limits.tpm_limit is not None:
             reset = w.tokens[-1].time + self._window_s - now if w.tokens else 0.0

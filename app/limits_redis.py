@@ -275,7 +275,8 @@ class RedisRateLimiter:
         """Admits one call reserving ``tokens``, or raises RateLimitExceeded without counting
         anything (``app.limits.RateLimiter.acquire``)."""
         call_id = uuid.uuid4().hex
-        reply = self._run("acquire", tenant_id, _or_none(limits.rpm_limit), _or_none(limits.tpm_limit),
+        reply = self._run("acquire", tenant_id, _or_none(limits.rpm_limit),
+                          _or_none(limits.tpm_limit),
                           _or_none(limits.max_concurrent), tokens, call_id, self._ttl_ms)
         if reply is None:
             # The script may have run and only its reply been lost: undo it once Redis answers

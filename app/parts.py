@@ -188,7 +188,7 @@ def build_parts(engine: EngineClient, repo: TenantRepository, *,
             None: a single replica.
 
     Raises:
-        RuntimeError: another process already holds this usage journal.
+        tenants.usage_journal.JournalInUse: another process already holds this usage journal.
     """
     info = engine.model_info()
     metrics = ServerMetrics(info.served_model_name)
@@ -259,7 +259,8 @@ def parts_from_settings(settings: Settings, replica_id: str,
     Raises:
         ValueError: a bad engine flag or setting, or an unusable database or key file.
         FileNotFoundError: missing weights or GGUF.
-        RuntimeError: another process already holds this data dir's usage journal.
+        tenants.usage_journal.JournalInUse: another process already holds this data dir's usage
+            journal.
     """
     from app.bootstrap import bootstrap, make_jwt_verifier
     from engine.async_engine import AsyncLLM

@@ -134,7 +134,7 @@ class Tenant(Base):
     min_cache_blocks: Mapped[int | None] = mapped_column(Integer())
     max_cache_blocks: Mapped[int | None] = mapped_column(Integer())
     # Bumped by every reset of the tenant's prefix cache (migration 0009): replicas that missed
-    # the broadcast drop their blocks on the tenant's next request (tenants.cache_generations).
+    # the broadcast drop their blocks on the tenant's next request (app.services.cache_generations).
     cache_epoch: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
 
 

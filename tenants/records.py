@@ -71,7 +71,8 @@ class TenantInfo:
     current_salt_version: int
     enable_prefix_caching: bool
     created_at: datetime
-    # Limits and capacity share, as stored (one column each); ``quota`` groups them.
+    # Limits and capacity share, as stored (one column each); the request path reads them as
+    # one ``TenantQuota`` (``AuthContext.quota``).
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     max_concurrent: int | None = None
@@ -79,11 +80,6 @@ class TenantInfo:
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
     cache_epoch: int = 0  # bumped by every reset of its prefix cache
-
-    @property
-    def quota(self) -> TenantQuota:
-        """This tenant's limits and capacity share as the one record the request path uses."""
-        return from_row(TenantQuota, self)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ def _decode(line: str) -> UsageRecord:
     return UsageRecord(**d)
 
 
+
+class JournalInUse(RuntimeError):
+    """Another process holds the journal directory (one server per data dir)."""
+
 class UsageJournal:
     """Durable, batched usage writes (see the module docstring). Thread-safe.
 
@@ -71,7 +75,7 @@ class UsageJournal:
         retry_max_s: longest wait between two retries while the database refuses.
 
     Raises:
-        RuntimeError: another process holds this journal directory.
+        JournalInUse: another process holds this journal directory.
     """
 
     def __init__(self, directory: Path, store_batch: StoreBatch, *,
@@ -83,7 +87,7 @@ class UsageJournal:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RuntimeError(f"the usage journal {self.directory} is in use by another "
+            raise JournalInUse(f"the usage journal {self.directory} is in use by another "
                                "process (one server per data dir)") from None
         self._store_batch = store_batch
         self._flush_interval_s = flush_interval_s

@@ -209,6 +209,14 @@ def _reached_fixtures(item: pytest.Item) -> set[str]:
     return seen
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``-m "not slow"`` (the fast tier) our CPU kernels stay off, as ``make test-fast``
+    sets: several engine and kernel test modules build them when imported, which an edited .cpp
+    turns into minutes of compiling at collection. An explicit ``SALTSERVE_CPU_KERNELS`` wins."""
+    if "not slow" in (config.getoption("markexpr", "") or ""):
+        os.environ.setdefault("SALTSERVE_CPU_KERNELS", "0")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).resolve().parent
     for item in items:

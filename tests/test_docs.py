@@ -132,6 +132,37 @@ def test_the_benchmark_page_is_a_report_not_a_diary():
     assert diary_lines(text) == []
 
 
+REPO = DOCS.parent
+# Work periods and tracker numbers have no place anywhere in the project; dates of work are
+# checked in the docs only (tests and migrations hold real dates as data).
+_HISTORY = re.compile(r"\bsessions?\s+\d+|\bissues?\s+#?\d+|\bthis turn\b", re.IGNORECASE)
+SOURCE_DIRS = ("app", "engine", "tenants", "kernels", "tests", "benchmarks", "scripts", "deploy",
+               "migrations")
+
+
+@pytest.mark.parametrize("doc", [*DOC_FILES, REPO / "README.md"], ids=lambda p: p.name)
+def test_no_doc_reads_like_a_build_diary(doc):
+    assert diary_lines(doc.read_text()) == []
+
+
+def test_no_source_file_refers_to_the_history_of_its_construction():
+    this = Path(__file__).resolve()
+    found = []
+    for folder in SOURCE_DIRS:
+        for path in (REPO / folder).rglob("*"):
+            if (path.suffix not in {".py", ".cpp", ".h", ".sh", ".toml", ".cfg", ".html", ".js"}
+                    or "vendor" in path.parts or path.resolve() == this):
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if _HISTORY.search(line):
+                    found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:80]}")
+    for name in ("pyproject.toml", "Makefile", ".ci/run"):
+        for n, line in enumerate((REPO / name).read_text().splitlines(), 1):
+            if _HISTORY.search(line):
+                found.append(f"{name}:{n}: {line.strip()[:80]}")
+    assert found == []
+
+
 # The checks above can fail: each helper flags a fabricated page.
 
 def test_a_missing_module_is_reported_and_real_ones_are_not():
@@ -175,3 +206,10 @@ def test_diary_headings_and_markers_are_caught():
     assert diary_lines(page) == ["## Session 12 (2026-12-02): fused layers", "### session 3",
                                  "Against issue 15's targets."]
     assert diary_lines("`saltserve token issue --role admin`; console sessions expire") == []
+
+
+def test_the_history_check_tells_a_work_period_from_an_ordinary_session():
+    assert _HISTORY.search("# measured in session 31 on the Xeon")
+    assert _HISTORY.search("see issue #15") and _HISTORY.search("done in this turn")
+    assert not _HISTORY.search("console sessions expire after 900 s")
+    assert not _HISTORY.search("with Session(engine) as session: n = 3")

@@ -48,3 +48,30 @@ def test_every_kind_is_a_registered_marker(pytestconfig: pytest.Config) -> None:
     registered = {m.split(":", 1)[0] for m in ini["tool"]["pytest"]["ini_options"]["markers"]}
     kinds = {k for kinds in _root_conftest(pytestconfig).SLOW_TESTS.values() for k in kinds}
     assert kinds | {"slow", "real_model"} <= registered
+
+
+@pytest.mark.slow
+def test_the_fast_tier_collects_no_slow_test() -> None:
+    """The effect, not only the names: ``-m "not slow"`` (``make test-fast``) collects none of
+    the slow files or of the tests that reach the real model, and still collects the bulk of
+    the suite (a marking rule that swallowed the app tests would fail the floor)."""
+    import os
+    import subprocess
+    import sys
+
+    root = TESTS_DIR.parent
+    env = {**os.environ, "SALTSERVE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "-m", "not slow", "tests"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    slow_files = {"tests/app/test_console_browser.py", "tests/app/test_cluster_haproxy.py",
+                  "tests/app/test_cluster.py", "tests/app/test_serve_e2e.py",
+                  "tests/app/test_timing_side_channel.py", "tests/engine/test_fused_decode.py",
+                  "tests/kernels/test_cpu_linear.py", "tests/kernels/test_kernel_compile.py"}
+    leaked = [i for i in ids if i.split("::", 1)[0] in slow_files]
+    assert leaked == [], leaked[:5]
+    assert not [i for i in ids if "test_the_fast_tier_collects_no_slow_test" in i]
+    assert len(ids) > 800, len(ids)

@@ -103,7 +103,7 @@ def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
     return specs
 
 
-def serve_options(fn):
+def serve_options(fn: F) -> F:
     for decl, kwargs in reversed(engine_option_specs()):
         fn = click.option(decl, **kwargs)(fn)
     fn = click.option("--model", default=None,

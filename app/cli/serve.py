@@ -57,6 +57,7 @@ def serve(**opts: Any) -> None:
     from app.draining import DrainingServer
     from app.parts import parts_from_settings
     from app.server import create_app
+    from tenants.usage_journal import JournalInUse
 
     settings = settings_from_options(**opts)
     replica_id = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
@@ -72,7 +73,7 @@ def serve(**opts: Any) -> None:
         built = parts_from_settings(settings, replica_id, on_engine_death=stop_serving)
     except (ValueError, FileNotFoundError) as e:  # a bad flag, missing weights or GGUF
         raise click.UsageError(str(e)) from None
-    except RuntimeError as e:  # another server already uses this data dir's usage journal
+    except JournalInUse as e:  # another server already uses this data dir's usage journal
         raise click.ClickException(str(e)) from None
     parts = built.parts
     app = create_app(parts)

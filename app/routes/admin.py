@@ -78,28 +78,28 @@ async def resolve_tenant(svc: AdminService, name_or_id: str) -> TenantInfo:
 
 # -- tenants --------------------------------------------------------------------------------------
 @router.get("/tenants")
-async def list_tenants(svc: AdminServiceDep, _: AdminPrincipal) -> dict:
+async def list_tenants(_: AdminPrincipal, svc: AdminServiceDep) -> dict:
     tenants = await svc.list_tenants()
     return {"object": "list", "data": [_tenant_out(t) for t in tenants]}
 
 
 @router.post("/tenants", status_code=201)
-async def create_tenant(body: TenantCreate, svc: AdminServiceDep,
-                        admin: AdminPrincipal) -> dict:
+async def create_tenant(body: TenantCreate, admin: AdminPrincipal,
+                        svc: AdminServiceDep) -> dict:
     """Creates a tenant (salt version 1). 409 when the name is taken."""
     return _tenant_out(await svc.create_tenant(
         body.name, body.enable_prefix_caching, admin.subject))
 
 
 @router.get("/tenants/{tenant}")
-async def get_tenant(tenant: str, svc: AdminServiceDep, _: AdminPrincipal) -> dict:
+async def get_tenant(tenant: str, _: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """One tenant, by id or name."""
     return _tenant_out(await resolve_tenant(svc, tenant))
 
 
 @router.patch("/tenants/{tenant}")
-async def update_tenant(tenant: str, body: TenantPatch, svc: AdminServiceDep,
-                        admin: AdminPrincipal) -> dict:
+async def update_tenant(tenant: str, body: TenantPatch, admin: AdminPrincipal,
+                        svc: AdminServiceDep) -> dict:
     """Changes flags and limits (tenant by id or name). Turning prefix caching off also drops
     the tenant's cached blocks (reason ``reset``), so nothing of theirs stays cached."""
     limits = {k: getattr(body, k) for k in NULLABLE_LIMITS if k in body.model_fields_set}
@@ -109,21 +109,21 @@ async def update_tenant(tenant: str, body: TenantPatch, svc: AdminServiceDep,
 
 
 @router.post("/tenants/{tenant}/rotate-salt")
-async def rotate_salt(tenant: str, svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
+async def rotate_salt(tenant: str, admin: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """New salt version, current at once; the tenant's cached blocks are dropped (reason
     ``salt_rotation``). Running requests finish unharmed. Returns the version, never the salt."""
     return await svc.rotate_salt(tenant, admin.subject)
 
 
 @router.post("/tenants/{tenant}/cache/reset")
-async def reset_tenant_cache(tenant: str, svc: AdminServiceDep,
-                             admin: AdminPrincipal) -> dict:
+async def reset_tenant_cache(tenant: str, admin: AdminPrincipal,
+                             svc: AdminServiceDep) -> dict:
     """Drops every cached block of one tenant (reason ``reset``); running requests unharmed."""
     return await svc.reset_tenant_cache(tenant, admin.subject)
 
 
 @router.get("/cache")
-async def cache_stats(svc: AdminServiceDep, _: AdminPrincipal) -> dict:
+async def cache_stats(_: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """The KV block pool and each tenant's prefix-cache accounting, without Prometheus:
     blocks (total, free, used, cached), and per tenant resident blocks, queried and hit
     prompt tokens (cumulative since start), hit rate and evicted blocks by reason. Tenant
@@ -132,22 +132,22 @@ async def cache_stats(svc: AdminServiceDep, _: AdminPrincipal) -> dict:
 
 
 @router.post("/cache/reset")
-async def reset_cache(svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
+async def reset_cache(admin: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """Drops every cached block of every tenant; running requests unharmed."""
     return await svc.reset_cache(admin.subject)
 
 
 # -- API keys -------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant}/keys")
-async def list_keys(tenant: str, svc: AdminServiceDep, _: AdminPrincipal) -> dict:
+async def list_keys(tenant: str, _: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """The tenant's keys (no secrets), with ``last_used_at``."""
     keys = await svc.list_keys(tenant)
     return {"object": "list", "data": [_key_out(k) for k in keys]}
 
 
 @router.post("/tenants/{tenant}/keys", status_code=201)
-async def create_key(tenant: str, body: KeyCreate, svc: AdminServiceDep,
-                     admin: AdminPrincipal) -> dict:
+async def create_key(tenant: str, body: KeyCreate, admin: AdminPrincipal,
+                     svc: AdminServiceDep) -> dict:
     """Creates an API key. ``key`` (the plaintext) is in this response only, never again."""
     token, info = await svc.create_key(tenant, body.name, body.expires_at,
                                                    admin.subject)
@@ -155,7 +155,7 @@ async def create_key(tenant: str, body: KeyCreate, svc: AdminServiceDep,
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_key(key_id: str, svc: AdminServiceDep, admin: AdminPrincipal) -> dict:
+async def revoke_key(key_id: str, admin: AdminPrincipal, svc: AdminServiceDep) -> dict:
     """Revokes a key (idempotent); refused from the next request on."""
     return _key_out(await svc.revoke_key(key_id, admin.subject))
 
@@ -168,7 +168,7 @@ class TokenRevoke(BaseModel):
 
 
 @router.post("/tokens/revoke")
-async def revoke_token(body: TokenRevoke, repo: RepoDep, admin: AdminPrincipal) -> dict:
+async def revoke_token(body: TokenRevoke, admin: AdminPrincipal, repo: RepoDep) -> dict:
     """Revokes a platform JWT by its ``jti`` (idempotent): refused from its next request on."""
     revoked_at = await in_thread(repo.revocations.revoke, body.jti,
                                   _param="jti", actor=admin.subject)
@@ -177,7 +177,7 @@ async def revoke_token(body: TokenRevoke, repo: RepoDep, admin: AdminPrincipal) 
 
 # -- audit and usage ------------------------------------------------------------------------------
 @router.get("/audit")
-async def audit_log(svc: AdminServiceDep, _: AdminPrincipal, tenant: str | None = None,
+async def audit_log(_: AdminPrincipal, svc: AdminServiceDep, tenant: str | None = None,
                     action: str | None = Query(None, max_length=64),
                     actor: str | None = Query(None, max_length=255),
                     since: datetime | None = None, until: datetime | None = None,
@@ -196,7 +196,7 @@ async def audit_log(svc: AdminServiceDep, _: AdminPrincipal, tenant: str | None 
 
 _USAGE_COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
 @router.get("/usage", response_model=None)
-async def usage(svc: AdminServiceDep, repo: RepoDep, _: AdminPrincipal,
+async def usage(_: AdminPrincipal, svc: AdminServiceDep, repo: RepoDep,
                 tenant: str | None = None,
                 since: datetime | None = None, until: datetime | None = None,
                 limit: int | None = Query(None, ge=1, le=100_000),
@@ -206,7 +206,7 @@ async def usage(svc: AdminServiceDep, repo: RepoDep, _: AdminPrincipal,
     """Usage records, one per call, oldest first (sums per bucket: ``/admin/usage/report``).
     ``since``/``until`` must carry a timezone; ``end_user``: only calls a tenant made for this
     end user (OpenAI ``user``)."""
-    if bucket_s is not None:  # removed: sums per bucket come from SQL now
+    if bucket_s is not None:  # sums per bucket: GET /admin/usage/report
         raise APIError(400, "bucket_s is gone: use GET /admin/usage/report?bucket=1m|1h|1d",
                        "bucket_s", "unsupported_parameter")
     tenant_id = None if tenant is None else (await resolve_tenant(svc, tenant)).id

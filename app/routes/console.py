@@ -630,7 +630,8 @@ async def _usage_rows(request: Request, session: ConsoleSession, f: _UsageFilter
         tenant_id = t.id
     until = datetime.now(UTC)
     return await _attempt(session, usage_report(
-        get_parts(request).repo.usage, tenant_id, until - views.RANGES[f.range], until, f.bucket, ("tenant",)))
+        get_parts(request).repo.usage, tenant_id, until - views.RANGES[f.range], until, f.bucket,
+        ("tenant",)))
 
 
 @router.get("/usage")

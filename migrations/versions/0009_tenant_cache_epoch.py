@@ -7,7 +7,7 @@ Create Date: 2026-12-01
 Replicas share the database but each has its own KV cache. A reset is broadcast to every replica
 (``app.cluster``); ``cache_epoch`` is the fallback that needs no message: a replica that meets a
 newer epoch on a tenant's next request drops that tenant's cached blocks
-(``tenants.cache_generations``), as a newer salt version does after a rotation.
+(``app.services.cache_generations``), as a newer salt version does after a rotation.
 """
 
 from __future__ import annotations

@@ -142,3 +142,26 @@ def test_the_frozen_startup_heap_is_given_back_at_exit_so_nothing_reports_leaks(
     given_back = run("serve")
     assert given_back.returncode == 1, given_back.stderr[-2000:]
     assert "leaked" not in given_back.stderr, given_back.stderr[-2000:]
+
+
+def test_serve_turns_a_busy_journal_into_one_line_and_lets_other_errors_raise(tmp_path,
+                                                                              monkeypatch):
+    """Another server on this data dir is a one-line error; an unexpected RuntimeError (a torch
+    load error, out of memory) keeps its traceback instead of being passed off as one."""
+    import app.parts
+    from tenants.usage_journal import JournalInUse
+
+    def busy(*args, **kwargs):
+        raise JournalInUse("the usage journal /x is in use by another process")
+
+    monkeypatch.setattr(app.parts, "parts_from_settings", busy)
+    r = CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 1 and "in use by another process" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a load error")
+
+    monkeypatch.setattr(app.parts, "parts_from_settings", broken)
+    r = CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path)])
+    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "a load error"

@@ -11,10 +11,12 @@ transformers 5.25 made a hard dependency and imports at load when it is installe
 - Hugging Face's package first: ``import kernels.cpu_linear`` raises ``ModuleNotFoundError``;
 - as wheels, both distributions write ``site-packages/kernels/__init__.py``.
 
-These tests hold the pin to the condition that forces it: each fails when the clash is gone
-(the pin can be lifted) or when the pin no longer keeps transformers away from Hugging Face's
-``kernels``. ``scripts/check_transformers_pin.sh [VERSION]`` re-checks a newer transformers in a
-throwaway venv (needs the package index).
+These tests hold the pin to the condition that forces it here: they fail when our package no
+longer takes the name ``kernels`` (then the pin can go), or when the pin no longer keeps
+transformers and Hugging Face's ``kernels`` out of this environment. They cannot see a future
+transformers release that stops importing ``kernels``: ``scripts/check_transformers_pin.sh
+[VERSION]`` re-checks a newer release in a throwaway venv (needs the package index), and prints
+NO CLASH when the pin may be lifted.
 """
 
 from __future__ import annotations

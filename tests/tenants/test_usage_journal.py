@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 
 from tenants.records import UsageRecord
 from tenants.repository import TenantRepository
-from tenants.usage_journal import UsageJournal
+from tenants.usage_journal import JournalInUse, UsageJournal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,7 +193,7 @@ def test_a_locked_sqlite_database_delays_rows_but_loses_none(tmp_path) -> None:
 def test_one_process_owns_a_journal_directory(repo: TenantRepository, tmp_path) -> None:
     first = UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
     first.start()
-    with pytest.raises(RuntimeError, match="in use by another process"):
+    with pytest.raises(JournalInUse, match="in use by another process"):
         UsageJournal(tmp_path / "j", repo.usage.record_usage_batch)
     first.close()
     first.close()  # twice is harmless
