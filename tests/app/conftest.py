@@ -15,7 +15,7 @@ import pytest
 from fake_engine import FakeExecutor, make_fake_llm_engine
 from fastapi.testclient import TestClient
 
-from app.parts import build_parts
+from app.parts import ServerParts, build_parts
 from app.server import create_app
 from engine.async_engine import AsyncLLM
 from tenants.crypto import SaltCipher, decode_master_key, generate_master_key
@@ -37,6 +37,11 @@ class AppEnv:
     # platform JWT, role admin, sub "test-admin", no tenant (kept out of failure output)
     admin_token: str = field(default="", repr=False)
     data_dir: Path | None = None   # holds the platform JWT signing key
+
+    @property
+    def parts(self) -> ServerParts:
+        """The server's parts (``app.parts``) the app was built from."""
+        return self.client.app.state.parts
 
     @property
     def fake(self) -> FakeExecutor | None:

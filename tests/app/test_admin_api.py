@@ -323,7 +323,7 @@ def test_audit_rows_record_versions_never_salts(env):
     assert by_action["api_key.create"]["detail"] == f"key_id={k['id']} salt_version=1"
     assert by_action["api_key.revoke"]["detail"] == f"key_id={k['id']} salt_version=1"
     assert {row["actor"] for row in rows} == {"test-admin"}
-    env.client.app.state.parts.admin_refusals.flush(env.repo.usage.audit, everything=True)
+    env.parts.admin_refusals.flush(env.repo.usage.audit, everything=True)
     everything = admin(env, "GET", "/admin/audit", params={"limit": 1000}).text
     assert "auth.admin_forbidden" in everything
     for tid in (t["id"], env.tenant_a, env.tenant_b):
@@ -334,7 +334,7 @@ def test_audit_rows_record_versions_never_salts(env):
 
 def test_usage_report_json_and_csv(env):
     complete(env, env.key_b, prompt_of(7, 20))
-    assert env.client.app.state.parts.journal.wait_stored()  # rows are written off the path
+    assert env.parts.journal.wait_stored()  # rows are written off the path
     r = admin(env, "GET", "/admin/usage", params={"tenant": env.tenant_b})
     assert r.status_code == 200
     rows = r.json()["data"]
@@ -395,7 +395,7 @@ def test_an_anonymous_flood_leaves_the_audit_log_alone(env):
     counted = metric(env, "admin_auth_refusals_total", reason="malformed")
     for _ in range(1100):
         assert env.client.get("/admin/tenants", headers=env.headers("x")).status_code == 401
-    env.client.app.state.parts.admin_refusals.flush(env.repo.usage.audit, everything=True)
+    env.parts.admin_refusals.flush(env.repo.usage.audit, everything=True)
     assert env.repo.usage.list_audit(limit=1)[0] == real          # no row was written
     assert metric(env, "admin_auth_refusals_total", reason="malformed") == counted + 1100
     rows = admin(env, "GET", "/admin/audit", params={"limit": 1000}).json()["data"]
@@ -403,7 +403,7 @@ def test_an_anonymous_flood_leaves_the_audit_log_alone(env):
 
 
 def test_a_forbidden_paths_row_is_truncated_and_escaped(env):
-    refusals = env.client.app.state.parts.admin_refusals
+    refusals = env.parts.admin_refusals
     refusals.flush(env.repo.usage.audit, everything=True)
     path = "/admin/tenants/" + "x" * 300 + "%0aFAKE%20ROW%00"
     assert env.client.get(path, headers=env.headers(env.key_b)).status_code == 403
@@ -487,7 +487,7 @@ def test_usage_report_routes_and_a_tenants_own_usage(env):
     complete(env, env.key_a, prompt_of(8, 40))
     complete(env, env.key_a, prompt_of(8, 40))  # a repeat: a hit
     complete(env, env.key_b, prompt_of(9, 40))
-    assert env.client.app.state.parts.journal.wait_stored()
+    assert env.parts.journal.wait_stored()
     r = admin(env, "GET", "/admin/usage/report",
               params={"tenant": "tenant-a", "bucket": "1h", "group_by": "tenant,key,model"})
     assert r.status_code == 200, r.text

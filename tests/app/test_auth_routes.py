@@ -222,7 +222,7 @@ def test_disabled_tenant_is_refused_for_keys_and_jwts(env):
 def test_refused_admin_calls_never_flood_the_audit_log(env):
     """Unauthenticated refusals: counted, never audit rows. Forbidden ones (a tenant key): one
     aggregated row per actor and minute with the count; never a token in either."""
-    refusals = env.client.app.state.parts.admin_refusals
+    refusals = env.parts.admin_refusals
     refusals._now = lambda: 1_800_000_000.0  # one fixed minute
     refusals.flush(env.repo.usage.audit, everything=True)
     before = [a.id for a in env.repo.usage.list_audit(limit=1000)]
@@ -300,7 +300,7 @@ def test_a_slow_identity_provider_never_slows_api_key_requests(env, request):
         return 200, json.dumps({"keys": []}).encode()
 
     url, _ = serve_jwks(request, slow_empty_key_set)
-    state = env.client.app.state.parts
+    state = env.parts
     saved = state.jwt_verifier
     state.jwt_verifier = JWTVerifier(JWTConfig(jwks_url=url, jwks_refetch_cooldown_s=0),
                                      saved._platform)

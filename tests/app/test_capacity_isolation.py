@@ -54,7 +54,7 @@ def _post_raw(env, key: str, path: str, body: bytes):
 
 
 def test_rate_limited_tenant_gets_a_fast_429_whatever_the_body(env):
-    svc = env.client.app.state.parts.completions
+    svc = env.parts.completions
     bodies = _big_bodies(env.model)
     prepared = []  # bodies read and handed to the parse pool
     original = svc.preprocessor.parse
@@ -337,7 +337,7 @@ def test_engine_death_calls_the_servers_exit_hook(model_dir, tokenizer, tmp_path
 
 
 def test_tpm_refusal_after_tokenising_counts_one_request_and_no_tokens(env):
-    svc = env.client.app.state.parts.completions
+    svc = env.parts.completions
     env.repo.tenants.update(env.tenant_b, tpm_limit=50, rpm_limit=100)
     try:
         w_before = len(getattr(svc.limiter._tenants.get(env.tenant_b), "requests", []))

@@ -45,7 +45,7 @@ def env(app_env_builder, tmp_path_factory):
 
 @pytest.fixture
 def service(env):
-    svc = env.client.app.state.parts.completions
+    svc = env.parts.completions
     svc.record_usage = Recorder()
     svc.limiter = RateLimiter()
     env.repo.tenants.update(env.tenant_a, rpm_limit=100, tpm_limit=100_000, max_concurrent=4)
@@ -69,7 +69,7 @@ def _engine_idle(env) -> tuple[int, int, bool]:
 
 
 def _requests_total(env, status: str) -> float:
-    metric = env.client.app.state.parts.metrics.requests
+    metric = env.parts.metrics.requests
     return metric.labels(env.model, env.tenant_a, status)._value.get()
 
 
@@ -245,7 +245,7 @@ def test_finalize_refuses_a_second_run(env, service, caplog):
 
 def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder, tmp_path):
     with app_env_builder(tmp_path, max_consecutive_step_failures=1) as env:
-        svc = env.client.app.state.parts.completions
+        svc = env.parts.completions
         svc.record_usage = recorder = Recorder()
         env.fake.fail = True
         r = env.client.post("/v1/completions", headers=env.headers(env.key_b), json={
@@ -262,7 +262,7 @@ def test_engine_failure_mid_call_records_once_and_fails_cleanly(app_env_builder,
 
 def test_engine_death_mid_stream_is_an_in_band_error_recorded_once(app_env_builder, tmp_path):
     with app_env_builder(tmp_path, max_consecutive_step_failures=1) as env:
-        svc = env.client.app.state.parts.completions
+        svc = env.parts.completions
         svc.record_usage = recorder = Recorder()
         env.fake.step_delay_s = 0.01
         lines = []

@@ -497,7 +497,7 @@ def test_overview_and_usage_show_the_numbers_and_charts(env, console):
             "messages": [{"role": "user", "content": "usage page " * 60}]}
     for _ in range(2):
         assert env.client.post("/v1/chat/completions", headers=h, json=body).status_code == 200
-    assert env.client.app.state.parts.journal.wait_stored()
+    assert env.parts.journal.wait_stored()
     overview = console.get("/console/overview").text
     charts = {c["id"]: c for c in chart_specs(overview)}
     assert set(charts) == {"chart-pool", "chart-resident", "chart-hit-rate", "chart-evictions"}
@@ -590,7 +590,7 @@ def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
     r = env.client.post("/v1/chat/completions", headers=env.headers(key),
                         json={**CHAT, "model": env.model})
     assert r.status_code == 200, r.text
-    assert env.client.app.state.parts.journal.wait_stored()
+    assert env.parts.journal.wait_stored()
     for path in ("/console/tenants", f"/console/tenants/{tenant.id}", "/console/audit",
                  "/console/overview", f"/console/usage?tenant={tenant.id}&range=1h"):
         html = console.get(path).text

@@ -60,7 +60,7 @@ def test_an_on_stop_that_fails_is_logged_and_the_signal_is_still_raised(caplog):
 def test_the_first_signal_starts_the_drain_and_health_answers_503(app_env):
     """``saltserve serve`` wires ``on_drain`` to ``ServerParts.start_draining``: after the first
     SIGTERM ``/health`` answers 503 (the load balancer stops sending), the server still runs."""
-    parts = app_env.client.app.state.parts
+    parts = app_env.parts
     assert app_env.client.get("/health").status_code == 200
     server = DrainingServer(uvicorn.Config(FastAPI(), log_config=None), 30.0,
                             on_drain=parts.start_draining)

@@ -167,7 +167,7 @@ def env(app_env_builder, tmp_path_factory):
 def clock(env):
     """A fresh fake-clock limiter per test; limits of both tenants reset afterwards."""
     clock = FakeClock()
-    env.client.app.state.parts.completions.limiter = RateLimiter(clock)
+    env.parts.completions.limiter = RateLimiter(clock)
     yield clock
     for tenant in (env.tenant_a, env.tenant_b):
         env.repo.tenants.update(tenant, rpm_limit=None, tpm_limit=None, max_concurrent=None)
@@ -236,7 +236,7 @@ def test_tpm_counts_actual_usage_and_rejects_oversized_max_tokens(env, clock):
 
 def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock):
     env.repo.tenants.update(env.tenant_b, max_concurrent=1)
-    limiter = env.client.app.state.parts.completions.limiter
+    limiter = env.parts.completions.limiter
     body = {"model": env.model, "prompt": [21, 22, 23], "max_tokens": 3, "temperature": 0,
             "stream": True}
     h = env.headers(env.key_b)
@@ -260,7 +260,7 @@ def test_max_concurrent_rejects_while_a_stream_is_open_then_releases(env, clock)
 
 def test_lease_released_on_engine_rejection_and_bad_request(env, clock):
     env.repo.tenants.update(env.tenant_b, max_concurrent=1, rpm_limit=100)
-    limiter = env.client.app.state.parts.completions.limiter
+    limiter = env.parts.completions.limiter
     assert _post(env, env.key_b, model="nope").status_code == 404  # before admission
     assert limiter.in_flight(env.tenant_b) == 0
     r = _post(env, env.key_b, stream=True, max_tokens=2)
@@ -272,7 +272,7 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     import asyncio
 
     env.repo.tenants.update(env.tenant_a, max_concurrent=1, tpm_limit=5000)
-    limiter = env.client.app.state.parts.completions.limiter
+    limiter = env.parts.completions.limiter
     body = json.dumps({"model": env.model, "prompt": list(range(300, 360)), "max_tokens": 300,
                        "ignore_eos": True, "temperature": 0, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},

@@ -93,7 +93,7 @@ def test_metrics_needs_the_scrape_token(env):
 
 
 def test_metrics_without_a_configured_token_are_denied_to_everyone(env):
-    state = env.client.app.state.parts
+    state = env.parts
     state.metrics_token = None
     try:
         for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}):

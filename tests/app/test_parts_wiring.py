@@ -66,7 +66,7 @@ def test_the_check_sees_state_lookups():
 def test_the_generation_rule_is_one_object_wired_one_way(app_env):
     """Auth, the admin service and the cluster listener share one generation service, which
     announces through the replica's broadcast; nothing is attached after construction."""
-    parts = app_env.client.app.state.parts
+    parts = app_env.parts
     assert parts.admin.generations is parts.generations
     assert parts.generations._broadcast is parts.broadcast
     assert parts.listener._apply == parts.generations.on_broadcast

@@ -25,7 +25,7 @@ def test_calls_while_the_database_is_locked_are_all_billed_once_it_unlocks(env):
     body = {"model": env.model, "prompt": [500, 501, 502], "max_tokens": 2, "temperature": 0}
     assert env.client.post("/v1/completions", json=body, headers=env.headers(key)
                            ).status_code == 200     # warm: the key is cached, its row stored
-    journal = env.client.app.state.parts.journal
+    journal = env.parts.journal
     assert journal.wait_stored()
     locker = make_engine(f"sqlite:///{env.data_dir / 'app.db'}").raw_connection()
     locker.execute("PRAGMA busy_timeout=0")
