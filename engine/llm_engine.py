@@ -25,7 +25,8 @@ from engine.models.config import ModelConfig
 from engine.protocol import ModelInfo, attach_grammar, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stats import OPERATOR_EVICTION_REASONS, EngineStatsSnapshot, take_snapshot
+from engine.stats import OPERATOR_EVICTION_REASONS, EngineStatsSnapshot
+from engine.stats_snapshot import take_snapshot
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ Two mutable accumulators live on the engine thread:
 - ``SchedulerStats`` (owned by ``Scheduler``): prefix-cache queries and hits (tokens, counted once
   per request at its first admission), recomputed tokens after preemption, preemptions.
 
-``take_snapshot`` copies both, plus the pool and queue gauges, into an ``EngineStatsSnapshot``:
+``engine.stats_snapshot.take_snapshot`` copies both, plus the pool and queue gauges, into an
+``EngineStatsSnapshot``:
 plain frozen data that can cross threads (``AsyncLLM.call``) and be exported by the app
 (``app/metrics.py``). Every global counter is kept independently of the per-tenant ones, so
 ``EngineStatsSnapshot.check_integrity`` (per-tenant sums equal the globals) is a real check.
@@ -21,10 +22,6 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
 
 TenantId = str | None
 
@@ -240,56 +237,3 @@ class EngineStatsSnapshot:
             "per-tenant over-share evictions do not sum to the global counter"
         assert self.over_share_evictions <= self.evictions["capacity"], \
             "more over-share evictions than capacity evictions"
-
-
-def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
-    """Copies the scheduler's and its block pool's accounting into a frozen snapshot.
-
-    Call on the thread that owns the scheduler (the engine thread); O(tenants^2 + reasons), never
-    O(num_blocks). Never modifies any state.
-    """
-    pool = scheduler.kv.block_pool
-    pstats, sstats = pool.stats, scheduler.stats
-    ids: set[TenantId] = (set(sstats.per_tenant_queries) | set(sstats.per_tenant_recomputed_tokens)
-                          | set(pstats.resident_blocks))
-    evictions: dict[TenantId, dict[str, int]] = {}
-    caused: dict[TenantId, dict[TenantId, int]] = {}
-    rows = []
-    for (owner, reason, by), n in sorted(pstats.evictions.items(), key=_row_key):
-        rows.append(EvictionCount(owner, reason, by, n))
-        _add(evictions.setdefault(owner, dict.fromkeys(EVICTION_REASONS, 0)), reason, n)
-        ids.add(owner)
-        if reason == "capacity":
-            _add(caused.setdefault(by, {}), owner, n)
-            ids.add(by)
-    tenants = {
-        t: TenantStats(
-            prefix_cache_queries=sstats.per_tenant_queries.get(t, 0),
-            prefix_cache_hits=sstats.per_tenant_hits.get(t, 0),
-            prefix_cache_recomputed_tokens=sstats.per_tenant_recomputed_tokens.get(t, 0),
-            resident_blocks=pstats.resident_blocks.get(t, 0),
-            evictions=MappingProxyType(evictions.get(t, dict.fromkeys(EVICTION_REASONS, 0))),
-            evictions_caused=MappingProxyType(caused.get(t, {})),
-            cache_share_blocks=pool.cache_share(t),
-            over_share_evictions=pstats.over_share_evictions.get(t, 0))
-        for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
-    num_free = pool.get_num_free_blocks()
-    return EngineStatsSnapshot(
-        num_blocks_total=pool.num_blocks, num_blocks_free=num_free,
-        num_blocks_used=pool.num_used_blocks, num_blocks_cached=pool.get_num_cached_blocks(),
-        kv_cache_usage=pool.get_usage(),
-        num_requests_running=len(scheduler.running),
-        num_requests_waiting=len(scheduler.waiting),
-        num_preemptions=sstats.num_preemptions,
-        prefix_cache_queries=sstats.prefix_cache_queries,
-        prefix_cache_hits=sstats.prefix_cache_hits,
-        prefix_cache_recomputed_tokens=sstats.num_recomputed_tokens,
-        evictions=MappingProxyType(dict(pstats.num_evictions)),
-        eviction_counts=tuple(rows),
-        tenants=MappingProxyType(tenants),
-        over_share_evictions=pstats.num_over_share_evictions)
-
-
-def _row_key(item: tuple[tuple[TenantId, str, TenantId], int]) -> tuple:
-    (owner, reason, by), _ = item
-    return (owner or "", reason, by or "")

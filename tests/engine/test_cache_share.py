@@ -11,7 +11,7 @@ import pytest
 
 from engine.block_pool import BlockPool
 from engine.request import TenantShare
-from engine.stats import take_snapshot
+from engine.stats_snapshot import take_snapshot
 
 _next_hash = iter(range(10**9))
 

@@ -19,7 +19,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stats import EVICTION_REASONS, EngineStatsSnapshot, TenantStats, take_snapshot
+from engine.stats import EVICTION_REASONS, EngineStatsSnapshot, TenantStats
+from engine.stats_snapshot import take_snapshot
 
 BS = 16
 SALTS = {"A": b"\xaa" * 32, "B": b"\xbb" * 32, "C": b"\xcc" * 32}

@@ -1,0 +1,76 @@
+"""``take_snapshot``: the scheduler's and its block pool's accounting as one frozen
+``EngineStatsSnapshot`` (``engine.stats``). Kept apart from ``engine.stats`` because it reads
+the scheduler, which itself imports ``engine.stats``."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from engine.stats import (
+    EVICTION_REASONS,
+    EngineStatsSnapshot,
+    EvictionCount,
+    TenantId,
+    TenantStats,
+)
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+
+def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
+    """Copies the scheduler's and its block pool's accounting into a frozen snapshot.
+
+    Call on the thread that owns the scheduler (the engine thread); O(tenants^2 + reasons), never
+    O(num_blocks). Never modifies any state.
+    """
+    pool = scheduler.kv.block_pool
+    pstats, sstats = pool.stats, scheduler.stats
+    ids: set[TenantId] = (set(sstats.per_tenant_queries) | set(sstats.per_tenant_recomputed_tokens)
+                          | set(pstats.resident_blocks))
+    evictions: dict[TenantId, dict[str, int]] = {}
+    caused: dict[TenantId, dict[TenantId, int]] = {}
+    rows = []
+    for (owner, reason, by), n in sorted(pstats.evictions.items(), key=_row_key):
+        rows.append(EvictionCount(owner, reason, by, n))
+        _add(evictions.setdefault(owner, dict.fromkeys(EVICTION_REASONS, 0)), reason, n)
+        ids.add(owner)
+        if reason == "capacity":
+            _add(caused.setdefault(by, {}), owner, n)
+            ids.add(by)
+    tenants = {
+        t: TenantStats(
+            prefix_cache_queries=sstats.per_tenant_queries.get(t, 0),
+            prefix_cache_hits=sstats.per_tenant_hits.get(t, 0),
+            prefix_cache_recomputed_tokens=sstats.per_tenant_recomputed_tokens.get(t, 0),
+            resident_blocks=pstats.resident_blocks.get(t, 0),
+            evictions=MappingProxyType(evictions.get(t, dict.fromkeys(EVICTION_REASONS, 0))),
+            evictions_caused=MappingProxyType(caused.get(t, {})),
+            cache_share_blocks=pool.cache_share(t),
+            over_share_evictions=pstats.over_share_evictions.get(t, 0))
+        for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
+    num_free = pool.get_num_free_blocks()
+    return EngineStatsSnapshot(
+        num_blocks_total=pool.num_blocks, num_blocks_free=num_free,
+        num_blocks_used=pool.num_used_blocks, num_blocks_cached=pool.get_num_cached_blocks(),
+        kv_cache_usage=pool.get_usage(),
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=len(scheduler.waiting),
+        num_preemptions=sstats.num_preemptions,
+        prefix_cache_queries=sstats.prefix_cache_queries,
+        prefix_cache_hits=sstats.prefix_cache_hits,
+        prefix_cache_recomputed_tokens=sstats.num_recomputed_tokens,
+        evictions=MappingProxyType(dict(pstats.num_evictions)),
+        eviction_counts=tuple(rows),
+        tenants=MappingProxyType(tenants),
+        over_share_evictions=pstats.num_over_share_evictions)
+
+
+def _add(d: dict, key: object, n: int) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+def _row_key(item: tuple[tuple[TenantId, str, TenantId], int]) -> tuple:
+    (owner, reason, by), _ = item
+    return (owner or "", reason, by or "")
