@@ -35,3 +35,13 @@ def test_the_python_and_cpp_kind_tables_agree():
 def test_the_check_sees_a_renumbered_kind():
     source = CPP.read_text().replace("kQ8Vnni = 8", "kQ8Vnni = 9")
     assert cpp_kinds(source) != python_kinds()
+
+
+def test_every_cpp_file_of_kernels_cpu_is_built():
+    """The build's source list is kept by hand (``kernels/cpu_linear.py``): a new .cpp left
+    out of it would register no op and fail only at run time."""
+    from kernels import cpu_linear
+
+    built = {p.name for p in (cpu_linear.SOURCE, cpu_linear.Q4_SOURCE, cpu_linear.Q4_VNNI_SOURCE,
+                              *cpu_linear.OPS_SOURCES)}
+    assert built == {p.name for p in CPP.parent.glob("*.cpp")}
