@@ -30,11 +30,23 @@ Grid: ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, num_segments)``.
   tiles and writes ``m``, ``l`` and the unnormalised ``acc`` to fp32 scratch; a second kernel
   (``_reduce_segments_kernel``, grid ``(num_tokens, num_heads)``) rescales and sums the segments.
   With one segment the first kernel writes the normalised output directly.
+
+Attention variants, constexpr switches (off, the kernel compiles to the plain causal code):
+
+* ``SLIDING_WINDOW`` W > 0: the token at position ``p`` sees keys ``p - W < k <= p`` (Hugging Face
+  ``masking_utils.sliding_window_overlay``); the walk starts at the tile holding the window start
+  of the block's first row, so tiles wholly before every row's window are never read.
+* ``SOFTCAP`` c > 0: scores become ``c * tanh(score / c)`` on the scaled natural-log scores,
+  before the causal mask (Gemma 2's logit soft-capping).
+* ``HAS_SINKS``: one learned logit per query head (``sinks_ptr``, fp32, natural log) joins the
+  softmax as an extra column with no value (gpt-oss's attention sinks). Segment 0 starts its
+  running max and sum from it, so with split-K the reduce counts it exactly once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -45,13 +57,21 @@ _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 16
 
 
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 through exp2 (the interpreter has no libdevice tanh); odd and saturating."""
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))             # e^{-2|x|} in (0, 1]
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0.0, -th, th)
+
+
 # Every scalar is annotated: the JIT would turn an unannotated int equal to 1 (one sequence)
 # into a constexpr, an untested variant. Strides are int64 so large pools address correctly.
 @triton.jit
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
     qk_scale: tl.float32, num_seqs: tl.int32, num_heads: tl.int32,
     stride_q_tok: tl.int64, stride_q_head: tl.int64,
     stride_kc_block: tl.int64, stride_kc_slot: tl.int64, stride_kc_head: tl.int64,
@@ -62,6 +82,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,19 +122,33 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # Keys visible to the last row of the block (causal), split into TILE_N tiles.
+    # Keys visible to the last row of the block (causal), split into TILE_N tiles; with a
+    # sliding window, from the tile holding the window start of the block's first row.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    if SLIDING_WINDOW > 0:
+        first_tile = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
+    else:
+        first_tile = 0
     if NUM_SEGMENTS == 1:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
     else:
-        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * tiles_per_segment
+        tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+        tile_lo = first_tile + segment * tiles_per_segment
         tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink column, in segment 0 only: running max = the sink (log2 domain), sum = e^0.
+        sink = tl.load(sinks_ptr + q_head) * 1.4426950408889634      # q_head < num_heads
+        if NUM_SEGMENTS == 1:
+            m_i = sink
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.where(segment == 0, sink, m_i)
+            l_i = tl.where(segment == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kc_head = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
@@ -132,7 +167,13 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_M, TILE_N] fp32
+        if SOFTCAP > 0.0:
+            # s = score * log2(e): cap score / c in the natural-log domain, back to log2 after.
+            cap2 = SOFTCAP * 1.4426950408889634
+            s = _tanh(s * (1.0 / cap2)) * cap2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)          # fully masked rows
@@ -214,11 +255,41 @@ def _launch_config(head_dim_padded: int, num_queries_per_kv: int, decode_only: b
     return block_m, tile_n, num_warps
 
 
+def _check_variants(query: torch.Tensor, sliding_window: int | None,
+                    logit_softcap: float | None, sinks: torch.Tensor | None
+                    ) -> tuple[int, float, torch.Tensor | None]:
+    """Validated variant arguments as the kernel takes them: (SLIDING_WINDOW, 0 = off;
+    SOFTCAP, 0.0 = off; sinks contiguous, or None)."""
+    window = 0
+    if sliding_window is not None:
+        if (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                or sliding_window < 1):
+            raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
+        window = int(sliding_window)
+    softcap = 0.0
+    if logit_softcap is not None:
+        if (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                or not math.isfinite(logit_softcap) or logit_softcap <= 0):
+            raise ValueError(f"logit_softcap must be a finite number > 0, got {logit_softcap!r}")
+        softcap = float(logit_softcap)
+    if sinks is not None:
+        if (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)
+                or sinks.dtype != torch.float32 or sinks.device != query.device):
+            raise ValueError(
+                f"sinks must be a [{query.shape[1]}] float32 tensor on {query.device}, got "
+                + (f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+                   if isinstance(sinks, torch.Tensor) else type(sinks).__name__))
+        sinks = sinks.contiguous()
+    return window, softcap, sinks
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     *, max_query_len: int | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, sliding_window: int | None = None,
+                    logit_softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V, with GQA.
 
     This step's K/V must already be in the cache (``store_kv_cache``).
@@ -239,12 +310,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         max_seq_len: host-side max ``seq_lens``, if known (enables split-K on CUDA).
         num_splits: split-K segments; None picks automatically (1 on CPU). Rounded up to a
             power of 2.
+        sliding_window: W >= 1: position p attends keys p - W < k <= p (HF
+            ``masking_utils.sliding_window_overlay``); None: full causal.
+        logit_softcap: c > 0: scores = c * tanh(q.k * scale / c) before masking (Gemma 2).
+        sinks: [num_heads] fp32 on ``query``'s device: one logit per query head, an extra
+            softmax column without a value (gpt-oss ``eager_attention_forward``).
 
     Returns:
         [num_tokens, num_heads, head_dim] in ``query``'s dtype (``out`` when given).
 
     Raises:
         AssertionError: shapes, dtypes, devices or strides do not match the layouts above.
+        ValueError: a sliding window < 1, a soft-cap that is not a finite number > 0, or sinks
+            not of shape [num_heads], fp32, on ``query``'s device.
     """
     assert query.dim() == 3, query.shape
     num_tokens, num_heads, head_dim = query.shape
@@ -268,6 +346,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         assert t.stride(-1) == 1, "the head_dim axis must be contiguous"
     for t in (key_cache, value_cache, query_start_loc, seq_lens, block_tables):
         assert t.device == query.device, (t.device, query.device)
+    window, softcap, sinks = _check_variants(query, sliding_window, logit_softcap, sinks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     else:
@@ -284,6 +363,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                                 decode_only, query.dtype)
     block_q = block_m // num_queries_per_kv
     if num_splits is None:
+        if window and max_seq_len is not None:
+            max_seq_len = min(max_seq_len, window)          # the keys a decode row reads
         num_splits = _auto_num_splits(query, num_seqs, num_kv_heads, max_query_len, max_seq_len)
     assert 1 <= num_splits <= 256, num_splits
     num_splits = triton.next_power_of_2(num_splits)
@@ -300,7 +381,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, out if sinks is None else sinks,
         float(scale) * _LOG2E, num_seqs, num_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -311,6 +392,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_splits,
         DOT_FP32=interpreting,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:

@@ -8,6 +8,10 @@ CPU kernels are built (``kernels.cpu_ops``), decode rows run our paged decode ke
 (which reads chunks shared by several sequences once, itself: no cascade split needed), as do
 prefill chunks of up to ``CHUNK_VIA_DECODE_KERNEL_MAX_TOKENS`` tokens over cached context (one
 decode row per token), and the K/V write is our ``reshape_and_cache``.
+
+With an attention variant (sliding window, logit soft-cap, sinks) every sequence runs the explicit
+fp32 path of ``paged_attention_variants_torch`` instead: neither SDPA, cascade attention nor our
+CPU decode kernel knows the variants.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, check_attention_variants
 from engine.attention.metadata import AttentionMetadata
 from kernels import cpu_ops
 
@@ -145,6 +149,131 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[start:start + q_len] = o[0].transpose(0, 1)
+    return out
+
+
+# Query rows of one prefill chunk scored together on the variant path: bounds its fp32 score
+# matrix to num_heads * this * keys (a sliding window also bounds the keys).
+VARIANT_QUERY_ROWS = 256
+
+
+def _positions_to_slots(meta: AttentionMetadata, block_size: int, seqs: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+    """Cache slots [B, N] int64 of ``positions`` [B, N] (each < its sequence's length) of the
+    sequences ``seqs`` [B], through ``meta.token_slots`` when built, else ``block_tables``."""
+    if meta.token_slots is not None:
+        return meta.token_slots[seqs[:, None], positions]
+    blocks = meta.block_tables[seqs[:, None], positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def _attend_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float, logit_softcap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """Masked softmax attention with soft-cap and sinks, fp32, GQA by kv-head groups.
+
+    Args:
+        q: [B, M, H, D]; k, v: [B, N, KVH, D] (any float dtype; computed in fp32).
+        visible: [B, M, N] bool, every row with at least one True.
+        logit_softcap: c: scores = c * tanh(scores / c) before the mask (Gemma 2).
+        sinks: [H] fp32 logits, an extra softmax column without a value (gpt-oss).
+
+    Returns:
+        [B, M, H, D] fp32.
+    """
+    B, M, H, D = q.shape
+    kvh = k.shape[2]
+    g = H // kvh
+    qg = q.float().view(B, M, kvh, g, D).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * M, D)
+    kf = k.float().permute(0, 2, 3, 1)                                      # [B, KVH, D, N]
+    vf = v.float().transpose(1, 2)                                          # [B, KVH, N, D]
+    scores = torch.matmul(qg, kf).mul_(scale).view(B, kvh, g, M, -1)        # [B, KVH, G, M, N]
+    if logit_softcap is not None:
+        scores = scores.div_(logit_softcap).tanh_().mul_(logit_softcap)
+    scores = scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, kvh, g, 1, 1)
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        probs = scores.sub_(top).exp_()                                     # in place
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    out = torch.matmul(probs.view(B, kvh, g * M, -1), vf)                   # [B, KVH, G*M, D]
+    return out.view(B, kvh, g, M, D).permute(0, 3, 1, 2, 4).reshape(B, M, H, D)
+
+
+def paged_attention_variants_torch(query: torch.Tensor, key_cache: torch.Tensor,
+                                   value_cache: torch.Tensor, meta: AttentionMetadata,
+                                   scale: float, *, sliding_window: int | None = None,
+                                   logit_softcap: float | None = None,
+                                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention with a sliding window, logit soft-cap and/or sinks, in fp32 torch.
+
+    Decode rows (query_len 1) run as one padded batch; prefill chunks one by one, in blocks of
+    ``VARIANT_QUERY_ROWS`` rows. With a window only the keys some row of the batch or block can
+    see are gathered (a decode at position p reads its last W keys).
+
+    Args:
+        query: [num_tokens, num_heads, head_dim].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], any float
+            dtype (read as fp32); this step's K/V must already be written.
+        meta: batch description (``token_slots`` used when present, else ``block_tables``).
+        scale: softmax scale, usually head_dim ** -0.5.
+        sliding_window: W >= 1: position p sees keys p - W < k <= p (HF
+            ``masking_utils.sliding_window_overlay``).
+        logit_softcap: c > 0: scores = c * tanh(q.k * scale / c) before masking (Gemma 2).
+        sinks: [num_heads] fp32 on query's device, per-head logit of an extra softmax column
+            with no value (gpt-oss ``eager_attention_forward``).
+
+    Returns:
+        [num_tokens, num_heads, head_dim], query's dtype.
+
+    Raises:
+        ValueError: a variant argument out of range (``check_attention_variants``).
+    """
+    check_attention_variants(query, sliding_window, logit_softcap, sinks)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dev = query.device
+    block_size = key_cache.shape[1]
+    flat_k = key_cache.view(-1, key_cache.shape[2], key_cache.shape[3])
+    flat_v = value_cache.view(-1, value_cache.shape[2], value_cache.shape[3])
+    window = sliding_window
+    starts = meta.query_start_loc.tolist()
+    q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+
+    decode_ids = [i for i, q in enumerate(q_lens) if q == 1]
+    if decode_ids:
+        lens = [s_lens[i] for i in decode_ids]
+        firsts = [max(0, n - window) if window else 0 for n in lens]
+        width = max(n - f for n, f in zip(lens, firsts))
+        lens_t = torch.tensor(lens, device=dev)
+        pos = torch.tensor(firsts, device=dev)[:, None] + torch.arange(width, device=dev)
+        keep = pos < lens_t[:, None]                                        # [B, N]
+        slots = _positions_to_slots(meta, block_size, torch.tensor(decode_ids, device=dev),
+                                    torch.minimum(pos, lens_t[:, None] - 1))
+        rows = torch.tensor([starts[i] for i in decode_ids], device=dev)
+        o = _attend_variants(query[rows].unsqueeze(1), flat_k[slots], flat_v[slots],
+                             keep[:, None, :], scale, logit_softcap, sinks)
+        out[rows] = o[:, 0].to(out.dtype)
+
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, s_lens)):
+        if q_len <= 1:
+            continue
+        ctx = seq_len - q_len
+        seq = torch.tensor([i], device=dev)
+        for r0 in range(0, q_len, VARIANT_QUERY_ROWS):
+            r1 = min(q_len, r0 + VARIANT_QUERY_ROWS)
+            first = max(0, ctx + r0 - window + 1) if window else 0
+            pos = torch.arange(first, ctx + r1, device=dev)                 # keys [N]
+            q_pos = ctx + torch.arange(r0, r1, device=dev)                  # rows [M]
+            visible = pos[None, :] <= q_pos[:, None]
+            if window:
+                visible &= pos[None, :] > q_pos[:, None] - window
+            slots = _positions_to_slots(meta, block_size, seq, pos[None, :])
+            o = _attend_variants(query[starts[i] + r0:starts[i] + r1].unsqueeze(0),
+                                 flat_k[slots], flat_v[slots], visible[None], scale,
+                                 logit_softcap, sinks)
+            out[starts[i] + r0:starts[i] + r1] = o[0].to(out.dtype)
     return out
 
 
@@ -291,8 +420,16 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logit_softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``paged_attention_torch``; with any variant set, ``paged_attention_variants_torch``
+        for every sequence (no SDPA, cascade split or CPU decode kernel)."""
+        if sliding_window is None and logit_softcap is None and sinks is None:
+            return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+        return paged_attention_variants_torch(query, key_cache, value_cache, meta, scale,
+                                              sliding_window=sliding_window,
+                                              logit_softcap=logit_softcap, sinks=sinks)
 
     def fused_cpu_decode_usable(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 meta: AttentionMetadata, num_heads: int) -> bool:

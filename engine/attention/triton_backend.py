@@ -42,9 +42,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``kernels.paged_attention.paged_attention``; host-side lengths pick the launch shape."""
+                meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logit_softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``kernels.paged_attention.paged_attention``; host-side lengths pick the launch shape.
+        The variants are the kernel's constexpr switches (off when None)."""
         return self._paged_attention(query, key_cache, value_cache, meta.query_start_loc,
                                      meta.seq_lens, meta.block_tables, scale,
                                      max_query_len=max(meta.query_lens_cpu, default=0),
-                                     max_seq_len=max(meta.seq_lens_cpu, default=0))
+                                     max_seq_len=max(meta.seq_lens_cpu, default=0),
+                                     sliding_window=sliding_window,
+                                     logit_softcap=logit_softcap, sinks=sinks)

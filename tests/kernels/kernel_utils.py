@@ -32,7 +32,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @dataclass
 class PagedBatch:
-    """One variable-length batch over a paged cache, in the layouts of ``engine/attention/metadata.py``."""
+    """One variable-length batch over a paged cache (``engine/attention/metadata.py`` layouts)."""
 
     query: torch.Tensor            # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -78,6 +78,60 @@ def make_batch(seqs: Sequence[tuple[int, int]], *, num_kv_heads: int, group: int
                       torch.tensor(qsl, dtype=torch.int32, device=device),
                       torch.tensor([c + q for c, q in seqs], dtype=torch.int32, device=device),
                       tables.to(device), tuple(q for _c, q in seqs))
+
+
+def paged_attention_variants_ref(query: torch.Tensor, key_cache: torch.Tensor,
+                                 value_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                                 seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                                 scale: float, *, sliding_window: int | None = None,
+                                 logit_softcap: float | None = None,
+                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernels.reference.paged_attention_ref`` with the attention variants, fp32, a sequence
+    at a time over its whole score matrix (no tiling, no online softmax).
+
+    Args:
+        query: [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kvh, head_dim];
+            metadata as ``paged_attention`` takes it.
+        sliding_window: key k visible from position p iff p - W < k <= p (HF
+            ``masking_utils.sliding_window_overlay`` on the causal mask).
+        logit_softcap: scores = c * tanh(scores / c) before the mask (HF Gemma 2
+            ``eager_attention_forward``).
+        sinks: [num_heads] fp32, a per-head logit column appended to the scores and dropped
+            after the softmax (HF gpt-oss ``eager_attention_forward``).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in ``query``'s dtype.
+    """
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[s], starts[s + 1]
+        if q_end == q_start:
+            continue
+        positions = torch.arange(seq_len)
+        blocks = block_tables[s].long().cpu()[positions // block_size]
+        k = key_cache.cpu()[blocks, positions % block_size].float()
+        v = value_cache.cpu()[blocks, positions % block_size].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].cpu().float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale               # [h, q_len, seq_len]
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        q_pos = seq_len - (q_end - q_start) + torch.arange(q_end - q_start)
+        visible = positions[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= positions[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            column = sinks.cpu().float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(query.dtype).to(query.device)
 
 
 def guarded(t: torch.Tensor, guard: float, pad: int = 7) -> torch.Tensor:
@@ -270,7 +324,8 @@ def compile_launch(launch: Launch, capability: int = 90):
 # process without TRITON_INTERPRET: under the interpreter triton.language's own @jit helpers
 # (tl.sum, tl.cdiv, ...) are interpreter objects the compiler cannot inline.
 ATTENTION_VARIANTS = {
-    # name: (dtype, head_dim, group, block_size, seqs, num_splits)
+    # name: (dtype, head_dim, group, block_size, seqs, num_splits[, attention variant kwargs])
+    # ("sinks": True stands for a [num_heads] fp32 tensor)
     "decode-bf16-d128-g4": (torch.bfloat16, 128, 4, 16, [(40, 1), (7, 1)], None),
     "prefill-bf16-d128-g1": (torch.bfloat16, 128, 1, 16, [(0, 40), (20, 1)], None),
     "prefill-fp16-d80-g3-bs32": (torch.float16, 80, 3, 32, [(16, 30)], None),
@@ -281,6 +336,23 @@ ATTENTION_VARIANTS = {
     "smollm2-prefill-bf16-d64-g3": (torch.bfloat16, 64, 3, 16, [(32, 17)], None),
     "splitk-bf16-d64-g3": (torch.bfloat16, 64, 3, 16, [(100, 1)], 4),
     "splitk-fp32-d128-g4": (torch.float32, 128, 4, 32, [(100, 1)], 2),
+    # Gemma 2 (head_dim 256, soft-cap 50, window 4096 on every other layer); gpt-oss (head_dim
+    # 64, 8 queries per kv head, window 128 on every other layer, sinks everywhere).
+    "gemma2-prefill-bf16-d256-g2-window-softcap": (
+        torch.bfloat16, 256, 2, 16, [(0, 40), (20, 1)], None,
+        {"sliding_window": 4096, "logit_softcap": 50.0}),
+    "gemma2-decode-bf16-d256-g2-softcap": (
+        torch.bfloat16, 256, 2, 16, [(40, 1), (7, 1)], None, {"logit_softcap": 50.0}),
+    "gptoss-prefill-bf16-d64-g8-window-sinks": (
+        torch.bfloat16, 64, 8, 16, [(0, 40), (20, 1)], None,
+        {"sliding_window": 128, "sinks": True}),
+    "gptoss-decode-bf16-d64-g8-sinks": (
+        torch.bfloat16, 64, 8, 16, [(50, 1), (9, 1)], None, {"sinks": True}),
+    "splitk-bf16-d64-g8-window-sinks": (
+        torch.bfloat16, 64, 8, 16, [(100, 1)], 4, {"sliding_window": 128, "sinks": True}),
+    "prefill-fp32-d64-g4-all-variants": (
+        torch.float32, 64, 4, 16, [(10, 30)], None,
+        {"sliding_window": 7, "logit_softcap": 30.0, "sinks": True}),
 }
 STORE_VARIANTS = {
     # name: (dtype, num_kv_heads, head_dim)
@@ -304,10 +376,14 @@ def record_variant(name: str) -> list[Launch]:
     skc._store_kv_cache_kernel = LaunchRecorder(saved[3], launches)
     try:
         if name in ATTENTION_VARIANTS:
-            dtype, head_dim, group, block_size, seqs, splits = ATTENTION_VARIANTS[name]
+            dtype, head_dim, group, block_size, seqs, splits, *more = ATTENTION_VARIANTS[name]
+            variant = dict(more[0]) if more else {}
+            if variant.get("sinks"):
+                variant["sinks"] = torch.zeros(2 * group, dtype=torch.float32)
             b = make_batch(seqs, num_kv_heads=2, group=group, head_dim=head_dim,
                            block_size=block_size, dtype=dtype, device="cpu")
-            pa.paged_attention(*b.args, max_query_len=max(b.query_lens), num_splits=splits)
+            pa.paged_attention(*b.args, max_query_len=max(b.query_lens), num_splits=splits,
+                               **variant)
         else:
             dtype, heads, head_dim = STORE_VARIANTS[name]
             k = torch.zeros(4, heads, head_dim, dtype=dtype)

@@ -26,6 +26,7 @@ from kernel_utils import (
     guard_intact,
     guarded,
     make_batch,
+    paged_attention_variants_ref,
 )
 
 import kernels.paged_attention as pa
@@ -38,17 +39,30 @@ NAN = float("nan")
 BAD_ID = 1 << 30          # an index guard: reading it as a block id / length would jump far away
 
 
-@pytest.mark.parametrize("dtype,head_dim,group,num_splits", [
-    (torch.float32, 80, 3, 1),
-    (torch.bfloat16, 64, 4, 1),
-    (torch.float16, 96, 1, 4),
-], ids=["fp32-d80-gqa3", "bf16-d64-gqa4", "fp16-d96-gqa1-splitk"])
-def test_paged_attention_in_bounds(dtype, head_dim, group, num_splits):
+@pytest.mark.parametrize("dtype,head_dim,group,num_splits,variant", [
+    (torch.float32, 80, 3, 1, {}),
+    (torch.bfloat16, 64, 4, 1, {}),
+    (torch.float16, 96, 1, 4, {}),
+    (torch.float32, 80, 3, 1, {"sliding_window": 20, "logit_softcap": 3.0, "sinks": True}),
+    (torch.float16, 96, 1, 4, {"sliding_window": 30, "sinks": True}),
+], ids=["fp32-d80-gqa3", "bf16-d64-gqa4", "fp16-d96-gqa1-splitk",
+        "fp32-d80-gqa3-window-softcap-sinks", "fp16-d96-gqa1-splitk-window-sinks"])
+def test_paged_attention_in_bounds(dtype, head_dim, group, num_splits, variant):
     # The longest sequence (70) ends mid-tile, so a tile overhangs its block-table row.
     seqs = [(0, 21), (69, 1), (20, 14), (48, 1), (5, 0)]
     batch = make_batch(seqs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16,
                        dtype=dtype, spare_blocks=0)
-    expected = paged_attention_ref(*batch.args)
+    variant = dict(variant)
+    guards = []
+    if variant.get("sinks"):
+        sinks = torch.randn(2 * group, generator=torch.Generator().manual_seed(group))
+        expected = paged_attention_variants_ref(*batch.args, **{**variant, "sinks": sinks})
+        variant["sinks"] = guarded(sinks, NAN)             # read through a fenced view
+        guards.append((variant["sinks"], NAN))
+    else:
+        expected = paged_attention_variants_ref(*batch.args, **variant)
+        if not variant:
+            assert torch.equal(expected, paged_attention_ref(*batch.args))
     q, kc, vc = guarded(batch.query, NAN), guarded(batch.key_cache, NAN), guarded(
         batch.value_cache, NAN)
     qsl, sl = guarded(batch.query_start_loc, BAD_ID), guarded(batch.seq_lens, BAD_ID)
@@ -58,11 +72,11 @@ def test_paged_attention_in_bounds(dtype, head_dim, group, num_splits):
     out = guarded(torch.zeros_like(batch.query), NAN)
     with bounds_checked(pa._paged_attention_kernel, pa._reduce_segments_kernel):
         pa.paged_attention(q, kc, vc, qsl, sl, bt, batch.args[-1], out=out,
-                           num_splits=num_splits)
+                           num_splits=num_splits, **variant)
     assert not torch.isnan(out).any()
     assert_close(out, expected)
     for t, g in ((q, NAN), (kc, NAN), (vc, NAN), (out, NAN), (qsl, BAD_ID), (sl, BAD_ID),
-                 (bt, BAD_ID)):
+                 (bt, BAD_ID), *guards):
         assert guard_intact(t, g)
 
 
