@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from engine.models.registry import resolve_architecture
+from engine.models.registry import build_decoder_spec, resolve_architecture
+
+if TYPE_CHECKING:
+    from engine.models.spec import DecoderSpec
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,10 @@ class ModelConfig:
         architecture: the registry key (Hugging Face ``architectures[0]``).
         head_dim: per-head width; ``hidden_size // num_attention_heads`` unless set.
         eos_token_ids: ``eos_token_id`` of config.json (an int or a list there).
+        rope_theta: the default rotary base (the spec's layers carry each layer's rotary).
+        hf_config: the whole ``config.json`` (the architecture's spec reads its own fields).
+        spec: the decoder as data (``engine.models.spec``), built by the architecture's model
+            file; None for a config made by hand, which then runs as a Llama of its fields.
     """
 
     architecture: str
@@ -33,22 +41,29 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    spec: DecoderSpec | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """Raises ``UnsupportedArchitectureError`` (a ValueError) for an architecture outside
-        the registry, ValueError for an unsupported rope scaling type."""
+        """Reads the shape and builds the architecture's ``DecoderSpec``, so an unsupported
+        model stops here, before any weight is read.
+
+        Raises:
+            UnsupportedArchitectureError: an architecture outside the registry.
+            UnsupportedFeatureError: a feature of it we do not implement (rope type, ...).
+            (Both are ValueErrors whose one-line message names what is missing.)
+        """
         arch = resolve_architecture(cfg)
         model_type = cfg.get("model_type", "llama")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if not isinstance(theta, (int, float)):  # per layer type (Gemma 3): the full layers'
+            theta = rope.get("full_attention", {}).get("rope_theta", 10000.0)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         heads = cfg["num_attention_heads"]
-        return cls(
+        made = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -59,15 +74,25 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids, hf_config=dict(cfg),
         )
+        return _with_spec(made, build_decoder_spec(made))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Reads ``model_dir/config.json``. Raises FileNotFoundError without one."""
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
+    def decoder_spec(self) -> DecoderSpec:
+        """``spec``, or for a config made by hand the Llama spec of its fields."""
+        return self.spec if self.spec is not None else build_decoder_spec(self)
+
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes of K and V for one block of ``block_size`` tokens across all layers."""
         return (2 * self.num_hidden_layers * block_size * self.num_key_value_heads
                 * self.head_dim * dtype_bytes)
+
+
+def _with_spec(cfg: ModelConfig, spec: DecoderSpec) -> ModelConfig:
+    object.__setattr__(cfg, "spec", spec)
+    return cfg

@@ -1,26 +1,46 @@
-"""Model registry: Hugging Face ``architectures`` name -> our model class (vLLM's
-``ModelRegistry`` idea). Torch-free: classes are imported only when a model is built.
+"""Model registry: Hugging Face ``architectures`` name -> the model file that declares it (vLLM's
+``ModelRegistry`` idea).
 
-Adding an architecture is one line in ``_MODELS`` (module, class name), pointing at a class with
-the constructor ``(ModelConfig, max_position, attention_backend)``,
-``load_weights(state, quantization, act_bits)`` and the forward of
-``engine.models.llama.LlamaForCausalLM``.
+Each model file (``engine/models/<family>.py``) holds one function,
+``decoder_spec(cfg: ModelConfig) -> DecoderSpec``, that reads the family's fields of
+``config.json`` into the decoder-as-data of ``engine.models.spec``; one implementation
+(``engine.models.decoder.DecoderForCausalLM``) runs every spec. Adding an architecture is its
+model file, one line in ``_MODELS`` and its tests (``tests/engine/test_model_families.py``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# architecture -> (module, class)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
+if TYPE_CHECKING:
+    from engine.models.config import ModelConfig
+    from engine.models.spec import DecoderSpec
+
+# Hugging Face architecture -> the model file declaring it.
+_MODELS: dict[str, str] = {
+    "Gemma2ForCausalLM": "engine.models.gemma",
+    "Gemma3ForCausalLM": "engine.models.gemma",
+    "GptOssForCausalLM": "engine.models.gpt_oss",
+    "GraniteForCausalLM": "engine.models.granite",
+    "LlamaForCausalLM": "engine.models.llama",
+    "MistralForCausalLM": "engine.models.llama",
+    "MixtralForCausalLM": "engine.models.mixtral",
+    "Olmo2ForCausalLM": "engine.models.olmo2",
+    "Phi3ForCausalLM": "engine.models.phi3",
+    "Qwen2ForCausalLM": "engine.models.llama",
+    "Qwen3ForCausalLM": "engine.models.qwen3",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3",
+    "SmolLM3ForCausalLM": "engine.models.smollm3",
 }
 # No implemented ``architectures`` entry: fall back on ``model_type``.
-_MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES: dict[str, str] = {
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM", "granite": "GraniteForCausalLM", "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -32,12 +52,25 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(sorted(_MODELS))
 
 
+def model_file(architecture: str) -> str:
+    """The module declaring ``architecture`` (``engine.models.<family>``).
+
+    Raises:
+        UnsupportedArchitectureError: unknown key.
+    """
+    if architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            f"{', '.join(supported_architectures())}")
+    return _MODELS[architecture]
+
+
 def resolve_architecture(hf_config: dict) -> str:
     """The registry key for a Hugging Face ``config.json`` dict.
 
-    The first of ``architectures`` that we implement; else the Llama-family class of
-    ``model_type`` (default ``llama``, as transformers' ``LlamaConfig``), so a Llama-family
-    checkpoint with a custom ``architectures`` name still loads.
+    The first of ``architectures`` that we implement; else the class of ``model_type``
+    (default ``llama``, as transformers' ``LlamaConfig``), so a checkpoint of a family we
+    serve with a custom ``architectures`` name still loads.
 
     Raises:
         UnsupportedArchitectureError: nothing matches; the message names the supported ones.
@@ -55,15 +88,25 @@ def resolve_architecture(hf_config: dict) -> str:
         f"{', '.join(supported_architectures())}")
 
 
+def build_decoder_spec(cfg: ModelConfig) -> DecoderSpec:
+    """``cfg.architecture``'s ``DecoderSpec``, from its model file.
+
+    Raises:
+        UnsupportedArchitectureError: unknown architecture.
+        UnsupportedFeatureError: the checkpoint asks for a feature its family's file does not
+            implement (named).
+    """
+    return importlib.import_module(model_file(cfg.architecture)).decoder_spec(cfg)
+
+
 def get_model_class(architecture: str) -> Any:
-    """The model class for a registry key (imports torch via the model module).
+    """The model class for a registry key: ``DecoderForCausalLM``, which runs every
+    architecture's spec (imports torch).
 
     Raises:
         UnsupportedArchitectureError: unknown key.
     """
-    if architecture not in _MODELS:
-        raise UnsupportedArchitectureError(
-            f"unsupported model architecture {architecture!r}; supported: "
-            f"{', '.join(supported_architectures())}")
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+    model_file(architecture)
+    from engine.models.decoder import DecoderForCausalLM
+
+    return DecoderForCausalLM

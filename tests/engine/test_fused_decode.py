@@ -16,7 +16,7 @@ from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.quantization import (
     SPEC_DENSE,
     SPEC_INT4,
@@ -65,7 +65,7 @@ def _config(bias: bool) -> ModelConfig:
                        tie_word_embeddings=True, attention_bias=bias, eos_token_ids=(0,))
 
 
-def _model(quantization: str | None, bias: bool, act_bits: int = 16) -> LlamaForCausalLM:
+def _model(quantization: str | None, bias: bool, act_bits: int = 16) -> DecoderForCausalLM:
     cfg = _config(bias)
     gen = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (64, HIDDEN), "model.norm.weight": (HIDDEN,)}
@@ -93,7 +93,7 @@ def _model(quantization: str | None, bias: bool, act_bits: int = 16) -> LlamaFor
                     torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                     torch.rand(n, k // 32, generator=gen) * 0.05,
                     -torch.rand(n, k // 32, generator=gen) * 0.4)
-    model = LlamaForCausalLM(cfg, 128, get_attention_backend("torch", CPU))
+    model = DecoderForCausalLM(cfg, 128, get_attention_backend("torch", CPU))
     model.load_weights(state, quantization, act_bits)
     model.bind_weights()
     return model

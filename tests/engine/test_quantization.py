@@ -286,9 +286,9 @@ def _tiny_llama(tie: bool, bias: bool = False) -> tuple[ModelConfig, dict]:
 
 def _build(cfg: ModelConfig, state: dict, quantization: str | None):
     from engine.attention import get_attention_backend
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
 
-    model = LlamaForCausalLM(cfg, 64, get_attention_backend("torch", CPU))
+    model = DecoderForCausalLM(cfg, 64, get_attention_backend("torch", CPU))
     model.load_weights(state, quantization)
     return model
 

@@ -1,0 +1,240 @@
+"""Every architecture in the registry is token-identical to Hugging Face ``generate`` (fp32,
+greedy, CPU) on a tiny random-weight checkpoint these tests build with transformers: through the
+engine with prefix caching on, cold and warm, in chunked prefill batched with other requests and
+their decodes, after preemption, and through the Triton backend under its interpreter.
+
+Each checkpoint is made by transformers' own config class and ``save_pretrained``, so its
+``config.json`` and weight names are what the family's real checkpoints carry. Sliding windows
+are set narrower than the prompts, so the windows bind."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import run_to_completion
+from engine.llm_engine import LLMEngine
+from engine.models.registry import supported_architectures
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+VOCAB = 256
+MAX_NEW = 10
+SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+             "tie_word_embeddings": False}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "rope_theta": 1000000.0}
+
+# name -> (transformers config class, its arguments beyond SMALL). Each registry architecture
+# has at least one entry (test_every_registered_architecture_has_a_parity_case).
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3": ("LlamaConfig", {"rope_parameters": LLAMA3}),
+    "llama-linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                         "rope_theta": 10000.0}}),
+    "qwen2-yarn": ("Qwen2Config", {"rope_parameters": YARN}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 24}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                     "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 24, "query_pre_attn_scalar": 16,
+                                "attn_logit_softcapping": 5.0,
+                                "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 24, "query_pre_attn_scalar": 16,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "phi3": ("Phi3Config", {}),
+    "phi4-mini": ("Phi3Config", {"rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.75}}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {"embedding_multiplier": 6.0, "attention_multiplier": 0.2,
+                                  "residual_multiplier": 0.5, "logits_scaling": 4.0}),
+    "smollm3": ("SmolLM3Config", {}),
+    "gpt-oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 24,
+                                 "rope_parameters": {**YARN, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False}}),
+}
+
+
+class StubTokenizer:
+    """What the engine needs of a tokenizer: ``decode`` and ``eos_token_id``."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def build_checkpoint(name: str, root: Path) -> Path:
+    """Writes the family's tiny random-weight checkpoint with transformers (fp32), weights
+    drawn with a wider spread than transformers' init (std 0.02 makes every logit nearly
+    equal, and greedy decoding of a near-tie tests rounding, not the model)."""
+    import transformers
+
+    cls_name, extra = FAMILIES[name]
+    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5 * (2.0 if "embed" not in pname else 8.0))
+            elif "norm" in pname or "sinks" in pname:
+                p.uniform_(0.5, 1.5) if "gemma" not in name else p.uniform_(-0.5, 0.5)
+    out = root / name
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return {}
+
+
+def checkpoint(checkpoints, tmp_path_factory, name: str) -> Path:
+    if name not in checkpoints:
+        checkpoints[name] = build_checkpoint(name, tmp_path_factory.mktemp("families"))
+    return checkpoints[name]
+
+
+def hf_greedy_each(model_dir: Path, prompts: list[list[int]], outputs: list[list[int]]
+                   ) -> list[list[int]]:
+    """Hugging Face's greedy choice after each prefix of prompt + our output, one forward per
+    prompt (no padding: a sliding window over padding is not what ``generate`` runs). Equals
+    ``generate(do_sample=False)`` wherever ``outputs`` are its tokens; where ours first departs
+    the row holds HF's token there."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    for p, o in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            best = hf(torch.tensor([p + o])).logits[0].argmax(-1).tolist()
+        refs.append(best[len(p) - 1:len(p) - 1 + len(o)])
+    return refs
+
+
+def engine_for(model_dir: Path, **overrides) -> LLMEngine:
+    kwargs = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 256,
+                  "num_gpu_blocks_override": 64, "block_size": 16, "max_num_batched_tokens": 32}
+    return LLMEngine(EngineConfig(**{**kwargs, **overrides}), tokenizer=StubTokenizer())
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], tag: str, max_new: int = MAX_NEW
+        ) -> tuple[list[list[int]], list[int]]:
+    """All prompts at once (continuous batching). Returns (tokens, cached prompt tokens)."""
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
+    done = run_to_completion(engine, [EngineRequest(f"{tag}-{i}", tuple(p), params,
+                                                    tenant_id="t")
+                                      for i, p in enumerate(prompts)],
+                             on_step=lambda _: engine.kv_cache_manager.check_integrity())
+    pool = engine.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks, "idle engine must hold no blocks"
+    return [r.token_ids for r in done], [r.num_cached_tokens for r in done]
+
+
+def prompts_for(name: str) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, VOCAB, (40,), generator=gen).tolist()
+    return [shared + torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (9, 30)] + [
+        torch.randint(3, VOCAB, (21,), generator=gen).tolist()]
+
+
+def test_every_registered_architecture_has_a_parity_case():
+    import transformers
+
+    covered = set()
+    for cls_name, extra in FAMILIES.values():
+        cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
+        covered.update(cfg.architectures or [transformers.AutoModelForCausalLM
+                                             ._model_mapping[type(cfg)].__name__])
+    assert set(supported_architectures()) <= covered
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_matches_hf_cold_warm_chunked_batched(name, checkpoints, tmp_path_factory):
+    model_dir = checkpoint(checkpoints, tmp_path_factory, name)
+    prompts = prompts_for(name)
+    engine = engine_for(model_dir)
+    cold, cold_cached = run(engine, prompts, "cold")
+    ref = hf_greedy_each(model_dir, prompts, cold)
+    assert cold == ref, f"{name}: our greedy tokens differ from Hugging Face's"
+    assert len({t for o in cold for t in o}) > 3, "a degenerate model tests nothing"
+    warm, warm_cached = run(engine, prompts, "warm")
+    assert warm == cold
+    assert warm_cached == [16 * ((len(p) - 1) // 16) for p in prompts]
+    assert sum(warm_cached) > sum(cold_cached)
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "qwen3-moe"])
+def test_family_matches_hf_after_preemption(name, checkpoints, tmp_path_factory):
+    model_dir = checkpoint(checkpoints, tmp_path_factory, name)
+    prompts = prompts_for(name)
+    engine = engine_for(model_dir, num_gpu_blocks_override=7, max_num_batched_tokens=64,
+                        max_model_len=96)
+    out, _ = run(engine, prompts, "tiny", max_new=16)
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert out == hf_greedy_each(model_dir, prompts, out)
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "qwen3", "mixtral",
+                                  "phi4-mini"])
+def test_family_through_the_triton_backend_matches_hf(name, checkpoints, tmp_path_factory):
+    model_dir = checkpoint(checkpoints, tmp_path_factory, name)
+    prompts = prompts_for(name)[:2]
+    engine = engine_for(model_dir, attention_backend="triton")
+    out, _ = run(engine, prompts, "triton", max_new=4)
+    assert out == hf_greedy_each(model_dir, prompts, out)
+    again, cached = run(engine, prompts, "triton-warm", max_new=4)
+    assert again == out and min(cached) > 0
+
+
+def test_spec_is_frozen_data():
+    from engine.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config({**SMALL, "architectures": ["Gemma2ForCausalLM"],
+                                      "model_type": "gemma2", "sliding_window": 24,
+                                      "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                      "attn_logit_softcapping": 50.0,
+                                      "final_logit_softcapping": 30.0})
+    spec = cfg.spec
+    assert [layer.sliding_window for layer in spec.layers] == [24, None, 24, None]
+    assert spec.layers[0].logit_softcap == 50.0 and spec.final_logit_softcap == 30.0
+    assert spec.norm_offset == 1.0 and spec.embedding_scale == 64 ** 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.layers[0].scale = 1.0  # type: ignore[misc]
+    assert "sliding-window attention" in spec.fused_decode_blockers(16, 256)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite", "llama3", "gpt-oss"])
+def test_family_logprobs_match_hf(name, checkpoints, tmp_path_factory):
+    """Logprobs see what greedy tokens cannot: a final soft-cap or logit scale (both keep the
+    argmax) changes every logprob. Ours equal HF's ``log_softmax`` of its logits."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoint(checkpoints, tmp_path_factory, name)
+    prompt = prompts_for(name)[0]
+    engine = engine_for(model_dir)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    (done,) = run_to_completion(engine, [EngineRequest("lp", tuple(prompt), params,
+                                                       tenant_id="t")])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + done.token_ids])).logits[0]
+    ref = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:-1]
+    ours = torch.tensor([lp.logprob for lp in done.logprobs])
+    chosen = ref[torch.arange(len(done.token_ids)), torch.tensor(done.token_ids)]
+    torch.testing.assert_close(ours, chosen, atol=2e-4, rtol=1e-4)
+    seconds = torch.tensor([lp.top[1][1] for lp in done.logprobs])
+    torch.testing.assert_close(seconds, ref.topk(2, dim=-1).values[:, 1], atol=2e-4, rtol=1e-4)
