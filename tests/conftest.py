@@ -171,6 +171,8 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     "app/test_cluster.py": ("cluster",),                 # two replicas over PostgreSQL + Redis
     "app/test_limits_redis.py": ("cluster",),            # replicas' shared limits in Redis
     "app/test_serve_e2e.py": ("real_model",),            # `saltserve serve` / `bench` processes
+    "app/test_serve_families.py": ("real_model",),       # `saltserve serve` on tiny checkpoints
+    "engine/test_model_families.py": ("real_model",),    # Hugging Face parity of every family
     "app/test_bench_in_process.py": ("real_model",),
     "app/test_timing_side_channel.py": ("real_model",),  # real_model=True
     "app/test_fuzz_schema.py": (),                       # schemathesis over every route

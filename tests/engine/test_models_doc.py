@@ -8,14 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+from tiny_checkpoints import SMALL
 
 from engine.models.config import ModelConfig
 from engine.models.registry import supported_architectures
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
-SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=512)
 # transformers' config class of each architecture, and what its real checkpoints set that the
 # class leaves off (a mixture of experts' sizes).
 CONFIGS = {
@@ -58,7 +56,7 @@ def test_fused_decode_column_matches_the_spec(arch):
     import transformers
 
     cls_name, extra = CONFIGS[arch]
-    hf = getattr(transformers, cls_name)(**SMALL, **extra).to_dict()
+    hf = getattr(transformers, cls_name)(**{**SMALL, **extra}).to_dict()
     hf["architectures"] = [arch]
     spec = ModelConfig.from_hf_config(hf).spec
     fused = not spec.fused_decode_blockers(16, max_position=512)
