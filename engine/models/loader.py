@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
         from engine.models.gguf import read_gguf_state
         from engine.weights import find_gguf
 
-        state: dict[str, Any] = read_gguf_state(find_gguf(model_dir), model_config)
+        state: Mapping[str, Any] = read_gguf_state(find_gguf(model_dir), model_config)
     else:
         from safetensors.torch import load_file
 
