@@ -119,7 +119,7 @@ def test_family_matches_hf_after_preemption(name, checkpoints, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "qwen3", "mixtral",
-                                  "phi4-mini"])
+                                  "phi4-mini", "gpt-oss", "olmo2"])
 def test_family_through_the_triton_backend_matches_hf(name, checkpoints, tmp_path_factory):
     model_dir = checkpoint(checkpoints, tmp_path_factory, name)
     prompts = prompts_for(name)[:2]
@@ -168,3 +168,17 @@ def test_family_logprobs_match_hf(name, checkpoints, tmp_path_factory):
     torch.testing.assert_close(ours, chosen, atol=2e-4, rtol=1e-4)
     seconds = torch.tensor([lp.top[1][1] for lp in done.logprobs])
     torch.testing.assert_close(seconds, ref.topk(2, dim=-1).values[:, 1], atol=2e-4, rtol=1e-4)
+
+
+def test_the_start_up_log_says_once_why_a_family_runs_no_fused_decode(checkpoints,
+                                                                     tmp_path_factory, caplog):
+    gemma = checkpoint(checkpoints, tmp_path_factory, "gemma2")
+    llama = checkpoint(checkpoints, tmp_path_factory, "llama")
+    with caplog.at_level("INFO", logger="engine.models.decoder"):
+        engine_for(gemma)
+        engine_for(llama)
+    lines = [r.getMessage() for r in caplog.records if "fused CPU decode off" in r.getMessage()]
+    assert lines == [("Gemma2ForCausalLM: fused CPU decode off for this model (norm or scaling "
+                     "variants, norms after attention or the MLP, sliding-window attention, "
+                     "attention soft-capping, gelu_tanh MLP); decode steps run the per-op "
+                     "layers")]
