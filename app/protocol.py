@@ -305,6 +305,14 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: unsupported("prompt_cache_key is not supported; prefix caching is "
                                   "automatic within the tenant (cache_salt splits it further)")
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("invalid_value", "tool function names must be unique")
+        return tools
+
     @model_validator(mode="after")
     def _tool_fields_need_tools(self) -> ChatCompletionRequest:
         if not self.tools:
@@ -314,8 +322,6 @@ class ChatCompletionRequest(_SamplingFields):
                                               f"{name} is only allowed when tools are given")
             return self
         names = [t.function.name for t in self.tools]
-        if len(set(names)) != len(names):
-            raise PydanticCustomError("invalid_value", "tool function names must be unique")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise PydanticCustomError("invalid_value", f"tool_choice names "

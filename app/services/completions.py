@@ -49,7 +49,6 @@ from app.services.logprobs import (
 from app.services.preprocess import Preprocessor
 from app.services.prompts import PromptEncoder
 from app.services.responses import ResponseBuilder, sse
-from app.services.tools import tool_grammar
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import RequestOutput
@@ -147,7 +146,8 @@ class CompletionsService:
         self.preprocessor = preprocessor or Preprocessor(self.info.tokenizer)
         self.prompts = PromptEncoder(self.info, self.preprocessor)
         # Its own tokenizer copy: the engine thread decodes with the original.
-        self.responses = ResponseBuilder(TokenTexts(copy.deepcopy(self.info.tokenizer)))
+        self.responses = ResponseBuilder(TokenTexts(copy.deepcopy(self.info.tokenizer)),
+                                         self.prompts.tool_format)
 
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
@@ -263,7 +263,7 @@ class CompletionsService:
         prompts = self._tokenize(body, prompt_param)
         if not isinstance(body, ChatCompletionRequest):
             return prompts, None, None
-        spec, param = tool_grammar(body), "tools"
+        spec, param = self.prompts.tool_format.grammar(body), "tools"
         if spec is None and body.response_format is not None:
             spec, param = body.response_format.structured_output(), "response_format"
         if spec is None:

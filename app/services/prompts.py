@@ -4,6 +4,8 @@ thread (``app.services.preprocess.Preprocessor``), with that thread's tokenizer 
 
 from __future__ import annotations
 
+import json
+
 from app.errors import APIError
 from app.protocol import (
     ChatCompletionRequest,
@@ -15,7 +17,7 @@ from app.protocol import (
 )
 from app.services.chat_template import render_chat
 from app.services.preprocess import MAX_CHARS_PER_TOKEN, Preprocessor
-from app.services.tools import offer_tools, plain_messages
+from app.services.tools import offer_tools, plain_messages, tool_format_for
 from engine.protocol import ModelInfo
 
 
@@ -23,11 +25,16 @@ class PromptEncoder:
     """Encodes prompts for one model with a preprocessor's per-thread tokenizers.
 
     Every method raises ``APIError`` (400, ``param`` as given) for input it cannot take.
+
+    Attributes:
+        tool_format: the model's tool-call format (``app.services.tools.tool_format_for``),
+            chosen once from its chat template.
     """
 
     def __init__(self, info: ModelInfo, preprocessor: Preprocessor) -> None:
         self.info = info
         self.preprocessor = preprocessor
+        self.tool_format = tool_format_for(info.tokenizer)
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuses prompt text that cannot fit the context, before any templating work."""
@@ -55,11 +62,19 @@ class PromptEncoder:
         """The chat template over ``messages`` (and the tools ``body`` offers); message text
         never becomes control tokens."""
         tokenizer = self.preprocessor.tokenizer()
-        plain = plain_messages(messages)
+        plain = plain_messages(messages, self.tool_format)
         tools = None
         if body is not None:
-            plain, tools = offer_tools(plain, body, getattr(tokenizer, "chat_template", None))
-        self.check_chars(sum(len(m["content"]) for m in plain), param)
+            plain, tools = offer_tools(plain, body, getattr(tokenizer, "chat_template", None),
+                                       self.tool_format)
+        # Tools a template renders, and calls it writes (passed as data), are prompt text too.
+        tool_chars = len(json.dumps(tools)) if tools else 0
+        self.check_chars(tool_chars, "tools")
+        call_chars = sum(len(c.function.name) + len(c.function.arguments)
+                         for m in messages for c in m.tool_calls or ()) \
+            if any("tool_calls" in m for m in plain) else 0
+        self.check_chars(sum(len(m["content"]) for m in plain) + call_chars + tool_chars,
+                         param)
         try:
             return render_chat(tokenizer, plain, add_generation_prompt, tools)
         except Exception:  # noqa: BLE001 - any template or tokenizer error is a bad request

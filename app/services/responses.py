@@ -30,7 +30,7 @@ from app.services.logprobs import (
     completion_logprobs,
     prompt_logprobs,
 )
-from app.services.tools import parse_tool_calls
+from app.services.tools import HERMES, ToolFormat
 from engine.request import RequestOutput, TokenLogprobs
 
 
@@ -45,10 +45,13 @@ class ResponseBuilder:
 
     Args:
         token_texts: names tokens in logprobs (its own tokenizer copy; see ``TokenTexts``).
+        tool_format: the model's tool-call format, which parses chat outputs when tools are
+            offered (``app.services.tools``).
     """
 
-    def __init__(self, token_texts: TokenTexts) -> None:
+    def __init__(self, token_texts: TokenTexts, tool_format: ToolFormat = HERMES) -> None:
         self.token_texts = token_texts
+        self.tool_format = tool_format
 
     def response_body(self, call: CompletionCall) -> dict:
         return self._full_response(call).model_dump(mode="json")
@@ -75,15 +78,14 @@ class ResponseBuilder:
                 finish_reason=c.finish_reason, prompt_logprobs=self._prompt_logprobs(call, c))
                 for c in call.choices])
 
-    @staticmethod
-    def _message(call: CompletionCall, c: ChoiceState
+    def _message(self, call: CompletionCall, c: ChoiceState
                  ) -> tuple[str | None, list[ToolCall] | None, str | None]:
         """(content, tool calls, finish reason) of a finished chat choice: with tools offered,
         the output is parsed for calls, and a choice that made one finishes with
         ``tool_calls`` (OpenAI)."""
         if call.tool_body is None:
             return c.text, None, c.finish_reason
-        content, calls = parse_tool_calls(c.text, call.tool_body)
+        content, calls = self.tool_format.parse(c.text, call.tool_body)
         if not calls:
             return content or "", None, c.finish_reason
         return content, calls, "tool_calls" if c.finish_reason == "stop" else c.finish_reason

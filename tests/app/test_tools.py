@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 
 from app.protocol import ChatCompletionRequest
-from app.services.tools import (
-    offer_tools,
-    parse_tool_calls,
-    plain_messages,
-    tool_grammar,
-)
+from app.services.tools import HERMES, offer_tools, plain_messages
+
+parse_tool_calls, tool_grammar = HERMES.parse, HERMES.grammar
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
