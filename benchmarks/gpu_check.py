@@ -37,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# tests/kernels/triton_reference.py: the plain-torch references the kernel tests use.
+sys.path.insert(1, str(REPO / "tests" / "kernels"))
 
 PEAK_GBPS = 4800.0
 PARTS = ("parity", "decode", "prefill", "ttft")
@@ -258,7 +260,7 @@ def _paged_inputs(batch: int, ctx: int, q_len: int, heads: int, kv_heads: int, h
 
 def _check_against_reference(out, q, kc, vc, qsl, sl, bt, scale, seqs: int = 2) -> float:
     """Max abs error of the first ``seqs`` sequences vs ``paged_attention_ref``."""
-    from kernels.reference import paged_attention_ref
+    from triton_reference import paged_attention_ref
 
     n = int(qsl[seqs])
     ref = paged_attention_ref(q[:n], kc, vc, qsl[:seqs + 1], sl[:seqs], bt[:seqs], scale)
@@ -269,7 +271,7 @@ def _decode_one(args, name: str, heads: int, kvh: int, hd: int, batch: int, ctx:
                 dtype) -> dict:
     import torch
 
-    from kernels.paged_attention import paged_attention
+    from kernels.triton.paged_attention import paged_attention
 
     q, kc, vc, qsl, sl, bt = _paged_inputs(batch, ctx - 1, 1, heads, kvh, hd, 16, _device(args),
                                            dtype)
@@ -316,7 +318,7 @@ def _prefill_one(args, name: str, heads: int, kvh: int, hd: int, batch: int, ctx
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from kernels.paged_attention import paged_attention
+    from kernels.triton.paged_attention import paged_attention
 
     q, kc, vc, qsl, sl, bt = _paged_inputs(batch, ctx, q_len, heads, kvh, hd, 16, _device(args),
                                            dtype)

@@ -42,6 +42,19 @@ import torch.nn.functional as F
 from engine.config import QUANTIZATIONS
 from kernels import cpu_linear
 
+# The projection kinds of kernels/cpu/decode_layer.cpp (one table: kernels/cpu/kinds.py).
+from kernels.cpu.kinds import (
+    SPEC_DENSE,
+    SPEC_INT4,
+    SPEC_INT8,
+    SPEC_LINEAR,
+    SPEC_LINEAR_BF16,
+    SPEC_LINEAR_ONEDNN,
+    SPEC_Q4,
+    SPEC_Q4_VNNI,
+    SPEC_Q8_VNNI,
+)
+
 INT4_GROUP_SIZE = 32  # GGUF's block of 32 weights
 KERNEL_DTYPE = torch.bfloat16  # torch's weight-only CPU kernels are fast with bf16 inputs only
 # From this many rows (tokens) on, a quantized layer with an fp32 copy runs fp32 instead: on
@@ -155,11 +168,6 @@ class LinearMethod:
         """What ``__call__`` runs for ``num_tokens`` rows of fp32 CPU activations, as the fused
         decode layer (``kernels/cpu/decode_layer.cpp``) takes it; None where it cannot."""
         return None
-
-
-# Projection kinds of kernels/cpu/decode_layer.cpp.
-(SPEC_DENSE, SPEC_INT4, SPEC_Q4, SPEC_INT8, SPEC_LINEAR, SPEC_LINEAR_BF16,
- SPEC_LINEAR_ONEDNN, SPEC_Q4_VNNI, SPEC_Q8_VNNI) = range(9)
 
 
 @dataclass(frozen=True)

@@ -10,127 +10,35 @@ summed in the same order whatever the number of rows (1 to ``MAX_ROWS``), so wit
 decode step a sequence's logits do not depend on what else is in its batch; above ``MAX_ROWS``
 rows, or on quantized layers below their dense threshold, other kernels run and that no longer holds.
 
-The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 10 s; cached
-under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed on the source) and
-registered as ``torch.ops.saltserve_cpu.linear_small_m``; the same extension holds our 4-bit
-kernel (``q4_linear`` here) and the fused ops of ``kernels.cpu_ops``. It needs a C++ compiler
-and a CPU with AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``, every call
-is ``F.linear`` (and every fused op its torch fallback), and one warning says why.
+The kernels are built once per machine by ``kernels.cpu.build`` into one extension with the
+fused ops of ``kernels.cpu_ops`` (``load()``, ``loaded()``, ``unavailable_reason()`` and
+``cpu_flags()`` here are its functions) and run as ``torch.ops.saltserve_cpu.*``. It needs a C++
+compiler and a CPU with AVX2, FMA and F16C; without them, or with ``SALTSERVE_CPU_KERNELS=0``,
+every call is ``F.linear`` (and every fused op its torch fallback), and one warning says why.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
-import sys
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+# The loader's functions, re-exported: many callers ask ``cpu_linear.load()`` / ``loaded()``.
+from kernels.cpu.build import cpu_flags, load, loaded, unavailable_reason  # noqa: F401
 
-SOURCE = Path(__file__).with_name("cpu") / "linear.cpp"
-Q4_SOURCE = Path(__file__).with_name("cpu") / "q4_linear.cpp"
-Q4_VNNI_SOURCE = Path(__file__).with_name("cpu") / "q4_vnni.cpp"
-# kernels/cpu_ops.py's fused ops, built into the same extension.
-OPS_SOURCES = [Path(__file__).with_name("cpu") / f for f in ("norm.cpp", "decode_attention.cpp",
-                                                        "rotary_cache.cpp", "decode_layer.cpp",
-                                                        "activation.cpp", "sampling.cpp")]
 Q4_GROUP = 32  # inputs per 4-bit group (GGUF's Q4_0/Q4_1 block)
 Q4_VNNI_TILE = 16  # outputs per tile of kernels/cpu/q4_vnni.cpp (the lanes of a zmm)
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 # Up to this many rows the kernel beats MKL's sgemm at this model's shapes on AVX2 (measured by
 # benchmarks/bench_cpu_linear.py); prefill chunks above it are compute-bound GEMMs MKL blocks for.
 MAX_ROWS = 32
-ENV_SWITCH = "SALTSERVE_CPU_KERNELS"
 # Above MAX_ROWS, fp32 forwards run oneDNN's GEMM (torch.ops.mkldnn._linear_pointwise) instead
 # of F.linear's MKL sgemm, which takes a slower path on AMD CPUs: about 2x faster at the bundled
 # model's shapes with AVX-512, still faster limited to AVX2, and prefill gains about 1.5x in the
 # engine (docs/benchmarks.md). Sums differ from MKL's at fp32 rounding (about 1e-6 relative);
 # the HF parity tests hold. False: F.linear.
 ONEDNN_LARGE_M = True
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "why": str (when not ok)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split())
-
-
-def _cpu_has_avx2_fma_f16c() -> bool:
-    return {"avx2", "fma", "f16c"} <= cpu_flags()
-
-
-def load() -> bool:
-    """Builds (first time on this machine) and registers the kernel; True when it can be used.
-
-    Never raises: a missing compiler, a CPU without AVX2/FMA/F16C, a failed build or
-    ``SALTSERVE_CPU_KERNELS=0`` log one warning and make ``linear`` fall back to ``F.linear``.
-    Thread-safe; the build itself is serialised across processes by torch's lock file.
-    """
-    with _lock:
-        if "ok" in _state:
-            return bool(_state["ok"])
-        why = ""
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            why = f"{ENV_SWITCH}=0"
-        elif not _cpu_has_avx2_fma_f16c():
-            why = "this CPU lacks AVX2, FMA or F16C"
-        else:
-            try:
-                from torch.utils.cpp_extension import load as build
-
-                # pip's ninja sits beside the interpreter, off PATH when the venv is not activated.
-                bindir = os.path.dirname(sys.executable)
-                if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-                sources = [str(p) for p in (SOURCE, Q4_SOURCE, Q4_VNNI_SOURCE, *OPS_SOURCES)]
-                try:
-                    build("saltserve_cpu", sources, is_python_module=False, verbose=False,
-                          extra_cflags=flags, extra_ldflags=["-fopenmp"])
-                except Exception:  # noqa: BLE001 - e.g. an assembler without AMX: build without
-                    logger.warning("CPU kernel build failed; building again without AMX and "
-                                   "the bf16 KV cache path")
-                    build("saltserve_cpu", sources, is_python_module=False, verbose=False,
-                          extra_cflags=[*flags, "-DSALTSERVE_HAVE_AMX=0",
-                                        "-DSALTSERVE_HAVE_BF16=0"],
-                          extra_ldflags=["-fopenmp"])
-                for op in ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni",
-                           "int8_amx", "int8_amx_calls", "rms_norm", "add_rms_norm",
-                           "decode_attention", "bf16_kv_cache", "attention_avx512", "attention_amx",
-                           "rotary_neox_",
-                           "reshape_and_cache",
-                           "decode_layer", "decode_layers", "silu_and_mul", "argmax_rows"):
-                    getattr(torch.ops.saltserve_cpu, op)  # raises if not registered
-            except Exception as e:  # noqa: BLE001 - any build failure means: use F.linear
-                why = f"build failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
-        _state["ok"], _state["why"] = not why, why
-        if why:
-            logger.warning("CPU kernels off (linear, 4-bit, norm, attention, rotary), "
-                           "using torch's ops: %s", why)
-        return not why
-
-
-def loaded() -> bool:
-    """Whether ``load()`` has run and succeeded in this process (never builds)."""
-    return bool(_state.get("ok"))
-
-
-def unavailable_reason() -> str:
-    """Why ``load()`` returned False ("" when it did not, or was not called)."""
-    return str(_state.get("why", ""))
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

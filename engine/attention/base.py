@@ -74,7 +74,7 @@ class AttentionBackend(ABC):
 def check_attention_variants(query: torch.Tensor, sliding_window: int | None,
                              logit_softcap: float | None, sinks: torch.Tensor | None) -> None:
     """Validates ``AttentionBackend.forward``'s variant arguments for ``query``
-    ([num_tokens, num_heads, head_dim]), as ``kernels.paged_attention`` does.
+    ([num_tokens, num_heads, head_dim]), as ``kernels.triton.paged_attention`` does.
 
     Raises:
         ValueError: ``sliding_window`` not an int >= 1, ``logit_softcap`` not a finite number

@@ -1,4 +1,5 @@
-"""The ``triton`` attention backend: the paged-attention and KV-write kernels of ``kernels/``.
+"""The ``triton`` attention backend: the paged-attention and KV-write kernels of
+``kernels/triton/``.
 
 The kernels read the cache through ``block_tables`` directly, so no per-token slot expansion is
 built. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` (the slow CPU interpreter the tests use).
@@ -31,8 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("--attention-backend triton needs a CUDA device (or "
                              "TRITON_INTERPRET=1, the slow CPU interpreter used by the tests); "
                              "use --attention-backend torch on CPU")
-        from kernels.paged_attention import paged_attention
-        from kernels.store_kv_cache import store_kv_cache
+        from kernels.triton.paged_attention import paged_attention
+        from kernels.triton.store_kv_cache import store_kv_cache
 
         self._paged_attention = paged_attention
         self._store_kv_cache = store_kv_cache
@@ -45,8 +46,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                 logit_softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """``kernels.paged_attention.paged_attention``; host-side lengths pick the launch shape.
-        The variants are the kernel's constexpr switches (off when None)."""
+        """``kernels.triton.paged_attention.paged_attention``; host-side lengths pick the launch
+        shape. The variants are the kernel's constexpr switches (off when None)."""
         return self._paged_attention(query, key_cache, value_cache, meta.query_start_loc,
                                      meta.seq_lens, meta.block_tables, scale,
                                      max_query_len=max(meta.query_lens_cpu, default=0),

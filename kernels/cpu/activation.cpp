@@ -9,19 +9,22 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "ops.h"
 #include "vec_exp.h"
 
+namespace saltserve_cpu {
 namespace {
 
 inline __m256 silu_mul8(__m256 a, __m256 b) {
   const __m256 e = saltserve::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
   return _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)), b);
 }
+
+}  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
@@ -52,8 +55,4 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
+}  // namespace saltserve_cpu

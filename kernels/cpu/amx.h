@@ -10,7 +10,7 @@
 
 // AMX intrinsics as written in our kernels need GCC 11 (its target pragma; clang ignores it)
 // and an assembler that knows the tile instructions, on Linux (arch_prctl). Where the build
-// fails anyway, kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_AMX=0.
+// fails anyway, kernels/cpu/build.py's load() builds again with -DSALTSERVE_HAVE_AMX=0.
 #ifndef SALTSERVE_HAVE_AMX
 #if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && \
     __GNUC__ >= 11

@@ -35,9 +35,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include "amx.h"
+#include "ops.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+namespace saltserve_cpu {
 namespace {
 
 using saltserve::exp256;
@@ -516,10 +517,14 @@ bool path_switch(std::atomic<int>& state, int64_t enabled, bool supported) {
 
 std::atomic<int> avx512_on{-1};
 
+}  // namespace
+
 // The AVX-512 path's switch (path_switch).
 bool attention_avx512(int64_t enabled) {
   return path_switch(avx512_on, enabled, avx512_supported());
 }
+
+namespace {
 
 // bf16 caches (--kv-cache-dtype bfloat16): the same plan, chunks and merge, with the products
 // on avx512_bf16's VDPBF16PS (pairs of bf16 products summed into fp32 lanes). K and V are bf16
@@ -533,8 +538,9 @@ bool attention_avx512(int64_t enabled) {
 // the same arithmetic whatever its tile or group, so a row's bits still do not depend on its
 // batch.
 // The bf16 path as written needs GCC 11's target pragma (clang ignores it) and an assembler that
-// knows avx512_bf16; kernels.cpu_linear.load() builds again with -DSALTSERVE_HAVE_BF16=0 where the
-// build fails, and bf16 caches are then refused (bf16_kv_cache() says so; the torch path reads them).
+// knows avx512_bf16; kernels/cpu/build.py's load() builds again with -DSALTSERVE_HAVE_BF16=0
+// where the build fails, and bf16 caches are then refused (bf16_kv_cache() says so; the torch
+// path reads them).
 #ifndef SALTSERVE_HAVE_BF16
 #if defined(__x86_64__) && !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11
 #define SALTSERVE_HAVE_BF16 1
@@ -981,6 +987,8 @@ bool amx_bf16_supported() {
 }
 std::atomic<int> amx_bf16_on{-1};
 
+}  // namespace
+
 // bf16 caches' AMX path's switch (path_switch).
 bool attention_amx(int64_t enabled) {
   return path_switch(amx_bf16_on, enabled, amx_bf16_supported());
@@ -997,6 +1005,8 @@ bool bf16_kv_cache() {
   return false;
 #endif
 }
+
+namespace {
 
 struct Group {
   int64_t seq, chunk, n;           // the table and chunk it is read through, its length
@@ -1087,6 +1097,8 @@ void make_plan(Scratch& w, const int32_t* qsl, const int32_t* lens, const int32_
   w.made_for.insert(w.made_for.end(), lens, lens + S);
   w.made_for.insert(w.made_for.end(), tables, tables + S * MB);
 }
+
+}  // namespace
 
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& query_start_loc,
@@ -1333,20 +1345,4 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     w = Scratch(), qround = std::vector<uint16_t>();
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> ()");
-  m.def("bf16_kv_cache() -> bool");
-  m.def("attention_avx512(int enabled) -> bool");
-  m.def("attention_amx(int enabled) -> bool");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) {
-  m.impl("bf16_kv_cache", &bf16_kv_cache);
-  m.impl("attention_avx512", &attention_avx512);
-  m.impl("attention_amx", &attention_amx);
-}
+}  // namespace saltserve_cpu

@@ -14,8 +14,8 @@
 //   x = add_rms_norm(residual += o(attn));  gate, up = gate_up(x)
 //   return down(silu_and_mul(gate_up))     (residual is updated in place; first: it is hidden)
 //
-// Each projection comes as a kind and up to four tensors, chosen in Python by the layer's
-// LinearMethod for this number of rows (engine/quantization.py, decode_spec):
+// Each projection comes as a kind (kinds.h) and up to four tensors, chosen in Python by the
+// layer's LinearMethod for this number of rows (engine/quantization.py, decode_spec):
 //   kDense  (w)                        our linear_small_m (up to kernels.cpu_linear.MAX_ROWS)
 //   kLinear (w)                        at::linear (F.linear: more rows)
 //   kInt4   (packed, scales_and_zeros) torch's _weight_int4pack_mm_for_cpu in bf16
@@ -31,17 +31,16 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <tuple>
 
+#include "kinds.h"
+#include "ops.h"
+
+namespace saltserve_cpu {
 namespace {
 
-enum Kind : int64_t {
-  kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6,
-  kQ4Vnni = 7, kQ8Vnni = 8
-};
 constexpr int64_t kSlots = 4;  // tensors per projection: three operands and the bias
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -189,6 +188,8 @@ at::Tensor rows_of_rotary(const at::Tensor& t, int64_t T, int64_t head_dim) {
   return t.view({T, head_dim});
 }
 
+}  // namespace
+
 at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool first,
                         const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         c10::List<OptTensor> weights, at::IntArrayRef kinds,
@@ -251,27 +252,4 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {h, residual};
 }
 
-}  // namespace
-
-// residual (a!): updated in place; on the first layer it is hidden itself (see above).
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("decode_layer(Tensor hidden, Tensor(a!) residual, bool first, Tensor ln1, Tensor ln2, "
-        "float eps, Tensor?[] weights, int[] kinds, int[] groups, Tensor cos, Tensor sin, "
-        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int num_heads, "
-        "int num_kv_heads, int head_dim, int intermediate_size, float scale) -> Tensor");
-}
-
-// hidden (a!): the residual stream, updated in place and returned second.
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("decode_layers(Tensor(a!) hidden, Tensor[] norms, float eps, Tensor?[] weights, "
-        "int[] kinds, int[] groups, Tensor cos, Tensor sin, Tensor(b!) kv_caches, "
-        "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
-        "int num_heads, int num_kv_heads, int head_dim, int intermediate_size, float scale) "
-        "-> (Tensor, Tensor(a!))");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
-  m.impl("decode_layer", &decode_layer);
-  m.impl("decode_layers", &decode_layers);
-}
+}  // namespace saltserve_cpu

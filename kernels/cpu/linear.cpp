@@ -15,8 +15,10 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
+#include "ops.h"
+
+namespace saltserve_cpu {
 namespace {
 
 constexpr int kRowsW = 3;  // weight rows per tile (outputs)
@@ -80,6 +82,8 @@ inline void outputs(const float* x, const float* w, const float* bias, float* y,
   }
 }
 
+}  // namespace
+
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
@@ -108,10 +112,4 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(saltserve_cpu, m) {
-  m.def("linear_small_m(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("linear_small_m", &linear_small_m); }
+}  // namespace saltserve_cpu

@@ -12,12 +12,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 
+#include "ops.h"
+
+namespace saltserve_cpu {
 namespace {
 
 inline float sum_of_squares(const float* x, int64_t n) {
@@ -60,6 +62,8 @@ void check(const at::Tensor& x, const at::Tensor& weight, const char* op) {
 
 constexpr int64_t kGrain = 16;  // rows per parallel task: decode rows run on one thread
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight, "rms_norm");
   at::Tensor out = at::empty_like(x);
@@ -101,14 +105,4 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Ten
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-}
+}  // namespace saltserve_cpu

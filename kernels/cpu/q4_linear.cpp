@@ -23,7 +23,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <c10/util/Half.h>
 
@@ -32,6 +31,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops.h"
+
+namespace saltserve_cpu {
 namespace {
 
 constexpr int kGroup = 32;
@@ -133,6 +135,8 @@ inline void outputs(const QuantizedActs& a, const uint8_t* codes, const uint16_t
   }
 }
 
+}  // namespace
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& minimum, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scale.dim() == 2 && minimum.dim() == 2,
@@ -202,10 +206,4 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("q4_linear(Tensor x, Tensor codes, Tensor scale, Tensor minimum, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("q4_linear", &q4_linear); }
+}  // namespace saltserve_cpu

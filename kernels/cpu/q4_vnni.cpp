@@ -34,7 +34,6 @@
 #include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -45,9 +44,11 @@
 #include <vector>
 
 #include "amx.h"
+#include "ops.h"
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
+namespace saltserve_cpu {
 namespace {
 
 constexpr int kGroup = 32;
@@ -423,6 +424,8 @@ bool use_amx() {
   return on;
 }
 
+}  // namespace
+
 // int8_amx(-1) tells whether the AMX path runs; int8_amx(0 or 1) turns it off or on (on only
 // where available) and returns the new state.
 bool int8_amx(int64_t mode) {
@@ -431,6 +434,8 @@ bool int8_amx(int64_t mode) {
 }
 
 int64_t int8_amx_calls() { return amx_calls.load(std::memory_order_relaxed); }
+
+namespace {
 
 // The activations of 8 rows as one A tile: rows 0-7 their int8 codes qx, rows 8-15 their
 // residuals rx (16-bit activations; with 8-bit ones rows 8-15 are unused), so one TDPBSUD gives
@@ -747,6 +752,8 @@ void for_rows(int64_t M, int64_t K, F&& fn) {
   });
 }
 
+}  // namespace
+
 at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
                           const at::Tensor& scale_min, const c10::optional<at::Tensor>& bias,
                           int64_t act_bits) {
@@ -805,6 +812,8 @@ at::Tensor q4_linear_vnni(const at::Tensor& x, const at::Tensor& codes,
   });
   return y;
 }
+
+namespace {
 
 // The int8 layers (--quantization int8, and gguf's Q8_0 LM head): per-channel int8 weights,
 // w[n, k] = q[n, k] * scale[n], held as u = q + 128 (vpdpbusd multiplies unsigned by signed):
@@ -947,6 +956,8 @@ void rows_of_tile8(const int8_t* qx, const int8_t* rx, const int16_t* a16, const
   });
 }
 
+}  // namespace
+
 at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& bias, int64_t act_bits) {
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "q8_linear_vnni: act_bits 8 or 16, not ",
@@ -1019,23 +1030,4 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("q8_linear_vnni(Tensor x, Tensor codes, Tensor scale, Tensor? bias, "
-        "int act_bits) -> Tensor");
-  m.def("q4_linear_vnni(Tensor x, Tensor codes, Tensor scale_min, Tensor? bias, "
-        "int act_bits) -> Tensor");
-  m.def("int8_amx(int mode) -> bool");
-  m.def("int8_amx_calls() -> int");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
-  m.impl("q4_linear_vnni", &q4_linear_vnni);
-  m.impl("q8_linear_vnni", &q8_linear_vnni);
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CatchAll, m) {
-  m.impl("int8_amx", &int8_amx);
-  m.impl("int8_amx_calls", &int8_amx_calls);
-}
+}  // namespace saltserve_cpu

@@ -18,12 +18,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "ops.h"
+
+namespace saltserve_cpu {
 
 void rotary_neox_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t num_heads, int64_t head_dim) {
@@ -109,15 +110,4 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) {
-  m.def("rotary_neox_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
-  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-        "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
-  m.impl("rotary_neox_", &rotary_neox_);
-  m.impl("reshape_and_cache", &reshape_and_cache);
-}
+}  // namespace saltserve_cpu

@@ -9,11 +9,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "ops.h"
+
+namespace saltserve_cpu {
 namespace {
 
 int64_t argmax_row(const float* x, int64_t n) {
@@ -47,6 +49,8 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // n == 0 is refused by the caller
 }
 
+}  // namespace
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0,
               "argmax_rows: x [rows, n] with n > 0 expected, got ", x.sizes());
@@ -62,8 +66,4 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(saltserve_cpu, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+}  // namespace saltserve_cpu

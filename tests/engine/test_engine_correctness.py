@@ -10,6 +10,7 @@ from engine.llm import run_to_completion
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from kernels import cpu_linear, cpu_ops
+from kernels.cpu import build
 
 MAX_NEW = 40
 SHARED = ("You are a careful assistant for a company that builds bridges. Answer with facts, "
@@ -156,7 +157,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
     from engine.attention import torch_backend as attention
 
     if path == "cascade":
-        monkeypatch.setitem(cpu_linear._state, "ok", False)
+        monkeypatch.setitem(build._state, "ok", False)
     elif not cpu_linear.load():
         pytest.skip("our CPU kernels are not built")
     calls = []

@@ -86,7 +86,7 @@ def paged_attention_variants_ref(query: torch.Tensor, key_cache: torch.Tensor,
                                  scale: float, *, sliding_window: int | None = None,
                                  logit_softcap: float | None = None,
                                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.reference.paged_attention_ref`` with the attention variants, fp32, a sequence
+    """``triton_reference.paged_attention_ref`` with the attention variants, fp32, a sequence
     at a time over its whole score matrix (no tiling, no online softmax).
 
     Args:
@@ -364,8 +364,8 @@ STORE_VARIANTS = {
 
 def record_variant(name: str) -> list[Launch]:
     """Calls the wrapper for variant ``name`` with its kernels replaced by recorders."""
-    import kernels.paged_attention as pa
-    import kernels.store_kv_cache as skc
+    import kernels.triton.paged_attention as pa
+    import kernels.triton.store_kv_cache as skc
 
     launches: list[Launch] = []
     saved = (pa._paged_attention_kernel, pa._reduce_segments_kernel, pa._interpreting,

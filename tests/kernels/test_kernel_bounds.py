@@ -28,10 +28,10 @@ from kernel_utils import (
     make_batch,
     paged_attention_variants_ref,
 )
+from triton_reference import paged_attention_ref, store_kv_cache_ref
 
-import kernels.paged_attention as pa
-import kernels.store_kv_cache as skc
-from kernels.reference import paged_attention_ref, store_kv_cache_ref
+import kernels.triton.paged_attention as pa
+import kernels.triton.store_kv_cache as skc
 
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 (CPU)")
 

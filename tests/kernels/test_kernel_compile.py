@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from kernel_utils import ATTENTION_VARIANTS, STORE_VARIANTS
 
-import kernels.paged_attention as pa
-import kernels.store_kv_cache as skc
+import kernels.triton.paged_attention as pa
+import kernels.triton.store_kv_cache as skc
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import DEVICE, assert_close, make_batch, paged_attention_variants_ref
+from triton_reference import paged_attention_ref
 
 from engine.attention import AttentionMetadata, paged_attention_torch
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
+from kernels.triton.paged_attention import paged_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -95,10 +95,11 @@ def test_reference_agrees_with_engine_torch_backend(group, path, monkeypatch):
     """The reference and the engine's torch backend agree, on both of its decode paths: SDPA
     (our CPU kernels off) and our CPU decode kernel (``kernels.cpu_ops``)."""
     from kernels import cpu_linear
+    from kernels.cpu import build
     if path == "ours" and not cpu_linear.load():
         pytest.skip(f"our CPU kernels are off: {cpu_linear.unavailable_reason()}")
     if path == "torch":
-        monkeypatch.setitem(cpu_linear._state, "ok", False)
+        monkeypatch.setitem(build._state, "ok", False)
     batch = make_batch(MIXED, num_kv_heads=2, group=group, head_dim=64, block_size=16,
                        dtype=torch.float32)
     seq_lens = tuple(batch.seq_lens.tolist())

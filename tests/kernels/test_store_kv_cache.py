@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import DEVICE
+from triton_reference import store_kv_cache_ref
 
-import kernels.store_kv_cache as skc
-from kernels.reference import store_kv_cache_ref
-from kernels.store_kv_cache import store_kv_cache
+import kernels.triton.store_kv_cache as skc
+from kernels.triton.store_kv_cache import store_kv_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

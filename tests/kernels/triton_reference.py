@@ -1,7 +1,8 @@
 """Plain-torch references for the Triton kernels: slow, loop-based, obviously correct.
 
-Same signatures and layouts as ``kernels.store_kv_cache`` and ``kernels.paged_attention``; the
-tests compare every kernel against these with ``torch.testing.assert_close``.
+Same signatures and layouts as ``kernels.triton.store_kv_cache`` and
+``kernels.triton.paged_attention``; the tests (and ``benchmarks/gpu_check.py``) compare every
+kernel against these with ``torch.testing.assert_close``.
 """
 
 from __future__ import annotations
