@@ -10,6 +10,40 @@ over the file's memory map), so loading never holds the whole model in fp32. The
 ``config.json``, tokenizer and norms' shapes come from the converted Hugging Face folder beside
 it (``engine/weights.py``).
 
+Architectures: the family is the GGUF's ``general.architecture``, and ``config.json`` must be
+one llama.cpp's converter writes under it (``_FAMILIES``; else refused, one line): llama (Llama
+2/3, Mistral, Mixtral), qwen2, qwen3, qwen3moe, gemma2, gemma3 (text), phi3 (Phi-3, Phi-4-mini),
+olmo2, granite, smollm3 — those the installed ``gguf`` package's ``MODEL_ARCH`` knows. gpt-oss
+(MXFP4 experts) and every other architecture are refused with the supported ones named.
+
+Names: each Hugging Face name the model's loader reads (its ``DecoderSpec``) is mapped to its
+GGUF name by the ``gguf`` package's own tables (``gguf.get_tensor_name_map``: ``TensorNameMap``
+restricted to ``MODEL_TENSORS[arch]``, what llama.cpp's converter names tensors by), so a new
+architecture is one line of ``_FAMILIES``. A weight the architecture's tables cannot name (a
+dense MLP layer in a qwen3moe, whose ``MODEL_TENSORS`` have none) is refused, named.
+
+Conversion quirks undone, each as llama.cpp's ``convert_hf_to_gguf.py`` applies it:
+
+- q/k rows (weights and biases) permuted for llama.cpp's rotary in ``llama`` (Llama, Mistral,
+  Mixtral), ``granite`` and ``smollm3`` (``LlamaModel.permute``, k by the KV heads; the other
+  architectures rotate NeoX-style and are written as they are): permuted back as transformers
+  does (``reverse_permute_weights``); rows are whole blocks, so 4-bit tensors stay 4-bit.
+- Gemma 2 / 3 norms stored as ``w + 1`` in fp32 (``Gemma2Model`` / ``Gemma3Model``): read as
+  ``stored - 1``, so the spec's own ``+ 1`` at load gives back the stored value exactly for
+  ``w`` in [-0.5, 1] (stored in [0.5, 2]: the subtraction is exact, Sterbenz), which is also
+  the fp32 ``1 + w`` Hugging Face's Gemma RMSNorm computes.
+- Gemma 2's converter drops ``lm_head``: a GGUF without ``output.weight`` ties the head to the
+  embedding, as llama.cpp does. Gemma 3's drops embedding rows past the tokenizer's
+  vocabulary: such a file does not match ``config.json``'s ``vocab_size`` and is refused.
+- Phi-3 keeps q/k/v fused as ``attn_qkv`` and gate/up as ``ffn_up`` [2I, H]: read as
+  ``self_attn.qkv_proj`` / ``mlp.gate_up_proj``, the names its spec loads.
+- Mixture-of-experts weights (Mixtral, Qwen3-MoE): experts stacked into 3-D ``ffn_gate_exps`` /
+  ``ffn_up_exps`` [E, I, H] and ``ffn_down_exps`` [E, H, I] (raw blocks [E, rows, row bytes]),
+  the router as ``ffn_gate_inp`` [E, H]: expert ``e`` is served under its spec's per-expert
+  names (``mlp.experts.{e}.gate_proj.weight``, ``block_sparse_moe.experts.{e}.w1.weight``)
+  from its own slice of the raw blocks, so an expert is decoded alone, never the whole 3-D
+  tensor in fp32.
+
 Block layouts (ggml ``ggml-common.h``): Q4_1 is 20 bytes per 32 weights: fp16 ``d``, fp16 ``m``,
 then 16 bytes whose low nibbles are weights 0-15 and high nibbles weights 16-31; ``w = q * d +
 m``. Q4_0 is 18 bytes: fp16 ``d`` and the same nibbles; ``w = (q - 8) * d``. Q4_K is 144 bytes
@@ -18,16 +52,12 @@ per 256 weights: fp16 ``d`` and ``dmin``, 12 bytes of eight 6-bit scales and min
 nibbles and ``2c + 1`` in its high ones; ``w = d * sc * q - dmin * m``, so each 32-weight
 sub-block is a ``GroupedInt4`` group with scale ``d * sc`` and minimum ``-dmin * m`` (products of
 an fp16 and a 6-bit integer: exact in fp32).
-
-llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of Llama models for its rotary
-layout; they are permuted back here as transformers does (``reverse_permute_weights``). Rows are
-whole blocks, so 4-bit tensors are permuted without being dequantized.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +65,110 @@ import numpy as np
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.spec import LayerSpec
 from engine.quantization import INT4_GROUP_SIZE, GroupedInt4
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+# GGUF ``general.architecture`` -> the Hugging Face architectures llama.cpp's converter writes
+# under it (``ModelBase.register`` in convert_hf_to_gguf.py).
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "qwen3moe": ("Qwen3MoeForCausalLM",),
+    "gemma2": ("Gemma2ForCausalLM",),
+    "gemma3": ("Gemma3ForCausalLM",),
+    "phi3": ("Phi3ForCausalLM",),
+    "olmo2": ("Olmo2ForCausalLM",),
+    "granite": ("GraniteForCausalLM",),
+    "smollm3": ("SmolLM3ForCausalLM",),
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Converted by llama.cpp's ``LlamaModel`` (``undo_permute``): q/k rows permuted.
+_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
+# Norms stored as ``w + 1`` (``Gemma2Model``, ``Gemma3Model.norm_shift``).
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+# Architectures we serve from safetensors whose GGUFs we cannot read, and why.
+_REFUSED = {"gpt-oss": "its experts are MXFP4 blocks, which it does not read; serve the bf16 "
+                       "checkpoint without it"}
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+_KINDS = ("weight", "bias")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or None for one we do not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK.fullmatch(gguf_name)
-    names = _LAYER_NAMES | _EXTRA_LAYER_NAMES
-    if m is None or m.group(2) not in names:
-        return None
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+def supported_architectures() -> tuple[str, ...]:
+    """The GGUF architectures ``--quantization gguf`` reads: ``_FAMILIES``' keys that the
+    installed ``gguf`` package's ``MODEL_ARCH`` names, in ``_FAMILIES``' order."""
+    from gguf.constants import MODEL_ARCH_NAMES
+
+    known = set(MODEL_ARCH_NAMES.values())
+    return tuple(a for a in _FAMILIES if a in known)
+
+
+def _name_map(arch: str, layers: Sequence[LayerSpec], prefix: str = "model."
+              ) -> tuple[dict[str, tuple[str, int | None]], list[str]]:
+    """Hugging Face name -> (GGUF name, expert index or None) for every weight and bias a
+    decoder of ``layers`` may load, by the ``gguf`` package's tables for ``arch``; and the
+    required weights (not biases, not ``lm_head``) those tables cannot name."""
+    import gguf
+    from gguf.constants import MODEL_ARCH_NAMES
+
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    tmap = gguf.get_tensor_name_map(arch_id, len(layers))
+    names: dict[str, tuple[str, int | None]] = {}
+    unnamed: list[str] = []
+
+    def add(stem: str, expert: int | None = None, stacked: str | None = None,
+            required: bool = True) -> None:
+        for kind in _KINDS:
+            g = tmap.get_name(f"{stacked or stem}.{kind}", try_suffixes=(".weight", ".bias"))
+            if g is not None:
+                names[f"{stem}.{kind}"] = (g, expert)
+            elif required and kind == "weight":
+                unnamed.append(f"{stem}.{kind}")
+
+    add(prefix + "embed_tokens")
+    add(prefix + "norm")
+    add("lm_head", required=False)
+    for i, ls in enumerate(layers):
+        p = f"{prefix}layers.{i}."
+        for stem in (ls.attn_in_norm, ls.attn_out_norm, ls.mlp_in_norm, ls.mlp_out_norm):
+            if stem is not None:
+                add(p + stem)
+        if ls.qk_norm is not None:
+            add(p + ls.q_norm)
+            add(p + ls.k_norm)
+        for stem in (*ls.qkv, ls.o):
+            add(p + stem)
+        moe = ls.moe
+        if moe is None:
+            for stem in (*ls.gate_up, ls.down):
+                add(p + stem)
+            continue
+        add(p + moe.router)
+        stacked = p + moe.expert.replace("{e}.", "").replace("{e}", "")
+        for e in range(moe.num_experts):
+            for part in dict.fromkeys((moe.gate, moe.up, moe.down)):
+                add(p + moe.expert.format(e=e) + part, e, stacked + part)
+    return names, list(dict.fromkeys(unnamed))
+
+
+def _layer_tensors(arch: str) -> str:
+    """The per-layer tensor names llama.cpp gives ``arch`` (``MODEL_TENSORS``), joined."""
+    from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    return ", ".join(TENSOR_NAMES[t].removeprefix("blk.{bid}.") for t in MODEL_TENSORS[arch_id]
+                     if TENSOR_NAMES[t].startswith("blk."))
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of a plain Llama layer (``blk.3.attn_q.weight``
+    -> ``model.layers.3.self_attn.q_proj.weight``) by ``arch``'s tables in the ``gguf``
+    package, or None for one we do not use (``rope_freqs.weight``)."""
+    m = _BLOCK.match(gguf_name)
+    layers = [LayerSpec(rope=None)] * (int(m.group(1)) + 1 if m else 0)
+    for name, (g, _) in _name_map(arch, layers)[0].items():
+        if g == gguf_name:
+            return name
+    return None
 
 
 # Block bytes of the 4-bit types kept as they are: fp16 d (and fp16 m for Q4_1) + 16 bytes.
@@ -85,6 +196,7 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
+
 def q4_k_grouped(raw: np.ndarray) -> GroupedInt4:
     """A Q4_K tensor's raw blocks [rows, blocks * 144] uint8 as ``GroupedInt4`` (groups of 32;
     the layout in the module docstring). Raises ValueError for a row that is not whole
@@ -108,27 +220,42 @@ def q4_k_grouped(raw: np.ndarray) -> GroupedInt4:
                        torch.from_numpy(minimum), INT4_GROUP_SIZE)
 
 
-# General architectures whose tensors we read: llama.cpp permutes the q/k rows of ``llama``.
-_ARCHS = ("llama", "qwen2", "qwen3")
-_EXTRA_LAYER_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-
-
 class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
     """A GGUF's weights under Hugging Face names, each decoded when it is looked up (from the
     file's memory map; nothing is cached, so a loader that takes each weight once holds at most
-    the one it is converting in fp32)."""
+    the one it is converting in fp32). An expert of a 3-D expert tensor is decoded from its
+    own rows alone. Names are those ``cfg``'s spec loads that the file holds (``_name_map``).
+
+    Raises (construction):
+        ValueError: a weight ``cfg``'s model needs has no name in ``arch``'s tables, or an
+            expert tensor holds another number of experts than ``config.json``.
+    """
 
     def __init__(self, reader: Any, arch: str, cfg: ModelConfig) -> None:
         self._arch, self._cfg = arch, cfg
-        self._tensors = {}
-        for t in reader.tensors:
-            name = hf_name(t.name)
-            if name is not None:
-                self._tensors[name] = t
+        spec = cfg.decoder_spec()
+        names, unnamed = _name_map(arch, spec.layers, spec.prefix)
+        if unnamed:
+            more = f" and {len(unnamed) - 1} more" if len(unnamed) > 1 else ""
+            raise ValueError(f"config.json's {cfg.architecture} needs {unnamed[0]}{more}, which "
+                             f"a {arch} GGUF cannot hold (its layers: {_layer_tensors(arch)})")
+        by_name = {t.name: t for t in reader.tensors}
+        self._tensors: dict[str, tuple[Any, int | None]] = {}
+        wanted = next((ls.moe.num_experts for ls in spec.layers if ls.moe is not None), 0)
+        for name, (g, expert) in names.items():
+            t = by_name.get(g)
+            if t is None:
+                continue
+            if expert is not None and int(t.shape[-1]) != wanted:
+                raise ValueError(f"{g} holds {int(t.shape[-1])} experts; config.json's model "
+                                 f"has {wanted}")
+            self._tensors[name] = (t, expert)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The Hugging Face shape of ``name`` without decoding it."""
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+        t, expert = self._tensors[name]
+        shape = tuple(int(n) for n in reversed(t.shape))
+        return shape[1:] if expert is not None else shape
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -136,11 +263,16 @@ class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
+    def __contains__(self, name: object) -> bool:  # without decoding it
+        return name in self._tensors
+
     def __getitem__(self, name: str) -> torch.Tensor | GroupedInt4:
         import gguf
 
-        t = self._tensors[name]
+        t, expert = self._tensors[name]
         raw = np.asarray(t.data)
+        if expert is not None:  # [E, rows, row bytes] -> this expert's [rows, row bytes]
+            raw = raw[expert]
         kind = t.tensor_type.name
         if kind in _Q4_BLOCK_BYTES:
             value: torch.Tensor | GroupedInt4 = grouped_from_blocks(raw, kind)
@@ -151,26 +283,41 @@ class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
         else:
             value = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type)
                                      .astype(np.float32))
-        # llama.cpp permutes q/k rows (weights and biases) of Llama models only.
-        if self._arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight",
-                                                    "q_proj.bias", "k_proj.bias")):
+        if self._arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight",
+                                                         "q_proj.bias", "k_proj.bias")):
             cfg = self._cfg
             heads = (cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
             order = _unpermute_rows(value.shape[0], heads)
             value = value.rows(order) if isinstance(value, GroupedInt4) else value[order]
+        if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            dense = value.dequantize() if isinstance(value, GroupedInt4) else value
+            value = dense.float() - 1.0  # stored w + 1; the spec's norm_offset adds it back
         return value
 
 
+def _field(reader: Any, key: str) -> Any:
+    """A scalar or string metadata field of ``reader``, or None."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types and field.types[0].name == "STRING" \
+        else value[0].item()
+
+
 def read_gguf_state(path: Path, cfg: ModelConfig) -> GGUFState:
-    """Every weight of the GGUF at ``path`` under its Hugging Face name, decoded on lookup.
+    """Every weight of the GGUF at ``path`` that ``cfg``'s model loads, under its Hugging Face
+    name, decoded on lookup (quirks of llama.cpp's converter undone: module docstring).
 
     Returns:
         name -> ``GroupedInt4`` for Q4_1 / Q4_0 / Q4_K tensors, else an fp32 tensor ([out, in]
-        for matrices, [n] for norms).
+        for matrices, [n] for norms; an expert's own [out, in]).
 
     Raises:
-        ValueError: the file is not a GGUF, has an architecture other than llama / qwen2 /
-            qwen3, or its shapes do not match ``cfg``.
+        ValueError (one line each): the file is not a GGUF; its architecture is gpt-oss (MXFP4)
+            or one we do not read (the supported ones named); ``config.json``'s architecture is
+            not one llama.cpp writes under it; its block count, expert count, weight names or
+            embedding shape do not match ``cfg``.
     """
     import gguf
 
@@ -178,17 +325,32 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> GGUFState:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF {path.name}: {e}") from None
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
-    if arch not in _ARCHS:
+    arch = _field(reader, "general.architecture") or "llama"
+    supported = supported_architectures()
+    if arch not in supported:
+        why = f" ({_REFUSED[arch]})" if arch in _REFUSED else ""
         raise ValueError(f"GGUF {path.name}: architecture {arch!r} is not supported by "
-                         f"--quantization gguf ({', '.join(_ARCHS)})")
-    state = GGUFState(reader, arch, cfg)
-    if "model.embed_tokens.weight" not in state or \
-            state.shape("model.embed_tokens.weight") != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"GGUF {path.name} does not match the model's config.json "
-                         f"(vocab {cfg.vocab_size} x hidden {cfg.hidden_size})")
+                         f"--quantization gguf{why}; supported: {', '.join(supported)}")
+    if cfg.architecture not in _FAMILIES[arch]:
+        raise ValueError(f"GGUF {path.name}: architecture {arch!r} does not match config.json's "
+                         f"{cfg.architecture} (a {arch!r} GGUF holds "
+                         f"{' / '.join(_FAMILIES[arch])})")
+    blocks = _field(reader, f"{arch}.block_count")
+    if blocks is not None and blocks != cfg.num_hidden_layers:
+        raise ValueError(f"GGUF {path.name} has {blocks} blocks but config.json has "
+                         f"{cfg.num_hidden_layers} layers")
+    try:
+        state = GGUFState(reader, arch, cfg)
+    except ValueError as e:
+        raise ValueError(f"GGUF {path.name}: {e}") from None
+    embed = "model.embed_tokens.weight"
+    found = "none" if embed not in state else " x ".join(map(str, state.shape(embed)))
+    if found != f"{cfg.vocab_size} x {cfg.hidden_size}":
+        raise ValueError(f"GGUF {path.name} does not match the model's config.json: token_embd "
+                         f"is {found}, config.json's vocab x hidden {cfg.vocab_size} x "
+                         f"{cfg.hidden_size}")
     return state
 
 
-__all__ = ["GGUFState", "grouped_from_blocks", "hf_name", "q4_k_grouped", "read_gguf_state"]
+__all__ = ["GGUFState", "grouped_from_blocks", "hf_name", "q4_k_grouped", "read_gguf_state",
+           "supported_architectures"]
