@@ -9,7 +9,7 @@ M = 1..64 activation rows (M = running sequences in a decode step):
   ``gguf``: ``_weight_int4pack_mm_for_cpu``), bf16 in and out, for the crossover: up to which M
   reading 1-4 bytes per weight beats our fp32 kernel reading 4 bytes.
 - our Q4 kernel (``kernels/cpu/q4_linear.cpp``, fp32 in and out, int8 activation groups), the
-  one ``--quantization gguf`` runs below ``engine.quantization.q4_own_kernel_below_tokens()``
+  one ``--quantization gguf`` runs below ``KernelPolicy.q4_own_below``
   rows: its time and its speed-up over torch's int4 kernel (with the fp32 <-> bf16 conversions a
   fp32 model pays). ``ATEN_CPU_CAPABILITY=avx2`` shows torch's kernels as on an AVX2-only CPU.
 - the bf16 dense copy a quantized layer holds on CPUs with native bf16 (``F.linear`` in bf16,

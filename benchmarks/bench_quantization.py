@@ -33,7 +33,7 @@ described at ``FORMATS``), in one run:
    "served": the engine as served (default chunk size and thresholds), so prefill chunks run
    our int8-dot kernels too (every row count), or, where those are off (``gguf-torch``), the
    dense copy: the exact fp32 dequantization, or its bf16 rounding in bf16 GEMM on CPUs with
-   native bf16 (``engine.quantization.dense_copy_dtype``).
+   native bf16 (``KernelPolicy.dense_copy_dtype``).
 
 Usage: ``python benchmarks/bench_quantization.py [--formats fp32,bf16,int8,gguf]
 [--data-dir .saltserve]``. Numbers in docs/benchmarks.md.
@@ -47,6 +47,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ from engine import quantization
 from engine.config import EngineConfig
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
+from engine.quantization import KernelPolicy
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.weights import ensure_default_model
@@ -69,8 +71,8 @@ FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
 # fp32-kv16, gguf-kv16: fp32 and gguf weights over a bf16 KV cache (--kv-cache-dtype bfloat16).
 # gguf-a8: gguf with our int8-dot kernels' 8-bit activation rounding (llama.cpp's Q8_1;
 # --quantized-activation-bits 8, 16 for every other format). gguf-torch: gguf with our
-# int8-dot kernels off (VNNI_KERNELS): torch's int4 and int8 kernels, the dense copy from
-# dense_from_tokens() rows and our Q4 kernel at one row (where the int8-dot kernels are off).
+# int8-dot kernels off (KernelPolicy.int8_dot): torch's int4 and int8 kernels, the dense copy
+# from policy.dense_from_tokens rows and our Q4 kernel at one row.
 ONE_STREAM_RUNS = 5  # one-stream decodes of 64 tokens a format; the median is reported
 OUR_INT8_DOT = {"gguf-torch": False}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -171,37 +173,33 @@ def prompt_logprobs(engine: LLMEngine, ids: list[int]):
     return run_to_completion(engine, [_request(0, ids, 1, prompt_logprobs=0)])[0].prompt_logprobs
 
 
-def fidelity(model_dir: Path, fmt: dict, reference: dict, kernels_only: bool
+def fidelity(model_dir: Path, name: str, reference: dict, kernels_only: bool
              ) -> tuple[list, float, int, float]:
     """(outputs, teacher-forced agreement with ``reference``, identical outputs, perplexity);
     ``kernels_only``: every forward through the quantized kernels (see the docstring)."""
-    saved = (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16,
-             quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16)
+    fmt = FORMATS[name]
     extra = {}
+    policy = KernelPolicy.detect(int8_dot=OUR_INT8_DOT.get(name, True))
     if kernels_only:  # forwards of at most 16 rows, below every dense switch-over
-        quantization.DENSE_FROM_TOKENS_OWN_KERNEL = quantization.DENSE_FROM_TOKENS
-        quantization.DENSE_FROM_TOKENS_NATIVE_BF16 = quantization.DENSE_FROM_TOKENS
-        quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16 = quantization.DENSE_FROM_TOKENS
+        policy = replace(policy, dense_from_tokens=quantization.DENSE_FROM_TOKENS,
+                         int8_dense_from_tokens=quantization.DENSE_FROM_TOKENS)
         extra = {"max_num_batched_tokens": 16}
-    try:
-        engine = LLMEngine(EngineConfig(model=str(model_dir), **extra, **fmt))
-        prompts = [chat_ids(engine, p) for p in PROMPTS]
-        text_ids = engine.tokenizer.encode(TEXT.read_text())
-        outputs = greedy(engine, prompts)
-        ref_outputs = reference.get("outputs", outputs)
-        agree = total = 0
-        for p, ref_out in zip(prompts, ref_outputs):
-            lps = prompt_logprobs(engine, p + ref_out)
-            ranks = [lp.rank for lp in lps[len(p):]]
-            agree += sum(r == 1 for r in ranks)
-            total += len(ranks)
-        identical = sum(o == r for o, r in zip(outputs, ref_outputs))
-        lps = prompt_logprobs(engine, text_ids)[1:]
-        ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
-        del engine
-    finally:
-        (quantization.DENSE_FROM_TOKENS_OWN_KERNEL, quantization.DENSE_FROM_TOKENS_NATIVE_BF16,
-         quantization.DENSE_FROM_TOKENS_INT8_NATIVE_BF16) = saved
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **extra, **fmt),
+                       kernel_policy=policy)
+    prompts = [chat_ids(engine, p) for p in PROMPTS]
+    text_ids = engine.tokenizer.encode(TEXT.read_text())
+    outputs = greedy(engine, prompts)
+    ref_outputs = reference.get("outputs", outputs)
+    agree = total = 0
+    for p, ref_out in zip(prompts, ref_outputs):
+        lps = prompt_logprobs(engine, p + ref_out)
+        ranks = [lp.rank for lp in lps[len(p):]]
+        agree += sum(r == 1 for r in ranks)
+        total += len(ranks)
+    identical = sum(o == r for o, r in zip(outputs, ref_outputs))
+    lps = prompt_logprobs(engine, text_ids)[1:]
+    ppl = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
+    del engine
     return outputs, agree / total, identical, ppl
 
 
@@ -218,8 +216,9 @@ def main() -> None:
     reference: dict[str, list] = {}
     rows = []
     for name in args.formats.split(","):
-        quantization.VNNI_KERNELS = OUR_INT8_DOT.get(name, True)
-        engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]))
+        policy = KernelPolicy.detect(int8_dot=OUR_INT8_DOT.get(name, True))
+        engine = LLMEngine(EngineConfig(model=str(model_dir), **FORMATS[name]),
+                           kernel_policy=policy)
         decode(engine, 1, 8)  # warm-up
         weight_mb = engine.model.weight_bytes() / 1e6
         runs = []
@@ -233,10 +232,10 @@ def main() -> None:
         many = decode(engine, 16)
         shared = decode(engine, 16, 32, shared_system_ids(engine))
         del engine
-        outputs, agreement, identical, ppl = fidelity(model_dir, FORMATS[name], reference, True)
+        outputs, agreement, identical, ppl = fidelity(model_dir, name, reference, True)
         if not reference:  # the first format is the reference (fp32 by default)
             reference = {"format": name, "outputs": outputs}
-        served = fidelity(model_dir, FORMATS[name], reference, False)[1:]
+        served = fidelity(model_dir, name, reference, False)[1:]
         cached_limit = read_bandwidth_gbs(int(weight_mb * 1e6), 20) * 1e3 / weight_mb
         rows.append((name, one, many, weight_mb, limit, agreement, identical, ppl, served,
                      shared, cached_limit, of_limit))
@@ -245,7 +244,7 @@ def main() -> None:
           f"{len(PROMPTS)} prompts x 32 tokens, perplexity over {TEXT.name}; first through the "
           f"quantized kernels only, then as served (prefill chunks through our int8-dot "
           f"kernels; where they are off, gguf-torch, on the dense copy: "
-          f"{quantization.dense_copy_dtype()})\n")
+          f"{KernelPolicy.detect().dense_copy_dtype})\n")
     print(f"{'format':10} {'1 stream':>9} {'vs ' + ref[0]:>8} {'step ms':>8} {'model':>6} "
           f"{'engine':>6} {'16 streams':>10} {'vs ' + ref[0]:>8} {'16 shared':>9} "
           f"{'vs ' + ref[0]:>8} "

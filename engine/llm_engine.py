@@ -98,6 +98,8 @@ class LLMEngine:
         config: engine settings.
         tokenizer: a Hugging Face tokenizer; default: loaded from ``config.model``.
         executor: runs the model; default: ``ModelRunner.load`` (tests pass a fake).
+        kernel_policy: the model's kernel choices (an
+            ``engine.quantization.KernelPolicy``; default: this CPU's).
 
     Raises:
         ValueError: misconfiguration (unknown dtype, unsupported architecture naming the supported
@@ -105,7 +107,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None,
-                 executor: ModelExecutor | None = None) -> None:
+                 executor: ModelExecutor | None = None, kernel_policy: Any = None) -> None:
         self.config = config
         model_dir = Path(config.model)
         model_cfg = ModelConfig.from_pretrained(model_dir)
@@ -121,7 +123,7 @@ class LLMEngine:
         if executor is None:
             from engine.model_runner import ModelRunner
 
-            executor = ModelRunner.load(config, model_cfg, max_model_len)
+            executor = ModelRunner.load(config, model_cfg, max_model_len, kernel_policy)
         self.runner = executor
         self.model = getattr(executor, "model", None)  # None for executors without a module
 

@@ -13,7 +13,7 @@ from engine.executor import ExecuteOutput
 from engine.faults import fire
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.quantization import check_quantization, dense_copy_note, int8_dot_kernels_serve
+from engine.quantization import KernelPolicy, check_quantization
 from engine.request import Request, TokenLogprobs
 from engine.sampler import gather_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -101,11 +101,12 @@ class ModelRunner:
         self.attn = model.attn
         self.attention_backend = self.attn.name
         # Which dense copy quantized layers hold, for the start-up log (engine.quantization).
-        self.dense_note = dense_copy_note(config.quantization, dtype,
-                                          config.quantized_activation_bits) \
+        policy: KernelPolicy = model.policy
+        self.dense_note = policy.dense_copy_note(config.quantization, dtype,
+                                                 config.quantized_activation_bits) \
             if device.type == "cpu" else ""
         if config.quantized_activation_bits != 16 and not (
-                device.type == "cpu" and int8_dot_kernels_serve(config.quantization, dtype)):
+                device.type == "cpu" and policy.int8_dot_serves(config.quantization, dtype)):
             logger.warning("--quantized-activation-bits %d: our int8-dot kernels are off "
                            "here (no CPU build of them, or switched off), so the quantized layers "
                            "use torch's kernels and the flag changes nothing",
@@ -115,9 +116,11 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
 
     @classmethod
-    def load(cls, config: EngineConfig, model_config: ModelConfig,
-             max_model_len: int) -> ModelRunner:
+    def load(cls, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+             kernel_policy: KernelPolicy | None = None) -> ModelRunner:
         """Resolves device, dtype and attention backend, seeds torch, loads the weights.
+        ``kernel_policy``: the kernel choices (default: this CPU's, detected once our CPU
+        kernels are loaded or found unavailable).
 
         Raises:
             ValueError: unknown dtype, a quantization this device cannot run, or
@@ -131,8 +134,9 @@ class ModelRunner:
             cpu_linear.load()  # our small-batch fp32 kernel; F.linear if it cannot be built
         attn = get_attention_backend(config.attention_backend, device)
         resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, attn.name)  # raises before loading
+        policy = kernel_policy if kernel_policy is not None else KernelPolicy.detect()
         model = load_model(config.model, model_config, max_model_len, dtype, device, attn,
-                           config.quantization, config.quantized_activation_bits)
+                           config.quantization, config.quantized_activation_bits, policy)
         torch.manual_seed(config.seed)
         return cls(model, config, device, dtype)
 

@@ -37,8 +37,7 @@ MAX_ROWS = 32
 # of F.linear's MKL sgemm, which takes a slower path on AMD CPUs: about 2x faster at the bundled
 # model's shapes with AVX-512, still faster limited to AVX2, and prefill gains about 1.5x in the
 # engine (docs/benchmarks.md). Sums differ from MKL's at fp32 rounding (about 1e-6 relative);
-# the HF parity tests hold. False: F.linear.
-ONEDNN_LARGE_M = True
+# the HF parity tests hold. Callers pass ``onednn`` (``KernelPolicy.onednn_large_m``).
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -48,16 +47,17 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and not x.requires_grad)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           onednn: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the kernel where ``usable``; above ``MAX_ROWS`` fp32
-    rows on CPU through oneDNN's GEMM (``ONEDNN_LARGE_M``, once the kernels are loaded: with
+    rows on CPU through oneDNN's GEMM (``onednn``, once the kernels are loaded: with
     ``SALTSERVE_CPU_KERNELS=0`` every call is ``F.linear``); else ``F.linear``.
 
     Args:
         x: [num_tokens, in_features] activations.
         weight: [out_features, in_features], as ``nn.Linear`` holds it.
         bias: [out_features] or None.
+        onednn: allow oneDNN above ``MAX_ROWS`` (``KernelPolicy.onednn_large_m``).
 
     Returns:
         [num_tokens, out_features] in ``x``'s dtype.
@@ -65,16 +65,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if usable(x, weight):
         return torch.ops.saltserve_cpu.linear_small_m(x.contiguous(), weight, bias)
     if (x.dim() == 2 and x.shape[0] > MAX_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.float32 and not x.requires_grad and large_m_onednn(weight)):
+            and x.dtype == torch.float32 and not x.requires_grad
+            and large_m_onednn(weight, onednn)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def large_m_onednn(weight: torch.Tensor) -> bool:
+def large_m_onednn(weight: torch.Tensor, enabled: bool = True) -> bool:
     """Whether ``linear`` runs fp32 CPU forwards of more than ``MAX_ROWS`` rows with ``weight``
-    through oneDNN (``ONEDNN_LARGE_M``, kernels loaded, torch built with oneDNN); else
-    ``F.linear``. The fused decode layer asks the same (``engine.quantization``)."""
-    return (ONEDNN_LARGE_M and loaded() and weight.dtype == torch.float32
+    through oneDNN (``enabled``: ``KernelPolicy.onednn_large_m``; kernels loaded; torch built
+    with oneDNN); else ``F.linear``. The fused decode layer asks the same
+    (``engine.quantization.base.dense_spec``)."""
+    return (enabled and loaded() and weight.dtype == torch.float32
             and weight.device.type == "cpu" and torch.backends.mkldnn.is_available())
 
 

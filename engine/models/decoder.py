@@ -32,10 +32,11 @@ from engine.quantization import (
     DEFAULT_ACT_BITS,
     DenseLinear,
     GroupedInt4,
+    KernelPolicy,
     LinearMethod,
-    dense_from_tokens,
-    int8_dense_from_tokens,
-    make_linear,
+    QuantizationMethod,
+    Unquantized,
+    get_quantization_method,
 )
 from kernels import cpu_ops
 
@@ -312,11 +313,15 @@ class DecoderForCausalLM(nn.Module):
         cfg: the model's shape and spec (``ModelConfig.decoder_spec``).
         max_position: rotary table length (tokens; the engine's max_model_len).
         attn: the attention backend every layer calls (``engine.attention``).
+        policy: the engine's kernel choices (default: this CPU's, ``KernelPolicy.detect``);
+            ``policy.fused_decode`` / ``fused_decode_whole`` are read every step.
     """
 
-    def __init__(self, cfg: ModelConfig, max_position: int, attn: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, attn: AttentionBackend,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.policy = policy if policy is not None else KernelPolicy.detect()
         self.spec: DecoderSpec = cfg.decoder_spec()
         # ``_weight`` skips nn.Embedding's random init (the loaded weights replace it): 113 MB
         # of normal_ draws, and on the meta device an import of torch._dynamo (0.5 s).
@@ -364,7 +369,7 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = tables[0] if tables else (None, None)
         residual = None
         fused = self._fused_decode_args(hidden, kv_caches, meta)
-        if fused is not None and self.fused_decode_whole:
+        if fused is not None and self.policy.fused_decode_whole:
             first = self.layers[0]
             norms, weights, kinds, groups = fused[1]
             hidden, residual = cpu_ops.decode_layers(
@@ -387,12 +392,6 @@ class DecoderForCausalLM(nn.Module):
             return self.norm(hidden)
         return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
 
-    # Set False to run every step through the per-op Python layers (benchmarks, tests).
-    fused_decode = True
-    # Set False to call the fused layers one at a time from Python (decode_layer, not
-    # decode_layers: the same bits; tests compare them).
-    fused_decode_whole = True
-
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> tuple[list[tuple], tuple] | None:
         """When this step can run fused: (every layer's ``decode_args``, the same joined as
@@ -400,7 +399,8 @@ class DecoderForCausalLM(nn.Module):
         Checked once a step: the spec is the Llama layer, no autograd
         (``ModelRunner.execute`` runs in inference mode), fp32 CPU activations, and the
         backend (every row a decode) and every projection supporting it."""
-        if (not self.fused_decode or not self.fused_decode_supported or torch.is_grad_enabled()
+        if (not self.policy.fused_decode or not self.fused_decode_supported
+                or torch.is_grad_enabled()
                 or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
                 or not self.layers
                 or not self.attn.fused_cpu_decode_usable(kv_caches[0, 0], kv_caches[0, 1], meta,
@@ -411,9 +411,10 @@ class DecoderForCausalLM(nn.Module):
     def _step_decode_args(self, num_tokens: int) -> tuple[list[tuple], tuple] | None:
         """``_fused_decode_args``' value for ``num_tokens`` rows, kept per row count. An entry
         holds while every layer's bound weights are the same objects (a layer's
-        ``bind_weights`` after replacing a weight makes new ones) and the kernel thresholds
-        the layers' ``decode_args`` depend on are unchanged (``_thresholds``): one check a
-        step in place of 30 layers' cache keys (0.09 ms of Python a one-stream step)."""
+        ``bind_weights`` after replacing a weight makes new ones) and the 4-bit layers'
+        ``own_below`` are unchanged (``_thresholds``; the rest of what ``decode_args`` depends
+        on is the frozen ``KernelPolicy``): one check a step in place of 30 layers' cache keys
+        (0.09 ms of Python a one-stream step)."""
         bound = [layer._w for layer in self.layers]
         hit = self._step_args.get(num_tokens)
         if (hit is not None and all(a is b for a, b in zip(hit[0], bound, strict=True))
@@ -431,11 +432,9 @@ class DecoderForCausalLM(nn.Module):
 
     @staticmethod
     def _thresholds(holders: list) -> tuple:
-        """What a projection's ``decode_spec`` depends on besides its rows: the dense-copy
-        thresholds (every ``dense_from()`` is ``engine.quantization.dense_from_tokens()`` or
-        ``int8_dense_from_tokens()``) and each 4-bit layer's ``own_below`` (tests and
-        benchmarks change them)."""
-        return dense_from_tokens(), int8_dense_from_tokens(), *map(_OWN_BELOW, holders)
+        """What a projection's ``decode_spec`` depends on besides its rows and its policy:
+        each 4-bit layer's ``own_below`` (tests change it)."""
+        return tuple(map(_OWN_BELOW, holders))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32, with the family's final scaling (Granite's
@@ -460,8 +459,9 @@ class DecoderForCausalLM(nn.Module):
                      quantization: str | None = None,
                      act_bits: int = DEFAULT_ACT_BITS) -> None:
         """Loads Hugging Face weight names as the spec declares them, fusing q/k/v and gate/up
-        projections into one ``LinearMethod`` each (``engine.quantization.make_linear``), in
-        the dtype and on the device of this module's parameters (call after ``.to()``).
+        projections into one ``LinearMethod`` each (the quantization method's
+        ``create_linear``), in the dtype and on the device of this module's parameters (call
+        after ``.to()``).
 
         Args:
             state: name -> float tensor, or ``GroupedInt4`` 4-bit blocks (from a GGUF).
@@ -475,7 +475,8 @@ class DecoderForCausalLM(nn.Module):
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
         spec = self.spec
         prefix = spec.prefix
-        self._quantization, self._act_bits = quantization, act_bits
+        method = get_quantization_method(quantization, self.policy, act_bits)
+        self._method = method
 
         def tensor(name: str) -> torch.Tensor:
             """A weight as a float tensor (4-bit blocks dequantized: embeddings, norms)."""
@@ -485,7 +486,7 @@ class DecoderForCausalLM(nn.Module):
             return value.dequantize() if isinstance(value, GroupedInt4) else value
 
         def linear(names: list[str] | tuple[str, ...], bias: bool = False,
-                   quant: str | None = quantization) -> LinearMethod:
+                   quant: QuantizationMethod = method) -> LinearMethod:
             parts = [state.get(n + ".weight") for n in names]
             if any(p is None for p in parts):
                 raise ValueError(f"the checkpoint has no {names[parts.index(None)]}.weight")
@@ -496,7 +497,7 @@ class DecoderForCausalLM(nn.Module):
             else:  # float, or 4-bit mixed with other types: dequantized
                 w = torch.cat([tensor(n + ".weight") for n in names])
             b = torch.cat([tensor(n + ".bias") for n in names]) if bias else None
-            return make_linear(w, b, quant, dtype, device, act_bits)
+            return quant.create_linear(w, b, dtype, device)
 
         def norm_weight(module: RMSNorm, name: str) -> None:
             w = tensor(name)
@@ -515,9 +516,9 @@ class DecoderForCausalLM(nn.Module):
                 # bf16 activations: from the checkpoint's values, not their bf16 rounding.
                 embedding = (self.embed_tokens.weight if dtype == torch.float32
                              else tensor(prefix + "embed_tokens.weight"))
-                self.lm_head = (DenseLinear(self.embed_tokens.weight) if quantization is None
-                                else make_linear(embedding, None, quantization, dtype, device,
-                                                 act_bits))
+                self.lm_head = (DenseLinear(self.embed_tokens.weight, policy=self.policy)
+                                if quantization is None
+                                else method.create_linear(embedding, None, dtype, device))
             else:
                 self.lm_head = linear(["lm_head"])
             for i, layer in enumerate(self.layers):
@@ -545,7 +546,8 @@ class DecoderForCausalLM(nn.Module):
                   ) -> MixtureOfExperts:
         """The layer's router (dense, as Hugging Face runs it) and experts (quantized like
         any linear)."""
-        router = linear([p + moe.router], bias=moe.router_bias, quant=None)
+        router = linear([p + moe.router], bias=moe.router_bias,
+                        quant=Unquantized(self.policy))
         experts = []
         if moe.packed:  # gpt-oss: [E, hidden, 2I] with gate/up columns interleaved
             q = p + moe.expert.format(e="")
@@ -556,10 +558,9 @@ class DecoderForCausalLM(nn.Module):
                 w = gate_up[e].t()
                 w = torch.cat((w[0::2], w[1::2])).contiguous()
                 b = torch.cat((gate_up_bias[e][0::2], gate_up_bias[e][1::2]))
-                experts.append((make_linear(w, b, self._quantization, dtype, device,
-                                            self._act_bits),
-                                make_linear(down[e].t().contiguous(), down_bias[e],
-                                            self._quantization, dtype, device, self._act_bits)))
+                experts.append((self._method.create_linear(w, b, dtype, device),
+                                self._method.create_linear(down[e].t().contiguous(),
+                                                           down_bias[e], dtype, device)))
             return MixtureOfExperts(moe, router, experts, activation)
         for e in range(moe.num_experts):
             q = p + moe.expert.format(e=e)

@@ -11,13 +11,14 @@ import torch
 from engine.attention import AttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.registry import get_model_class
-from engine.quantization import DEFAULT_ACT_BITS
+from engine.quantization import DEFAULT_ACT_BITS, KernelPolicy
 
 
 def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: int,
                dtype: torch.dtype, device: torch.device, attn: AttentionBackend,
                quantization: str | None = None,
-               act_bits: int = DEFAULT_ACT_BITS) -> torch.nn.Module:
+               act_bits: int = DEFAULT_ACT_BITS,
+               policy: KernelPolicy | None = None) -> torch.nn.Module:
     """Instantiates ``model_config.architecture`` from the registry and loads its weights.
 
     Args:
@@ -27,6 +28,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
             ``gguf`` (the model folder's GGUF, its 4-bit blocks kept: ``engine.models.gguf``).
         act_bits: the quantized layers' activation rounding in our int8-dot kernels, 16 or 8
             (``--quantized-activation-bits``).
+        policy: the engine's kernel choices (default: this CPU's, ``KernelPolicy.detect``).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` (or, for ``gguf``, no GGUF) for ``model_dir``.
@@ -52,7 +54,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
     # Built on the CPU, not on the meta device: the model's constructors allocate weights with
     # torch.empty (no random init) and the rotary table on the CPU, and meta tensors would
     # import torch._dynamo and sympy (about a third of a server start-up).
-    model = cls(model_config, max_position, attn)
+    model = cls(model_config, max_position, attn, policy)
     model = model.to(device=device, dtype=dtype).eval()
     model.load_weights(state, quantization, act_bits)
     model.bind_weights()

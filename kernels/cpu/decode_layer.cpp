@@ -26,7 +26,7 @@
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
 //   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
 //   kLinearOneDnn (w)                  mkldnn::_linear_pointwise (kernels.cpu_linear.linear's
-//                                      fp32 GEMM above MAX_ROWS rows, ONEDNN_LARGE_M)
+//                                      fp32 GEMM above MAX_ROWS rows, KernelPolicy.onednn_large_m)
 // plus an optional bias (added after the product, as QuantizedLinear does).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -3,6 +3,8 @@ model, token for token: cold, warm, caching off, chunked prefill, and under pree
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -175,7 +177,7 @@ def test_cascade_decode_over_a_long_shared_prefix_matches_hf(make_llm_engine, to
                 " In short,")]
     assert min(map(len, prompts)) > 280
     engine = make_llm_engine()
-    engine.model.fused_decode = path == "fused"
+    engine.model.policy = replace(engine.model.policy, fused_decode=path == "fused")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = run_to_completion(engine, [EngineRequest(f"cascade-{i}", tuple(ids), params,
                                                    tenant_id="t")

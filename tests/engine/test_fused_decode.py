@@ -28,10 +28,13 @@ from engine.quantization import (
     SPEC_Q4_VNNI,
     GroupedInt4,
     Int4Linear,
+    KernelPolicy,
 )
+from engine.quantization import policy as policy_module
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from kernels import cpu_linear, cpu_ops
+from tests.engine.policy_helpers import no_int8_dot
 
 pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="our CPU kernels are not built")
 
@@ -50,7 +53,9 @@ needs_vnni = pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 def _q4_path(request, monkeypatch):
     """The 4-bit paths with our int8-dot kernels off (torch's int4 kernel, the dense copy, our
     Q4 kernel), on any CPU, except in tests marked ``vnni`` (our kernels)."""
-    monkeypatch.setattr(quantization, "VNNI_KERNELS", "vnni" in request.keywords)
+    if "vnni" not in request.keywords:
+        no_int8_dot(monkeypatch)
+
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -130,7 +135,7 @@ def _caches(num_seqs: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def native_bf16(request, monkeypatch) -> bool:
     """Runs a test as on a CPU without native bf16 (quantized layers' dense copy in fp32) and
     as on one with it (the copy in bf16, from 24 rows; int8 layers from 12), whatever this CPU is."""
-    monkeypatch.setattr(quantization, "native_bf16", lambda: request.param)
+    monkeypatch.setattr(policy_module, "native_bf16", lambda: request.param)
     return request.param
 
 
@@ -167,7 +172,7 @@ def test_fused_layer_is_bit_identical_to_the_python_layer(quantization, bias, ro
     assert args is not None
     # The bf16 copy's kind is taken exactly where the layer's own call would use that copy.
     dense_from = (quantization_module.DENSE_FROM_TOKENS_INT8_NATIVE_BF16 if quantization == "int8"
-                  else quantization_module.dense_from_tokens())
+                  else KernelPolicy.detect().dense_from_tokens)
     assert (SPEC_LINEAR_BF16 in args[1]) == (native_bf16 and quantization is not None
                                               and rows >= dense_from)
     # fp32 weights above our kernel's rows: oneDNN, in both paths.
@@ -191,7 +196,7 @@ def test_each_linear_method_names_the_kernel_its_call_runs(native_bf16):
     gguf.qkv.own_below = 0  # torch's int4 kernel from 1 row (CPUs with native bf16)
     assert [s.kind for s in (gguf.qkv.decode_spec(1), gguf.qkv.decode_spec(3))] == [SPEC_INT4] * 2
     assert gguf.qkv.decode_spec(1).group == 32
-    dense_from = quantization.dense_from_tokens()  # the dense copy from there (24 or 4 rows)
+    dense_from = KernelPolicy.detect().dense_from_tokens  # the dense copy from there (24 or 4 rows)
     assert dense_from == (quantization.DENSE_FROM_TOKENS_NATIVE_BF16 if native_bf16
                           else quantization.DENSE_FROM_TOKENS_OWN_KERNEL)
     assert gguf.qkv.decode_spec(dense_from - 1).kind == SPEC_INT4
@@ -202,9 +207,8 @@ def test_each_linear_method_names_the_kernel_its_call_runs(native_bf16):
         assert gguf.qkv.decode_spec(dense_from).kind == SPEC_DENSE
         # Above our kernel's rows, oneDNN's GEMM, as cpu_linear.linear runs it.
         assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR_ONEDNN
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cpu_linear, "ONEDNN_LARGE_M", False)
-            assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
+        gguf.qkv.policy = replace(gguf.qkv.policy, onednn_large_m=False)
+        assert gguf.qkv.decode_spec(cpu_linear.MAX_ROWS + 1).kind == SPEC_LINEAR
     assert gguf.qkv.decode_spec(dense_from).tensors[0] is gguf.qkv.dense
     assert isinstance(gguf.qkv, Int4Linear) and gguf.qkv.own is not None
     gguf.qkv.own_below = 2  # as on CPUs without native bf16
@@ -285,7 +289,7 @@ def test_the_model_fuses_decode_steps_only(fused_layer_calls):
         caches = _caches(len(seq_lens))
         meta, positions = _decode_step(seq_lens, query_lens)
         ids = torch.arange(len(positions)) % 64
-        model.fused_decode = fused
+        model.policy = replace(model.policy, fused_decode=fused)
         return model.forward(ids, positions, caches, meta), caches
 
     got, got_caches = forward([9, 30, 17])
@@ -302,7 +306,7 @@ def test_the_model_fuses_decode_steps_only(fused_layer_calls):
         ids = torch.arange(n)
         outs = []
         for fused, cascade in ((True, 32), (False, 0)):
-            model.fused_decode = fused
+            model.policy = replace(model.policy, fused_decode=fused)
             caches = _caches(n)
             split = replace(meta, cascade_prefix_len=cascade)
             assert model.attn.fused_cpu_decode_usable(caches[0, 0], caches[0, 1], split, HEADS)
@@ -328,12 +332,12 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(quantization, 
     outs = []
     for fused, whole, kinds in ((True, True, ["whole"] * 2), (True, False, ["one"] * 2),
                                 (False, False, [])):
-        model.fused_decode, model.fused_decode_whole = fused, whole
+        model.policy = replace(model.policy, fused_decode=fused, fused_decode_whole=whole)
         caches = _caches(rows, cache_dtype)
         fused_layer_calls.clear()
         outs.append((model.forward(ids, positions, caches, meta), caches))
         assert [kind for kind, _ in fused_layer_calls] == kinds  # 2 layers
-    model.fused_decode_whole = True
+    model.policy = replace(model.policy, fused_decode_whole=True)
     for got, got_caches in outs[:2]:
         assert torch.equal(got, outs[2][0]) and torch.equal(got_caches, outs[2][1])
     before = _caches(rows, cache_dtype)
@@ -354,17 +358,18 @@ def test_every_layer_in_one_call_follows_a_layer_rebound_after_a_step():
         layer.post_attention_layernorm.weight.detach() * 3, requires_grad=False)
     layer.bind_weights()
     got = model.forward(ids, positions, _caches(2), meta)
-    model.fused_decode = False
+    model.policy = replace(model.policy, fused_decode=False)
     want = model.forward(ids, positions, _caches(2), meta)
-    model.fused_decode = True
+    model.policy = replace(model.policy, fused_decode=True)
     assert torch.equal(got, want) and not torch.equal(got, before)
 
 
 def test_the_steps_joined_arguments_are_kept_and_follow_each_threshold(monkeypatch):
     """The joined arguments are made once per row count and reused by later steps (the same
-    objects), and made again when a 4-bit layer's ``own_below`` or a dense-copy threshold
-    changes after a step has cached them: each step runs the kernels its projections name."""
-    monkeypatch.setattr(quantization, "VNNI_KERNELS", False)  # the Q4 / int4 choice applies
+    objects), and made again when a 4-bit layer's ``own_below`` changes, or when projections
+    get another kernel policy (then rebound: ``bind_weights``), after a step has cached them:
+    each step runs the kernels its projections name."""
+    no_int8_dot(monkeypatch)  # the Q4 / int4 choice applies
     model = _model("gguf", bias=False)
     meta, _ = _decode_step([9, 12])
     hidden, caches = torch.randn(2, HIDDEN), _caches(2)
@@ -379,8 +384,10 @@ def test_the_steps_joined_arguments_are_kept_and_follow_each_threshold(monkeypat
     assert second[1][2][:4] == kinds[:4]  # the other layers' projections as before
     qkv.own_below = 0
     assert model._fused_decode_args(hidden, caches, meta)[1][2] == kinds
-    monkeypatch.setattr(quantization, "DENSE_FROM_TOKENS_NATIVE_BF16", 2)
-    monkeypatch.setattr(quantization, "DENSE_FROM_TOKENS_OWN_KERNEL", 2)
+    for layer in model.layers:  # the dense copy from 2 rows
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            m.policy = replace(m.policy, dense_from_tokens=2, int8_dense_from_tokens=2)
+        layer.bind_weights()
     dense = model._fused_decode_args(hidden, caches, meta)[1][2]
     assert dense != kinds and {k for k in dense} <= {SPEC_DENSE, SPEC_LINEAR_BF16}
 
@@ -418,7 +425,8 @@ def test_real_model_decodes_the_same_tokens_and_logprobs_fused(make_llm_engine, 
     for mode, (fused, whole) in {"whole": (True, True), "one": (True, False),
                                  "per-op": (False, False)}.items():
         engine = make_llm_engine(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-        engine.model.fused_decode, engine.model.fused_decode_whole = fused, whole
+        engine.model.policy = replace(engine.model.policy, fused_decode=fused,
+                                      fused_decode_whole=whole)
         calls.clear()
         for n in (1, 3):  # one stream, then three
             out = run_to_completion(engine, [EngineRequest(f"{mode}-{n}-{i}", tuple(p), params,

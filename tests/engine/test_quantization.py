@@ -22,13 +22,16 @@ from engine.quantization import (
     GroupedInt4,
     Int4Linear,
     Int8Linear,
+    KernelPolicy,
     check_quantization,
     make_linear,
 )
+from engine.quantization import policy as policy_module
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.weights import find_gguf, locate_bundled_gguf
 from kernels import cpu_linear
+from tests.engine.policy_helpers import no_int8_dot
 from tests.engine.tenant_helpers import b_request, check_a_flood_leaves_b_as_alone
 
 CPU = torch.device("cpu")
@@ -39,9 +42,9 @@ VNNI = cpu_linear.load()
 
 @pytest.fixture
 def no_vnni(monkeypatch):
-    """The 4-bit paths with our int8-dot kernels off (``VNNI_KERNELS`` False: torch's int4
+    """The 4-bit paths with our int8-dot kernels off (``KernelPolicy.int8_dot`` False: torch's int4
     kernel, the dense copy, our Q4 kernel), on any CPU."""
-    monkeypatch.setattr(quantization_module, "VNNI_KERNELS", False)
+    no_int8_dot(monkeypatch)
 
 
 def _grouped(n: int, k: int, seed: int = 0) -> GroupedInt4:
@@ -186,14 +189,14 @@ def test_fp32_activations_run_the_bf16_kernel_for_decode_and_a_dense_copy_for_pr
     and runs forwards of ``dense_from_tokens()`` rows or more through a dense copy of the same
     weights: their exact fp32 dequantization, or on CPUs with native bf16 its bf16 rounding
     under torch's bf16 GEMM (from 24 rows)."""
-    monkeypatch.setattr(quantization_module, "native_bf16", lambda: native)
+    monkeypatch.setattr(policy_module, "native_bf16", lambda: native)
     w = _grouped(64, 128)
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
     assert isinstance(lin, Int4Linear) and lin.scales_and_zeros.dtype == torch.bfloat16
     assert torch.equal(lin.dense, w.dequantize().to(lin.dense.dtype))
     assert lin.dense.dtype == (torch.bfloat16 if native else torch.float32)
-    rows = quantization_module.dense_from_tokens()
+    rows = KernelPolicy.detect().dense_from_tokens
     if native:
         assert rows == quantization_module.DENSE_FROM_TOKENS_NATIVE_BF16 == 24
     decode, prefill = torch.randn(3, 128), torch.randn(rows, 128)
@@ -231,7 +234,7 @@ def test_fp32_decode_rows_run_our_q4_kernel_below_its_threshold(monkeypatch):
     bias = torch.randn(64)
     lin = make_linear(w, bias, "gguf", torch.float32, CPU)
     assert lin.own is not None and lin.own.scale.dtype == lin.own.minimum.dtype == torch.float16
-    native = quantization_module.native_bf16()
+    native = policy_module.native_bf16()
     assert lin.own_below == (quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS_NATIVE_BF16 if native
                              else quantization_module.Q4_OWN_KERNEL_BELOW_TOKENS)
     own = cpu_linear.q4_linear
@@ -321,7 +324,7 @@ def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weig
 @pytest.mark.usefixtures("no_vnni")
 @pytest.mark.parametrize("native", [False, True], ids=["fp32-copy", "bf16-copy"])
 def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy(native, monkeypatch):
-    monkeypatch.setattr(quantization_module, "native_bf16", lambda: native)
+    monkeypatch.setattr(policy_module, "native_bf16", lambda: native)
     cfg, state = _tiny_llama(tie=True)
     model = _build(cfg, state, "gguf")
     assert isinstance(model.lm_head, Int8Linear)
@@ -467,9 +470,9 @@ def test_quantized_model_agrees_with_fp32(make_llm_engine, tokenizer, quantizati
     # prefill chunks would run on the dense copy under fp32 activations: DENSE_FROM_TOKENS; with
     # our CPU kernel loaded, chunks of 4 rows already would, and 24 with native bf16, 12 for
     # int8 layers there).
-    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
-    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_NATIVE_BF16", DENSE_FROM_TOKENS)
-    monkeypatch.setattr(quantization_module, "DENSE_FROM_TOKENS_INT8_NATIVE_BF16",
+    monkeypatch.setattr(policy_module, "DENSE_FROM_TOKENS_OWN_KERNEL", DENSE_FROM_TOKENS)
+    monkeypatch.setattr(policy_module, "DENSE_FROM_TOKENS_NATIVE_BF16", DENSE_FROM_TOKENS)
+    monkeypatch.setattr(policy_module, "DENSE_FROM_TOKENS_INT8_NATIVE_BF16",
                         DENSE_FROM_TOKENS)
     engine = make_llm_engine(quantization=quantization, dtype=dtype, max_num_batched_tokens=16)
     assert engine.cache_info.dtype == {"auto": "float32", "bfloat16": "bfloat16"}[dtype]
@@ -499,16 +502,16 @@ def test_gguf_served_with_the_bf16_dense_copy_agrees_with_fp32(make_llm_engine, 
     """As served on a CPU with native bf16 (forced here on any CPU): prefill chunks run the
     bf16 dense copy through torch's bf16 GEMM, decode the 4-bit kernels; teacher-forced on
     fp32's greedy output, the most likely token is fp32's at (nearly) every position."""
-    monkeypatch.setattr(quantization_module, "native_bf16", lambda: True)
+    monkeypatch.setattr(policy_module, "native_bf16", lambda: True)
     prompts = [_chat(tokenizer, t) for t in ("Name the capital of France.",
                                              "Why is the sky blue?")]
     reference = _fp32_greedy(make_llm_engine, prompts)
     engine = make_llm_engine(quantization="gguf")
     qkv = engine.model.layers[0].qkv
-    assert qkv.dense.dtype == torch.bfloat16 and quantization_module.dense_from_tokens() == 24
+    assert qkv.dense.dtype == torch.bfloat16 and KernelPolicy.detect().dense_from_tokens == 24
     calls = []
     real = F.linear
-    monkeypatch.setattr(quantization_module.F, "linear",
+    monkeypatch.setattr(F, "linear",
                         lambda x, w, *a: calls.append(w.dtype) or real(x, w, *a))
     # Each prompt + output is one prefill chunk through the bf16 copy.
     assert all(len(p) + len(out) >= 24 for p, out in zip(prompts, reference))
@@ -525,13 +528,13 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
     """torch's int8 kernel loses to bf16 GEMM from about 12 rows (the tied LM head of gguf,
     every layer of --quantization int8): with a bf16 copy an int8 layer switches there, while
     the 4-bit layers keep theirs to ``dense_from_tokens()``; without a copy nothing changes."""
-    monkeypatch.setattr(quantization_module, "native_bf16", lambda: True)
+    monkeypatch.setattr(policy_module, "native_bf16", lambda: True)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(64, 32, generator=gen)
     layer = Int8Linear.quantize(w, None, torch.float32, keep_dense=True)
     assert layer.dense.dtype == torch.bfloat16
     rows = quantization_module.DENSE_FROM_TOKENS_INT8_NATIVE_BF16
-    assert layer.dense_from() == rows == 12 < quantization_module.dense_from_tokens()
+    assert layer.dense_from() == rows == 12 < KernelPolicy.detect().dense_from_tokens
     kinds = {n: layer.decode_spec(n).kind for n in (1, rows - 1, rows, 24)}
     assert kinds == {1: quantization_module.SPEC_INT8, rows - 1: quantization_module.SPEC_INT8,
                      rows: quantization_module.SPEC_LINEAR_BF16,
@@ -542,7 +545,7 @@ def test_int8_layers_take_their_bf16_copy_from_fewer_rows(monkeypatch):
     assert torch.equal(layer(below), torch._weight_int8pack_mm(
         below.bfloat16(), layer.qweight, layer.scales).float())  # the int8 kernel
     plain = Int8Linear.quantize(w, None, torch.float32)
-    assert plain.dense is None and plain.dense_from() == quantization_module.dense_from_tokens()
+    assert plain.dense is None and plain.dense_from() == KernelPolicy.detect().dense_from_tokens
     assert plain.decode_spec(rows).kind == quantization_module.SPEC_INT8
 
 
