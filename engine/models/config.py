@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.models.registry import build_decoder_spec, resolve_architecture
-
-if TYPE_CHECKING:
-    from engine.models.spec import DecoderSpec
+from engine.models.registry import model_file, resolve_architecture
 
 
 @dataclass(frozen=True)
@@ -23,8 +21,9 @@ class ModelConfig:
         eos_token_ids: ``eos_token_id`` of config.json (an int or a list there).
         rope_theta: the default rotary base (the spec's layers carry each layer's rotary).
         hf_config: the whole ``config.json`` (the architecture's spec reads its own fields).
-        spec: the decoder as data (``engine.models.spec``), built by the architecture's model
-            file; None for a config made by hand, which then runs as a Llama of its fields.
+        spec: the decoder as data (an ``engine.models.spec.DecoderSpec``), built by the
+            architecture's model file; None for a config made by hand (``decoder_spec()``
+            then builds it).
     """
 
     architecture: str
@@ -42,7 +41,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    spec: DecoderSpec | None = field(default=None, compare=False, repr=False)
+    spec: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
@@ -76,23 +75,28 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             eos_token_ids=eos_ids, hf_config=dict(cfg),
         )
-        return _with_spec(made, build_decoder_spec(made))
+        object.__setattr__(made, "spec", made.decoder_spec())
+        return made
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Reads ``model_dir/config.json``. Raises FileNotFoundError without one."""
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
-    def decoder_spec(self) -> DecoderSpec:
-        """``spec``, or for a config made by hand the Llama spec of its fields."""
-        return self.spec if self.spec is not None else build_decoder_spec(self)
+    def decoder_spec(self) -> Any:
+        """``spec``, or else the ``DecoderSpec`` that ``architecture``'s model file declares
+        for this config (``engine.models.registry.model_file``; its ``decoder_spec``).
+
+        Raises:
+            UnsupportedArchitectureError: an architecture outside the registry.
+            UnsupportedFeatureError: a feature of it the model file does not implement.
+        """
+        if self.spec is not None:
+            return self.spec
+        return importlib.import_module(model_file(self.architecture)).decoder_spec(self)
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes of K and V for one block of ``block_size`` tokens across all layers."""
         return (2 * self.num_hidden_layers * block_size * self.num_key_value_heads
                 * self.head_dim * dtype_bytes)
 
-
-def _with_spec(cfg: ModelConfig, spec: DecoderSpec) -> ModelConfig:
-    object.__setattr__(cfg, "spec", spec)
-    return cfg

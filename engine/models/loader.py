@@ -10,7 +10,6 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.models.config import ModelConfig
-from engine.models.registry import get_model_class
 from engine.quantization import DEFAULT_ACT_BITS, KernelPolicy
 
 
@@ -19,7 +18,7 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
                quantization: str | None = None,
                act_bits: int = DEFAULT_ACT_BITS,
                policy: KernelPolicy | None = None) -> torch.nn.Module:
-    """Instantiates ``model_config.architecture`` from the registry and loads its weights.
+    """Builds ``model_config``'s decoder (its ``DecoderSpec``) and loads its weights.
 
     Args:
         max_position: rotary table length in tokens (the engine's max_model_len).
@@ -50,11 +49,12 @@ def load_model(model_dir: str | Path, model_config: ModelConfig, max_position: i
         state = {}
         for f in files:
             state.update(load_file(str(f)))
-    cls = get_model_class(model_config.architecture)
+    from engine.models.decoder import DecoderForCausalLM
+
     # Built on the CPU, not on the meta device: the model's constructors allocate weights with
     # torch.empty (no random init) and the rotary table on the CPU, and meta tensors would
     # import torch._dynamo and sympy (about a third of a server start-up).
-    model = cls(model_config, max_position, attn, policy)
+    model = DecoderForCausalLM(model_config, max_position, attn, policy)
     model = model.to(device=device, dtype=dtype).eval()
     model.load_weights(state, quantization, act_bits)
     model.bind_weights()

@@ -3,19 +3,13 @@
 
 Each model file (``engine/models/<family>.py``) holds one function,
 ``decoder_spec(cfg: ModelConfig) -> DecoderSpec``, that reads the family's fields of
-``config.json`` into the decoder-as-data of ``engine.models.spec``; one implementation
-(``engine.models.decoder.DecoderForCausalLM``) runs every spec. Adding an architecture is its
-model file, one line in ``_MODELS`` and its tests (``tests/engine/test_model_families.py``).
+``config.json`` into the decoder-as-data of ``engine.models.spec``; ``ModelConfig`` builds it
+through ``model_file`` and one implementation (``engine.models.decoder.DecoderForCausalLM``)
+runs every spec. Adding an architecture is its model file, one line in ``_MODELS`` and its tests
+(``tests/engine/test_model_families.py``). This module imports none of them (a leaf).
 """
 
 from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
-    from engine.models.spec import DecoderSpec
 
 # Hugging Face architecture -> the model file declaring it.
 _MODELS: dict[str, str] = {
@@ -86,27 +80,3 @@ def resolve_architecture(hf_config: dict) -> str:
     raise UnsupportedArchitectureError(
         f"unsupported model architecture {named!r} (model_type {model_type!r}); supported: "
         f"{', '.join(supported_architectures())}")
-
-
-def build_decoder_spec(cfg: ModelConfig) -> DecoderSpec:
-    """``cfg.architecture``'s ``DecoderSpec``, from its model file.
-
-    Raises:
-        UnsupportedArchitectureError: unknown architecture.
-        UnsupportedFeatureError: the checkpoint asks for a feature its family's file does not
-            implement (named).
-    """
-    return importlib.import_module(model_file(cfg.architecture)).decoder_spec(cfg)
-
-
-def get_model_class(architecture: str) -> Any:
-    """The model class for a registry key: ``DecoderForCausalLM``, which runs every
-    architecture's spec (imports torch).
-
-    Raises:
-        UnsupportedArchitectureError: unknown key.
-    """
-    model_file(architecture)
-    from engine.models.decoder import DecoderForCausalLM
-
-    return DecoderForCausalLM

@@ -56,10 +56,10 @@ def test_the_fast_path_imports_no_model_code(model_dir):
     code = ("import sys; from engine.weights import load_tokenizer; "
             f"load_tokenizer({str(model_dir)!r}); "
             "from engine.models.config import ModelConfig; "
-            "from engine.models.registry import get_model_class; "
+            "from engine.models.decoder import DecoderForCausalLM; "
             "from engine.attention import get_attention_backend; import torch; "
             f"cfg = ModelConfig.from_pretrained({str(model_dir)!r}); "
-            "get_model_class(cfg.architecture)(cfg, 64, get_attention_backend('torch', "
+            "DecoderForCausalLM(cfg, 64, get_attention_backend('torch', "
             "torch.device('cpu'))); "
             "print(sorted(m for m in ('transformers.models.auto.configuration_auto', "
             "'transformers.models.llama', 'torch._dynamo', 'sympy') if m in sys.modules))")

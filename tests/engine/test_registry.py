@@ -11,7 +11,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.config import ModelConfig
 from engine.models.registry import (
     UnsupportedArchitectureError,
-    get_model_class,
+    model_file,
     resolve_architecture,
     supported_architectures,
 )
@@ -65,12 +65,10 @@ def test_model_config_carries_the_architecture_and_qwen2_bias():
     assert llama.kv_bytes_per_block(16, 4) == 2 * 1 * 16 * 2 * 8 * 4
 
 
-def test_get_model_class():
-    from engine.models.decoder import DecoderForCausalLM
-
-    assert get_model_class("Qwen3MoeForCausalLM") is DecoderForCausalLM
+def test_model_file_names_the_family_module():
+    assert model_file("Qwen3MoeForCausalLM") == "engine.models.qwen3"
     with pytest.raises(UnsupportedArchitectureError, match="supported: Gemma2ForCausalLM"):
-        get_model_class("Nope")
+        model_file("Nope")
 
 
 def test_engine_refuses_an_unknown_architecture_before_loading_anything(tmp_path):
