@@ -106,7 +106,8 @@ class Int4Linear(QuantizedLinear):
     """Grouped 4-bit weights through ``aten::_weight_int4pack_mm_for_cpu``.
 
     Args:
-        packed: from ``aten::_convert_weight_to_int4pack_for_cpu`` ([out, in / 2] uint8).
+        packed: from ``aten::_convert_weight_to_int4pack_for_cpu`` ([out, in / 2] uint8); None
+            with ``vnni`` (with ``scales_and_zeros``: only our kernel's layout is kept).
         scales_and_zeros: [in / group_size, out, 2] in ``KERNEL_DTYPE`` (bf16):
             ``w = (code - 8) * scale + zero``.
         bias: [out] in the activation dtype, or None.
@@ -118,7 +119,8 @@ class Int4Linear(QuantizedLinear):
             runs that kernel (``KernelPolicy.int8_dot``), whatever its rows, and ``dense``/``own`` are None.
     """
 
-    def __init__(self, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+    def __init__(self, packed: torch.Tensor | None, group_size: int,
+                 scales_and_zeros: torch.Tensor | None,
                  out_features: int, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, own: GroupedQ4 | None = None,
                  vnni: GroupedQ4Vnni | None = None, policy: KernelPolicy | None = None) -> None:
@@ -173,15 +175,17 @@ class Int4Linear(QuantizedLinear):
         if w.group_size not in (32, 64, 128, 256) or k % w.group_size:
             raise ValueError(f"int4 weights need in_features ({k}) to be a multiple of the "
                              f"group size ({w.group_size}) and a group of 32, 64, 128 or 256")
+        bias = None if bias is None else bias.to(dtype)
+        if keep_dense and policy.q4_vnni(n, k, w.group_size):
+            # Only our kernel's layout: every forward of an fp32 model runs it, and torch's
+            # packed copy would double the weights' memory.
+            return cls(None, w.group_size, None, n, bias,
+                       vnni=GroupedQ4Vnni(*cpu_linear.pack_q4_vnni(w.codes, w.scale, w.minimum)),
+                       policy=policy)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             w.codes.to(torch.int32).contiguous(), 1)
         zero = w.minimum + 8 * w.scale
         sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
-        bias = None if bias is None else bias.to(dtype)
-        if keep_dense and policy.q4_vnni(n, k, w.group_size):
-            return cls(packed, w.group_size, sz, n, bias,
-                       vnni=GroupedQ4Vnni(*cpu_linear.pack_q4_vnni(w.codes, w.scale, w.minimum)),
-                       policy=policy)
         own = None
         if keep_dense and cpu_linear.loaded() and w.group_size == cpu_linear.Q4_GROUP:
             own = GroupedQ4(cpu_linear.pack_q4(w.codes), w.scale.half().contiguous(),
@@ -191,6 +195,9 @@ class Int4Linear(QuantizedLinear):
                    policy=policy)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("this 4-bit layer holds only our int8-dot kernel's layout: it "
+                               "runs fp32 CPU activations only")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
                                                           self.scales_and_zeros)
 

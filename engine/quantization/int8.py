@@ -23,12 +23,16 @@ from engine.quantization.policy import KERNEL_DTYPE, KernelPolicy
 from kernels import cpu_linear
 from kernels.cpu.kinds import SPEC_INT8, SPEC_Q8_VNNI
 
+# Rows rounded at once when quantizing (bounds the fp32 temporaries of a large projection).
+_ROWS_AT_ONCE = 1024
+
 
 class Int8Linear(QuantizedLinear):
     """Per-channel symmetric int8: ``w[n, k] = qweight[n, k] * scales[n]``.
 
     Args:
-        qweight: [out, in] int8, contiguous.
+        qweight: [out, in] int8, contiguous; None with ``vnni`` (only our kernel's layout is
+            kept: torch's copy would double the weights' memory).
         scales: [out] in ``KERNEL_DTYPE`` (bf16).
         bias: [out] in the activation dtype, or None.
         dense: [out, in] fp32 or bf16 (``KernelPolicy.dense_copy_dtype``), or None (see
@@ -37,12 +41,12 @@ class Int8Linear(QuantizedLinear):
             fp32 CPU forward runs our VNNI kernel (``KernelPolicy.int8_dot``) and ``dense`` is None.
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+    def __init__(self, qweight: torch.Tensor | None, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
                  vnni: tuple[torch.Tensor, torch.Tensor] | None = None,
                  policy: KernelPolicy | None = None) -> None:
         self.qweight, self.scales, self.bias, self.dense = qweight, scales, bias, dense
-        self.out_features = qweight.shape[0]
+        self.out_features = scales.shape[0]
         self.vnni = vnni
         self.act_bits = DEFAULT_ACT_BITS
         self.policy = policy if policy is not None else KernelPolicy.detect()
@@ -70,12 +74,15 @@ class Int8Linear(QuantizedLinear):
         w = weight.float()
         scales = w.abs().amax(dim=1) / 127.0
         scales = torch.where(scales == 0, torch.ones_like(scales), scales).to(KERNEL_DTYPE)
-        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        s = scales.float()[:, None]
+        for i in range(0, w.shape[0], _ROWS_AT_ONCE):  # fp32 temporaries of a slice, not all
+            rows = slice(i, i + _ROWS_AT_ONCE)
+            q[rows] = torch.round(w[rows] / s[rows]).clamp(-127, 127).to(torch.int8)
         bias = None if bias is None else bias.to(dtype)
         if keep_dense and policy.q8_vnni(*q.shape):
-            return cls(q.contiguous(), scales, bias, vnni=(cpu_linear.pack_q8_vnni(q),
-                                                           scales.float().contiguous()),
-                       policy=policy)
+            return cls(None, scales, bias, vnni=(cpu_linear.pack_q8_vnni(q),
+                                                 scales.float().contiguous()), policy=policy)
         return cls(q.contiguous(), scales, bias,
                    w.to(policy.dense_copy_dtype).contiguous() if keep_dense else None,
                    policy=policy)
@@ -88,6 +95,9 @@ class Int8Linear(QuantizedLinear):
         return self.policy.dense_from_tokens
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            raise RuntimeError("this int8 layer holds only our int8-dot kernel's layout: it "
+                               "runs fp32 CPU activations only")
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def _kernel_spec(self) -> DecodeSpec | None:

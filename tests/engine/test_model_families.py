@@ -182,3 +182,37 @@ def test_the_start_up_log_says_once_why_a_family_runs_no_fused_decode(checkpoint
                      "variants, norms after attention or the MLP, sliding-window attention, "
                      "attention soft-capping, gelu_tanh MLP); decode steps run the per-op "
                      "layers")]
+
+
+def test_a_tenants_flood_on_a_windowed_model_leaves_another_alone(checkpoints,
+                                                                  tmp_path_factory):
+    """Gemma 2 (sliding windows, soft-caps: the per-op path): tenant A floods requests, half of
+    them B's very prompt, beside B's one. B gets its tokens as alone (logprobs to fp32
+    rounding: a padded decode batch may round differently), no cached token of A's, and its own
+    repeat hits."""
+    engine = engine_for(checkpoint(checkpoints, tmp_path_factory, "gemma2"),
+                        num_gpu_blocks_override=96)
+    b_ids = prompts_for("gemma2")[1]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+    def b(rid: str, salt: bytes) -> EngineRequest:
+        return EngineRequest(rid, tuple(b_ids), params, tenant_id="b", cache_salt=salt)
+
+    (alone,) = run_to_completion(engine, [b("b-alone", b"b" * 16)])
+    gen = torch.Generator().manual_seed(4)
+    flood = [EngineRequest(f"a{i}", tuple(b_ids) if i % 2 else tuple(
+        torch.randint(3, VOCAB, (60,), generator=gen).tolist()),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), tenant_id="a",
+        cache_salt=b"a" * 16) for i in range(12)]
+    done = run_to_completion(engine, [*flood, b("b-flooded", b"c" * 16)])
+    beside = done[-1]
+    assert all(len(r.token_ids) == 12 for r in done[:-1])
+    assert beside.num_cached_tokens == 0  # A sent B's prompt six times: no hit across
+    assert beside.token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in beside.logprobs]),
+                               torch.tensor([lp.logprob for lp in alone.logprobs]),
+                               rtol=1e-5, atol=1e-5)
+    (again,) = run_to_completion(engine, [b("b-again", b"b" * 16)])
+    assert again.num_cached_tokens > 0 and again.token_ids == alone.token_ids
+    pool = engine.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks

@@ -175,7 +175,9 @@ def test_int8_layers_round_activations_with_the_bits_they_were_built_with(act_bi
     assert not torch.equal(got, other)
     # Within the activations' rounding of the exact product with the int8 weights: half an
     # int8 step of the group's max / 127 a value, 1/256 of that with the 16-bit residual.
-    exact = lin.qweight.float() * lin.scales.float()[:, None]
+    plain = Int8Linear.quantize(w, None, torch.bfloat16)  # the same codes, torch's layout
+    assert lin.qweight is None  # our kernel's layout only: no second copy of the weights
+    exact = plain.qweight.float() * plain.scales.float()[:, None]
     step = (x.view(5, 4, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
     bound = (step / (256 if act_bits == 16 else 2)) @ exact.abs().t() + 1e-4
     assert ((got - x @ exact.t()).abs() <= bound).all()
@@ -563,6 +565,10 @@ def test_fp32_activations_run_our_vnni_kernel_at_every_row_count(act_bits):
     lin = make_linear(w, bias, "gguf", torch.float32, CPU, act_bits)
     assert isinstance(lin, Int4Linear) and lin.vnni is not None
     assert lin.dense is None and lin.own is None and lin.act_bits == act_bits
+    # Our kernel's layout only: torch's packed copy would double the weights' memory.
+    assert lin.packed is None and lin.scales_and_zeros is None
+    with pytest.raises(RuntimeError, match="fp32 CPU activations only"):
+        lin(torch.randn(2, 128).bfloat16())
     assert lin.weight_bytes == 64 * 128 // 2 + 64 * 4 * 2 * 2 + 64 * 4  # codes, fp16 pairs, bias
     exact = w.dequantize()
     for rows in (1, 3, 16, 24, 100):
