@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.models.registry import model_file, resolve_architecture
+from engine.models.registry import model_file, resolve_architecture, with_family_defaults
+
+
+class UnsupportedQuantizationError(ValueError):
+    """The checkpoint's weights are quantized by a method we have no kernels for
+    (``quantization_config``: FP8, bitsandbytes, GPTQ, AWQ, MXFP4, ...); loading its codes as
+    floats would serve garbage, so the start stops, naming it."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,17 @@ class ModelConfig:
         Raises:
             UnsupportedArchitectureError: an architecture outside the registry.
             UnsupportedFeatureError: a feature of it we do not implement (rope type, ...).
-            (Both are ValueErrors whose one-line message names what is missing.)
+            UnsupportedQuantizationError: a ``quantization_config`` (pre-quantized weights).
+            (All are ValueErrors whose one-line message names what is missing.)
         """
         arch = resolve_architecture(cfg)
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise UnsupportedQuantizationError(
+                f"weights quantized as {method!r} (quantization_config) are not supported; serve "
+                "a bf16/fp16/fp32 checkpoint (or its GGUF with --quantization gguf)")
+        cfg = with_family_defaults(cfg)
         model_type = cfg.get("model_type", "llama")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -67,7 +81,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),

@@ -5,7 +5,7 @@ Numerics follow Hugging Face transformers' modeling code for each family (fp32 R
 rotary tables, the same order of residual adds) so greedy outputs match ``generate`` token for
 token. The batch is flattened: ``num_tokens`` rows from all sequences.
 
-Three ways through a step, chosen per step and giving the same bits where more than one runs:
+Two ways through a step, chosen per step and giving the same bits where both can run:
 
 - the per-op path (``DecoderLayer.forward``), which runs any spec on any backend and device;
 - the fused CPU decode, one C++ call per layer (``kernels.cpu_ops.decode_layer``) or per step
@@ -111,7 +111,8 @@ class MixtureOfExperts:
             weights, index = torch.topk(probs, k, dim=-1)
             if self.spec.renormalize:
                 weights /= weights.sum(dim=-1, keepdim=True)
-            weights = weights.to(x.dtype)
+            if self.spec.weights_in_activation_dtype:
+                weights = weights.to(x.dtype)
         else:  # gpt-oss: the top k logits, softmax over them
             top, index = torch.topk(logits, k, dim=-1)
             weights = torch.softmax(top, dim=1, dtype=top.dtype)
@@ -137,9 +138,13 @@ class DecoderLayer(nn.Module):
     time: q/k/v into ``qkv`` and gate/up into ``gate_up``; ``DecoderForCausalLM.load_weights``
     sets them. Its norms are modules named as in the checkpoint (``input_layernorm``, ...)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rotary_dim: int) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rotary_dim: int,
+                 max_position: int) -> None:
         super().__init__()
         self.spec = spec
+        # A window at least max_position wide never binds: full attention (the fast paths).
+        window = spec.sliding_window
+        self.sliding_window = window if window is not None and window < max_position else None
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.rotary_dim = rotary_dim
@@ -294,8 +299,8 @@ class DecoderLayer(nn.Module):
         v = y[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         attn.write_kv(k, v, key_cache, value_cache, meta)
         variants = {}
-        if spec.sliding_window is not None:
-            variants["sliding_window"] = spec.sliding_window
+        if self.sliding_window is not None:
+            variants["sliding_window"] = self.sliding_window
         if spec.logit_softcap is not None:
             variants["logit_softcap"] = spec.logit_softcap
         if self.sinks is not None:
@@ -327,7 +332,7 @@ class DecoderForCausalLM(nn.Module):
         # of normal_ draws, and on the meta device an import of torch._dynamo (0.5 s).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layer, self.spec.rotary_dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layer, self.spec.rotary_dim, max_position)
                                     for layer in self.spec.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: LinearMethod | None = None
@@ -470,7 +475,8 @@ class DecoderForCausalLM(nn.Module):
                 8 (``--quantized-activation-bits``).
 
         Raises:
-            ValueError: a required weight is missing (named), or has the wrong shape.
+            ValueError: a required weight is missing (named), or is not a float tensor (a
+                quantized checkpoint's codes).
         """
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
         spec = self.spec
@@ -482,8 +488,15 @@ class DecoderForCausalLM(nn.Module):
             """A weight as a float tensor (4-bit blocks dequantized: embeddings, norms)."""
             if name not in state:
                 raise ValueError(f"the checkpoint has no {name}")
-            value = state[name]
-            return value.dequantize() if isinstance(value, GroupedInt4) else value
+            return as_float(name, state[name])
+
+        def as_float(name: str, value: torch.Tensor | GroupedInt4) -> torch.Tensor:
+            if isinstance(value, GroupedInt4):
+                return value.dequantize()
+            if value.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"{name} is {str(value.dtype).removeprefix('torch.')}: a "
+                                 "quantized checkpoint's codes, which we cannot read as weights")
+            return value
 
         def linear(names: list[str] | tuple[str, ...], bias: bool = False,
                    quant: QuantizationMethod = method) -> LinearMethod:
@@ -492,10 +505,9 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(f"the checkpoint has no {names[parts.index(None)]}.weight")
             if all(isinstance(p, GroupedInt4) for p in parts):  # fused without dequantizing
                 w = GroupedInt4.cat(parts) if len(parts) > 1 else parts[0]
-            elif len(names) == 1:
-                w = tensor(names[0] + ".weight")
-            else:  # float, or 4-bit mixed with other types: dequantized
-                w = torch.cat([tensor(n + ".weight") for n in names])
+            else:  # float, or 4-bit mixed with other types: dequantized (each decoded once)
+                floats = [as_float(n + ".weight", p) for n, p in zip(names, parts, strict=True)]
+                w = floats[0] if len(floats) == 1 else torch.cat(floats)
             b = torch.cat([tensor(n + ".bias") for n in names]) if bias else None
             return quant.create_linear(w, b, dtype, device)
 

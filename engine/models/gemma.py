@@ -35,10 +35,14 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     require(not hf.get("use_bidirectional_attention"), "bidirectional attention")
     scale = float(hf.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
     attn_cap = hf.get("attn_logit_softcapping")
-    per_type = isinstance((hf.get("rope_parameters") or {}).get("full_attention"), dict)
+    if gemma3:  # transformers: every ``sliding_window_pattern``-th layer is global
+        pattern = hf.get("sliding_window_pattern", 6)
+        types = layer_types(cfg, lambda i: (i + 1) % pattern != 0)
+    else:  # Gemma 2: sliding and global alternate
+        types = layer_types(cfg, lambda i: (i + 1) % 2 != 0)
     layers = []
-    for t in layer_types(cfg):
-        rope = rope_of(cfg, t if per_type else None)
+    for t in types:
+        rope = rope_of(cfg, t if gemma3 else None)
         layers.append(LayerSpec(
             rope=rope, attn_in_norm="input_layernorm", attn_out_norm="post_attention_layernorm",
             mlp_in_norm="pre_feedforward_layernorm", mlp_out_norm="post_feedforward_layernorm",

@@ -12,7 +12,6 @@ from engine.models.spec import (
     DecoderSpec,
     LayerSpec,
     MoESpec,
-    UnsupportedFeatureError,
     hf_fields,
     layer_types,
     require,
@@ -25,15 +24,13 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     """The spec of a ``GptOssForCausalLM``.
 
     Raises:
-        UnsupportedFeatureError: MXFP4 weights, or a rope type / layer type / SwiGLU
-            constant we do not implement.
+        UnsupportedFeatureError: a rope type / layer type / SwiGLU constant we do not
+            implement.
     """
     hf = hf_fields(cfg)
-    quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant is not None:
-        raise UnsupportedFeatureError(f"gpt-oss weights quantized as {quant!r} (serve a "
-                                      "bf16/fp32 checkpoint)")
+    # (Its released MXFP4 weights carry a quantization_config, which ModelConfig refuses.)
     require(float(hf.get("swiglu_limit", 7.0)) == 7.0, "a swiglu_limit other than 7.0")
+    require(float(hf.get("swiglu_alpha", 1.702)) == 1.702, "a swiglu_alpha other than 1.702")
     rope = rope_of(cfg)
     moe = MoESpec(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                   intermediate_size=cfg.intermediate_size, routing="topk_softmax",
@@ -43,5 +40,5 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     layers = tuple(LayerSpec(rope=rope, sliding_window=window_of(cfg, t), sinks=True,
                              scale=cfg.head_dim ** -0.5, activation="swiglu_oai", moe=moe,
                              attention_bias=bias, o_bias=bias)
-                   for t in layer_types(cfg))
+                   for t in layer_types(cfg, lambda i: (i + 1) % 2 != 0))
     return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))

@@ -30,13 +30,21 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     hf = hf_fields(cfg)
     rope = rope_of(cfg)
     act = activation_of(cfg, {"silu": "silu"})
-    mistral = hf.get("model_type") == "mistral" or cfg.architecture == "MistralForCausalLM"
-    types = layer_types(cfg, sliding_everywhere=mistral)
-    mlp_bias = bool(hf.get("mlp_bias", False))
+    if cfg.architecture == "MistralForCausalLM":  # every layer slides
+        types = layer_types(cfg, lambda i: True)
+    elif cfg.architecture == "Qwen2ForCausalLM":  # from layer max_window_layers on
+        first = hf.get("max_window_layers", 28)
+        types = layer_types(cfg, lambda i: i >= first)
+    else:
+        types = layer_types(cfg)
+    # transformers: Llama's q/k/v/o and MLP take the config's biases; Mistral has none; Qwen2
+    # always has q/k/v biases and no others.
+    llama = cfg.architecture == "LlamaForCausalLM"
+    qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or (llama and cfg.attention_bias)
+    o_bias = llama and cfg.attention_bias
+    mlp_bias = llama and bool(hf.get("mlp_bias", False))
     layers = tuple(LayerSpec(rope=rope, sliding_window=window_of(cfg, t),
                              scale=cfg.head_dim ** -0.5, activation=act,
-                             attention_bias=cfg.attention_bias,
-                             o_bias=cfg.attention_bias and hf.get("model_type") == "llama",
-                             mlp_bias=mlp_bias)
+                             attention_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
                    for t in types)
     return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))

@@ -30,8 +30,8 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     moe = MoESpec(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                   intermediate_size=cfg.intermediate_size, renormalize=True,
                   router="block_sparse_moe.gate", expert="block_sparse_moe.experts.{e}.",
-                  gate="w1", up="w3", down="w2")
+                  gate="w1", up="w3", down="w2", weights_in_activation_dtype=False)
     layers = tuple(LayerSpec(rope=rope, sliding_window=window_of(cfg, t),
                              scale=cfg.head_dim ** -0.5, activation=act, moe=moe)
-                   for t in layer_types(cfg, sliding_everywhere=True))
+                   for t in layer_types(cfg, lambda i: True))
     return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))

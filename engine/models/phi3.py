@@ -28,5 +28,5 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     layers = tuple(LayerSpec(rope=rope, sliding_window=window_of(cfg, t),
                              scale=cfg.head_dim ** -0.5, activation=act,
                              qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
-                   for t in layer_types(cfg, sliding_everywhere=True))
+                   for t in layer_types(cfg, lambda i: True))
     return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))

@@ -40,7 +40,11 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
         if moe.num_experts > 0:
             moe_layers = {i for i in range(cfg.num_hidden_layers)
                           if i not in dense and (i + 1) % step == 0}
-    types = layer_types(cfg, sliding_everywhere=moe is not None)
+    if moe is not None:  # Qwen3-MoE: every layer slides where the window is on
+        types = layer_types(cfg, lambda i: True)
+    else:  # Qwen3: from layer max_window_layers on
+        first = hf.get("max_window_layers", 28)
+        types = layer_types(cfg, lambda i: i >= first)
     layers = tuple(LayerSpec(rope=rope, sliding_window=window_of(cfg, t), qk_norm="head",
                              scale=cfg.head_dim ** -0.5, activation=act,
                              attention_bias=cfg.attention_bias, o_bias=cfg.attention_bias,

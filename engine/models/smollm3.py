@@ -39,5 +39,5 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
                              sliding_window=window_of(cfg, t), scale=cfg.head_dim ** -0.5,
                              activation=act, attention_bias=bias, o_bias=bias,
                              mlp_bias=bool(hf.get("mlp_bias", False)))
-                   for i, t in enumerate(layer_types(cfg)))
+                   for i, t in enumerate(layer_types(cfg, lambda i: not use_rope[i])))
     return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))

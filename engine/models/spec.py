@@ -21,6 +21,7 @@ leaves it to the per-op path; ``DecoderSpec.fused_decode_blockers`` says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +55,8 @@ class MoESpec:
         gate, up, down: the projections' names under an expert (gate and up may be one fused
             tensor, ``gate_up``).
         intermediate_size: each expert's MLP width.
+        weights_in_activation_dtype: the routing weights are cast to the activations' dtype
+            before they scale the experts' outputs (Qwen3-MoE); else they stay fp32 (Mixtral).
         packed: the experts are stored as 3-D tensors ``{expert}gate_up_proj`` [E, hidden,
             2 * I] with gate and up columns interleaved, ``{expert}down_proj`` [E, I, hidden]
             and their ``_bias`` (gpt-oss), not one set of 2-D weights per expert.
@@ -70,6 +73,7 @@ class MoESpec:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    weights_in_activation_dtype: bool = True
     packed: bool = False
 
 
@@ -210,12 +214,12 @@ def rope_of(cfg: ModelConfig, layer_type: str | None = None) -> RopeConfig:
         raise UnsupportedFeatureError(str(e)) from None
 
 
-def layer_types(cfg: ModelConfig, sliding_everywhere: bool = False) -> list[str]:
-    """Each layer's ``full_attention`` or ``sliding_attention``: ``layer_types`` of
-    ``config.json`` where it has one; else every layer sliding where ``sliding_everywhere``
-    and the config sets ``sliding_window`` (Mistral, Phi-3: transformers applies the window
-    to every layer), else every layer full; none sliding where ``use_sliding_window`` is
-    false (Qwen2, Qwen3, SmolLM3).
+def layer_types(cfg: ModelConfig, sliding: Callable[[int], bool] | None = None
+                ) -> list[str]:
+    """Each layer's ``full_attention`` or ``sliding_attention``, as transformers decides it:
+    none slide where ``use_sliding_window`` is false (Qwen2, Qwen3, SmolLM3; missing means
+    false there) or ``sliding_window`` is null; else ``layer_types`` of ``config.json`` where it
+    has one; else the family's rule ``sliding(layer index)`` (None: every layer full).
 
     Raises:
         UnsupportedFeatureError: a layer type other than those two (named).
@@ -223,18 +227,17 @@ def layer_types(cfg: ModelConfig, sliding_everywhere: bool = False) -> list[str]
     hf = hf_fields(cfg)
     n = cfg.num_hidden_layers
     types = hf.get("layer_types")
-    if hf.get("use_sliding_window") is False:  # Qwen2/3, SmolLM3: the window is off
-        types = ["full_attention"] * n
-    elif types is None and hf.get("use_sliding_window"):  # Qwen2 before layer_types
-        first = hf.get("max_window_layers", 0)
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif types is None:
-        sliding = sliding_everywhere and hf.get("sliding_window") is not None
-        types = ["sliding_attention" if sliding else "full_attention"] * n
-    for t in types:
-        require(t in ("full_attention", "sliding_attention"), f"layer type {t!r}")
-    if len(types) != n:
-        raise UnsupportedFeatureError(f"layer_types has {len(types)} entries for {n} layers")
+    if types is not None:
+        for t in types:
+            require(t in ("full_attention", "sliding_attention"), f"layer type {t!r}")
+        if len(types) != n:
+            raise UnsupportedFeatureError(f"layer_types has {len(types)} entries for {n} "
+                                          "layers")
+    if hf.get("use_sliding_window") is False or hf.get("sliding_window") is None:
+        return ["full_attention"] * n
+    if types is None:
+        types = ["sliding_attention" if sliding is not None and sliding(i) else "full_attention"
+                 for i in range(n)]
     return list(types)
 
 

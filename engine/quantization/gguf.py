@@ -81,7 +81,8 @@ class GroupedQ4:
 
     Attributes:
         codes: [out, in / 2] uint8 from ``cpu_linear.pack_q4``.
-        scale, minimum: [out, in / 32] fp16 (a GGUF's own storage, so exact for its blocks).
+        scale, minimum: [out, in / 32] fp16 (a GGUF's own storage: exact for Q4_0 and Q4_1,
+            rounded for Q4_K, whose ``d * sc`` can need 17 bits).
     """
 
     codes: torch.Tensor
@@ -187,7 +188,7 @@ class Int4Linear(QuantizedLinear):
         zero = w.minimum + 8 * w.scale
         sz = torch.stack([w.scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         own = None
-        if keep_dense and cpu_linear.loaded() and w.group_size == cpu_linear.Q4_GROUP:
+        if keep_dense and policy.cpu_kernels and w.group_size == cpu_linear.Q4_GROUP:
             own = GroupedQ4(cpu_linear.pack_q4(w.codes), w.scale.half().contiguous(),
                             w.minimum.half().contiguous())
         return cls(packed, w.group_size, sz, n, bias,

@@ -101,13 +101,14 @@ class KernelPolicy:
     def q4_vnni(self, out_features: int, in_features: int, group_size: int) -> bool:
         """Whether a 4-bit layer of this shape with fp32 activations runs our int8-dot kernel
         (groups of 32 only)."""
-        return (self.int8_dot and group_size == cpu_linear.Q4_GROUP
+        return (self.cpu_kernels and self.int8_dot and group_size == cpu_linear.Q4_GROUP
                 and cpu_linear.q4_vnni_usable(out_features, in_features))
 
     def q8_vnni(self, out_features: int, in_features: int) -> bool:
         """Whether an int8 layer of this shape with fp32 activations runs our int8-dot
         kernel."""
-        return self.int8_dot and cpu_linear.q4_vnni_usable(out_features, in_features)
+        return (self.cpu_kernels and self.int8_dot
+                and cpu_linear.q4_vnni_usable(out_features, in_features))
 
     def int8_dot_serves(self, quantization: str | None, dtype: torch.dtype) -> bool:
         """Whether quantized layers with ``dtype`` activations on CPU run our int8-dot kernels

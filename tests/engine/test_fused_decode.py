@@ -63,7 +63,8 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 128, 4, 2, 32, 96
 
 
 def _config(bias: bool) -> ModelConfig:
-    return ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=HIDDEN,
+    arch = "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"  # Qwen2: q/k/v biases
+    return ModelConfig(arch, vocab_size=64, hidden_size=HIDDEN,
                        intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=HEADS,
                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
                        rope_theta=10000.0, max_position_embeddings=128,

@@ -268,8 +268,12 @@ def test_gguf_4bit_blocks_unpack_as_the_gguf_library_dequantizes_them(type_name)
                        torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)))
 
 
-def _tiny_llama(tie: bool, bias: bool = False) -> tuple[ModelConfig, dict]:
-    cfg = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=64,
+def _tiny_llama(tie: bool, bias: bool = False, arch: str | None = None
+                ) -> tuple[ModelConfig, dict]:
+    """A one-layer Llama-family config and weights; ``bias``: q/k/v biases (a Qwen2, unless
+    ``arch`` says otherwise)."""
+    arch = arch or ("Qwen2ForCausalLM" if bias else "LlamaForCausalLM")
+    cfg = ModelConfig(arch, vocab_size=64, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=64, tie_word_embeddings=tie,
@@ -339,7 +343,7 @@ def test_tied_head_quantized_from_the_embedding_without_a_second_fp32_copy(nativ
 def test_gguf_q_k_rows_and_biases_are_permuted_back_for_llama(tmp_path):
     """llama.cpp permutes q/k rows, weights and biases, of Llama models; reading undoes it."""
     gguf = pytest.importorskip("gguf")
-    cfg, state = _tiny_llama(tie=True, bias=True)
+    cfg, state = _tiny_llama(tie=True, bias=True, arch="LlamaForCausalLM")
     n_head = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
 
     def permute(x: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's convert script

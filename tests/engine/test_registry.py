@@ -33,7 +33,8 @@ def test_supported_architectures():
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2ForCausalLM"),
     ({"architectures": ["SomethingElse", "MistralForCausalLM"]}, "MistralForCausalLM"),
     ({"model_type": "mistral"}, "MistralForCausalLM"),
-    ({"architectures": ["MyLlamaVariant"], "model_type": "llama"}, "LlamaForCausalLM"),
+    ({"architectures": ["MyLlamaVariantForCausalLM"], "model_type": "llama"},
+     "LlamaForCausalLM"),
     ({}, "LlamaForCausalLM"),  # transformers' LlamaConfig defaults
 ])
 def test_resolve_architecture(cfg, arch):
@@ -102,11 +103,57 @@ def test_an_unsupported_feature_stops_the_start_with_one_line(tmp_path, extra, n
         LLMEngine(EngineConfig(model=str(tmp_path), device="cpu"), tokenizer=object())
 
 
-def test_gpt_oss_mxfp4_weights_are_refused_by_name():
-    from engine.models.spec import UnsupportedFeatureError
+@pytest.mark.parametrize("arch,model_type,method", [
+    ("GptOssForCausalLM", "gpt_oss", "mxfp4"), ("Qwen3ForCausalLM", "qwen3", "fp8"),
+    ("LlamaForCausalLM", "llama", "bitsandbytes"), ("MistralForCausalLM", "mistral", "gptq")])
+def test_pre_quantized_weights_are_refused_by_name(arch, model_type, method):
+    """Loading a quantized checkpoint's codes as floats would serve garbage: refused, named."""
+    from engine.models.config import UnsupportedQuantizationError
 
-    cfg = {**BASE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-           "num_local_experts": 4, "num_experts_per_tok": 2,
-           "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(UnsupportedFeatureError, match="quantized as 'mxfp4'"):
+    cfg = {**BASE, "architectures": [arch], "model_type": model_type, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "quantization_config": {"quant_method": method}}
+    with pytest.raises(UnsupportedQuantizationError, match=f"quantized as '{method}'"):
         ModelConfig.from_hf_config(cfg)
+    assert ModelConfig.from_hf_config({**cfg, "quantization_config": None}).architecture == arch
+
+
+@pytest.mark.parametrize("archs", [["Qwen2ForSequenceClassification"], ["MistralModel"],
+                                   ["LlamaForTokenClassification"]])
+def test_a_head_that_is_not_a_language_model_is_not_served_as_one(archs):
+    with pytest.raises(UnsupportedArchitectureError, match=repr(archs[0])):
+        resolve_architecture({"architectures": archs, "model_type": "qwen2"})
+
+
+def test_missing_fields_take_the_familys_defaults_as_transformers_does():
+    """A config.json written by older tools often leaves fields out; each means what the
+    family's transformers config class says, not a generic default (a Gemma 2 without
+    layer_types still alternates its windows, a Gemma 3 in the older rope form still starts)."""
+    gemma2 = ModelConfig.from_hf_config({**BASE, "num_hidden_layers": 4, "head_dim": 8,
+                                         "architectures": ["Gemma2ForCausalLM"],
+                                         "model_type": "gemma2"})
+    assert [layer.sliding_window for layer in gemma2.spec.layers] == [4096, None] * 2
+    assert gemma2.spec.final_logit_softcap == 30.0 and gemma2.spec.layers[0].logit_softcap == 50
+    assert gemma2.rms_norm_eps == 1e-6 and gemma2.tie_word_embeddings
+    gemma3 = ModelConfig.from_hf_config({**BASE, "num_hidden_layers": 6, "head_dim": 8,
+                                         "architectures": ["Gemma3ForCausalLM"],
+                                         "model_type": "gemma3_text", "rope_theta": 1e6,
+                                         "rope_local_base_freq": 1e4})
+    windows = [layer.sliding_window for layer in gemma3.spec.layers]
+    assert windows == [4096] * 5 + [None]
+    assert [layer.rope.theta for layer in gemma3.spec.layers] == [1e4] * 5 + [1e6]
+    mixtral = ModelConfig.from_hf_config({**BASE, "architectures": ["MixtralForCausalLM"],
+                                          "model_type": "mixtral", "num_local_experts": 4,
+                                          "num_experts_per_tok": 2})
+    assert (mixtral.rms_norm_eps, mixtral.spec.layers[0].rope.theta) == (1e-5, 1e6)
+    qwen2 = ModelConfig.from_hf_config({**BASE, "num_hidden_layers": 30,
+                                        "architectures": ["Qwen2ForCausalLM"],
+                                        "model_type": "qwen2", "use_sliding_window": True})
+    assert [layer.sliding_window for layer in qwen2.spec.layers] == [None] * 28 + [4096] * 2
+    mistral = ModelConfig.from_hf_config({**BASE, "architectures": ["MistralForCausalLM"],
+                                          "model_type": "mistral"})
+    assert mistral.spec.layers[0].sliding_window == 4096  # the key missing: 4096
+    v03 = ModelConfig.from_hf_config({**BASE, "architectures": ["MistralForCausalLM"],
+                                      "model_type": "mistral", "sliding_window": None})
+    assert v03.spec.layers[0].sliding_window is None  # an explicit null: no window
+    assert ModelConfig.from_hf_config({**BASE, "num_key_value_heads": None}).num_key_value_heads \
+        == BASE["num_attention_heads"]
