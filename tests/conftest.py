@@ -173,6 +173,8 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     "app/test_serve_e2e.py": ("real_model",),            # `saltserve serve` / `bench` processes
     "app/test_serve_families.py": ("real_model",),       # `saltserve serve` on tiny checkpoints
     "engine/test_model_families.py": ("real_model",),    # Hugging Face parity of every family
+    "engine/test_gguf_families.py": ("real_model",),     # tiny checkpoints of every family as GGUFs
+    "engine/test_gguf_kquants.py": ("real_model",),      # K-quant GGUFs against their fp32 twin
     "app/test_bench_in_process.py": ("real_model",),
     "app/test_timing_side_channel.py": ("real_model",),  # real_model=True
     "app/test_fuzz_schema.py": (),                       # schemathesis over every route
