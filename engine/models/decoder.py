@@ -54,15 +54,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``; a ``1 + w`` checkpoint weight (Gemma) is stored as ``1 + w``."""
+    """``weight * x / rms(x)``; a ``1 + w`` checkpoint weight (Gemma) is stored as ``1 + w``.
+
+    ``weight32``: set (by the loader) for families whose norm multiplies by the weight in fp32
+    and rounds once (transformers' ``Gemma2RMSNorm``, ``Olmo2RMSNorm``; Llama's rounds before
+    the multiply): with activations other than fp32 the product is then taken in fp32 against
+    this fp32 weight [size]. fp32 activations take the same path either way.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.weight32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight32 is not None and x.dtype != torch.float32:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (h * self.weight32).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))``: the residual add fused into the norm
+        (``kernels.cpu_ops.add_rms_norm``), or in two steps where ``weight32`` applies."""
+        if self.weight32 is not None and x.dtype != torch.float32:
+            s = residual + x
+            return s, self(s)
+        return cpu_ops.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 def _gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -247,9 +266,9 @@ class DecoderLayer(nn.Module):
             x = hidden if residual is None else residual + hidden
             residual = x
         elif residual is None:
-            residual, x = hidden, rms_norm(hidden, attn_in.weight, attn_in.eps)
+            residual, x = hidden, attn_in(hidden)
         else:
-            residual, x = cpu_ops.add_rms_norm(residual, hidden, attn_in.weight, attn_in.eps)
+            residual, x = attn_in.add(residual, hidden)
         a = self._attention(x, cos, sin, key_cache, value_cache, meta, attn)
         attn_out = self.norm("attn_out_norm")
         if attn_out is not None:
@@ -260,7 +279,7 @@ class DecoderLayer(nn.Module):
         if mlp_in is None:
             residual = x = residual + a
         else:
-            residual, x = cpu_ops.add_rms_norm(residual, a, mlp_in.weight, mlp_in.eps)
+            residual, x = mlp_in.add(residual, a)
         m = self.moe(x) if self.moe is not None else self.down(self.act(self.gate_up(x)))
         mlp_out = self.norm("mlp_out_norm")
         if mlp_out is not None:
@@ -395,7 +414,7 @@ class DecoderForCausalLM(nn.Module):
                                                  kv_caches[i, 1], meta, self.attn, rm)
         if residual is None:  # no layers
             return self.norm(hidden)
-        return cpu_ops.add_rms_norm(residual, hidden, self.norm.weight, self.norm.eps)[1]
+        return self.norm.add(residual, hidden)[1]
 
     def _fused_decode_args(self, hidden: torch.Tensor, kv_caches: torch.Tensor,
                            meta: AttentionMetadata) -> tuple[list[tuple], tuple] | None:
@@ -512,10 +531,11 @@ class DecoderForCausalLM(nn.Module):
             return quant.create_linear(w, b, dtype, device)
 
         def norm_weight(module: RMSNorm, name: str) -> None:
-            w = tensor(name)
-            if spec.norm_offset:
-                w = w.float() + spec.norm_offset  # Gemma: 1 + w in fp32, as its RMSNorm
-            module.weight.copy_(w)
+            raw = tensor(name)
+            # Gemma: 1 + w in fp32, as its RMSNorm.
+            module.weight.copy_(raw.float() + spec.norm_offset if spec.norm_offset else raw)
+            if spec.norm_in_fp32:  # the product in fp32 against the model dtype's weight
+                module.weight32 = (raw.to(dtype).float() + spec.norm_offset).to(device)
 
         with torch.no_grad():
             self.embed_tokens.weight.copy_(tensor(prefix + "embed_tokens.weight"))

@@ -50,5 +50,5 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
             logit_softcap=attn_cap, scale=scale, activation=act,
             attention_bias=cfg.attention_bias, o_bias=cfg.attention_bias))
     return DecoderSpec(layers=tuple(layers), rotary_dim=rotary_dim(layers[0].rope, cfg.head_dim),
-                       norm_offset=1.0, embedding_scale=cfg.hidden_size ** 0.5,
+                       norm_offset=1.0, norm_in_fp32=True, embedding_scale=cfg.hidden_size ** 0.5,
                        final_logit_softcap=hf.get("final_logit_softcapping"))

@@ -22,4 +22,5 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
                              qk_norm="full", scale=cfg.head_dim ** -0.5, activation=act,
                              attention_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
                    for _ in range(cfg.num_hidden_layers))
-    return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim))
+    return DecoderSpec(layers=layers, rotary_dim=rotary_dim(rope, cfg.head_dim),
+                       norm_in_fp32=True)

@@ -134,6 +134,9 @@ class DecoderSpec:
     Attributes:
         layers: one ``LayerSpec`` per layer.
         norm_offset: 1.0 where norms scale by ``1 + w`` (Gemma), else 0.0.
+        norm_in_fp32: the norms multiply by their weight in fp32 and round once (Gemma's
+            ``(x * (1 + w.float())).type_as(x)``, OLMo 2's ``(w * x_fp32).to(dtype)``), which
+            differs from Llama's order under bf16 activations.
         embedding_scale: the embeddings are multiplied by it (Gemma: sqrt(hidden); Granite's
             ``embedding_multiplier``), or None.
         residual_multiplier: each sublayer's output is multiplied by it before the residual add
@@ -148,6 +151,7 @@ class DecoderSpec:
     layers: tuple[LayerSpec, ...]
     rotary_dim: int
     norm_offset: float = 0.0
+    norm_in_fp32: bool = False
     embedding_scale: float | None = None
     residual_multiplier: float = 1.0
     final_logit_softcap: float | None = None

@@ -216,3 +216,33 @@ def test_a_tenants_flood_on_a_windowed_model_leaves_another_alone(checkpoints,
     assert again.num_cached_tokens > 0 and again.token_ids == alone.token_ids
     pool = engine.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_bf16_norms_round_once_as_the_familys_norm_does(family):
+    """Under bf16 activations Gemma's and OLMo 2's RMSNorm multiply by the weight in fp32 and
+    round once (Llama's rounds first): our norm gives transformers' bits exactly."""
+    from engine.models.decoder import RMSNorm
+
+    module = {"gemma2": "gemma2.modeling_gemma2.Gemma2RMSNorm",
+              "olmo2": "olmo2.modeling_olmo2.Olmo2RMSNorm"}[family]
+    mod, name = module.rsplit(".", 1)
+    hf_norm = getattr(__import__(f"transformers.models.{mod}", fromlist=[name]), name)(
+        64, eps=1e-6).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.randn(64, generator=gen) * 0.5)
+    x = (torch.randn(7, 64, generator=gen) * 3).bfloat16()
+    ours = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    offset = 1.0 if family == "gemma2" else 0.0
+    with torch.no_grad():
+        ours.weight.copy_(hf_norm.weight.float() + offset)
+    ours.weight32 = hf_norm.weight.float() + offset
+    assert torch.equal(ours(x), hf_norm(x))
+    plain = RMSNorm(64, 1e-6).to(torch.bfloat16)  # Llama's order: rounds before the multiply
+    with torch.no_grad():
+        plain.weight.copy_(ours.weight)
+    assert not torch.equal(plain(x), hf_norm(x))
+    residual = (torch.randn(7, 64, generator=gen)).bfloat16()
+    s, normed = ours.add(residual, x)
+    assert torch.equal(s, residual + x) and torch.equal(normed, hf_norm(residual + x))
