@@ -187,6 +187,9 @@ class DecoderLayer(nn.Module):
         self.moe: MixtureOfExperts | None = None
         self.intermediate_size = cfg.intermediate_size
         self.act = _ACTIVATIONS[spec.activation]
+        # (attn_in, attn_out, mlp_in, mlp_out) norms or None, looked up once: the per-op
+        # forward runs every layer of every step (a tuple, so not registered twice).
+        self._norms = tuple(self.norm(role) for role in _NORM_ROLES)
 
     def norm(self, role: str) -> RMSNorm | None:
         """The layer's norm for ``role`` (``attn_in_norm``, ...), or None."""
@@ -202,7 +205,7 @@ class DecoderLayer(nn.Module):
         """Caches plain references to the weights (call after loading and after ``.to()``), so
         the hot path skips ``nn.Module.__call__``/``__getattr__`` overhead (~15% of a CPU decode
         step of the 135M model)."""
-        attn_in, mlp_in = self.norm("attn_in_norm"), self.norm("mlp_in_norm")
+        attn_in, _, mlp_in, _ = self._norms
         self._w = (None if attn_in is None else attn_in.weight, self.qkv, self.o,
                    None if mlp_in is None else mlp_in.weight, self.gate_up, self.down)
         self._decode_args: dict[tuple, tuple | None] = {}
@@ -261,7 +264,7 @@ class DecoderLayer(nn.Module):
             (this layer's MLP output, scaled, the residual stream before it); their sum is
             the layer's output.
         """
-        attn_in = self.norm("attn_in_norm")
+        attn_in, attn_out, mlp_in, mlp_out = self._norms
         if attn_in is None:  # OLMo 2: the stream itself goes into attention
             x = hidden if residual is None else residual + hidden
             residual = x
@@ -270,18 +273,15 @@ class DecoderLayer(nn.Module):
         else:
             residual, x = attn_in.add(residual, hidden)
         a = self._attention(x, cos, sin, key_cache, value_cache, meta, attn)
-        attn_out = self.norm("attn_out_norm")
         if attn_out is not None:
             a = attn_out(a)
         if residual_multiplier != 1.0:
             a = a * residual_multiplier
-        mlp_in = self.norm("mlp_in_norm")
         if mlp_in is None:
             residual = x = residual + a
         else:
             residual, x = mlp_in.add(residual, a)
         m = self.moe(x) if self.moe is not None else self.down(self.act(self.gate_up(x)))
-        mlp_out = self.norm("mlp_out_norm")
         if mlp_out is not None:
             m = mlp_out(m)
         if residual_multiplier != 1.0:

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from tiny_checkpoints import StubTokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -153,16 +154,10 @@ def test_a_k_quant_gguf_serves_close_to_its_fp32_dequantization(tmp_path, kind):
     kernels' rounding, and the 4-bit layers' weights in 4 bits."""
     model_dir, _ = write_model(tmp_path, kind, arch="qwen3")
 
-    class Tok:
-        eos_token_id = None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return ""
-
     def run(quantization):
         engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
                                         max_model_len=256, num_gpu_blocks_override=32,
-                                        quantization=quantization), tokenizer=Tok())
+                                        quantization=quantization), tokenizer=StubTokenizer())
         gen = torch.Generator().manual_seed(5)
         prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (20, 37)]
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)

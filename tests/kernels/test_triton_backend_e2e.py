@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from kernel_utils import DEVICE
+from tiny_checkpoints import StubTokenizer
 
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import EngineConfig
@@ -23,15 +24,6 @@ from engine.sampling_params import SamplingParams
 
 VOCAB = 1024
 MAX_NEW = 5
-
-
-class StubTokenizer:
-    """What the engine needs of a tokenizer: ``decode`` and ``eos_token_id``."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 @pytest.fixture(scope="module")
