@@ -244,3 +244,125 @@ def q8_linear_vnni(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         RuntimeError: shapes, dtypes or layouts the kernel does not take (a clear message).
     """
     return torch.ops.saltserve_cpu.q8_linear_vnni(x.contiguous(), codes, scale, bias, act_bits)
+
+
+# ggml type id -> (bytes of codes per tile and group of 32, bit planes above the nibble plane)
+_KQUANT_CODES = {8: (512, None), 12: (256, 0), 13: (320, 1), 14: (384, 2)}
+
+
+def _kquant_tile_codes(ggml_type: int, codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] unsigned codes -> [out / 16, in / 32 * bytes] in kquant_vnni.cpp's layout."""
+    n, k = codes.shape
+    t, g = n // Q4_VNNI_TILE, k // Q4_GROUP
+    # operand o of a group: inputs 4 o .. 4 o + 3 of the tile's 16 outputs, byte 4 l + b
+    ops = codes.to(torch.uint8).view(t, Q4_VNNI_TILE, g, 8, 4).permute(0, 2, 3, 1, 4)
+    ops = ops.reshape(t, g, 8, 64)
+    _, planes = _KQUANT_CODES[ggml_type]
+    if planes is None:  # Q8_0: the codes as they are
+        return ops.reshape(t, -1).contiguous()
+    low = ops & 0x0F
+    nibbles = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(t, g, 256)
+    parts = [nibbles]
+    for p in range(planes):  # bit 4 + p of each code, 64 bits (8 bytes) per operand
+        bits = ((ops >> (4 + p)) & 1).view(t, g, 8, 8, 8)  # bit i of byte j: code 8 j + i
+        plane = bits[..., 0].clone()
+        for i in range(1, 8):  # uint8 throughout: a gate/up of 8B shapes stays ~2x its codes
+            plane |= bits[..., i] << i
+        parts.append(plane.reshape(t, g, 64))
+    return torch.cat(parts, dim=2).reshape(t, -1).contiguous()
+
+
+def _as_bytes(v: torch.Tensor) -> torch.Tensor:
+    """[..., 16] fp32 / fp16 / int8 / uint8 -> its bytes [..., 16 * itemsize] uint8."""
+    return v.contiguous().view(torch.uint8)
+
+
+def _kquant_tile_scales(ggml_type: int, d: torch.Tensor, sc: torch.Tensor | None,
+                        dmin: torch.Tensor | None, m: torch.Tensor | None) -> torch.Tensor:
+    """The scales of every tile of 16 outputs: [out / 16, bytes] uint8 in super-block records
+    (kquant_vnni.cpp's opening comment)."""
+    n = d.shape[0]
+    t = n // Q4_VNNI_TILE
+
+    def tiles(v: torch.Tensor) -> torch.Tensor:  # [out, B] -> [T, B, 16]
+        return v.view(t, Q4_VNNI_TILE, -1).transpose(1, 2)
+
+    if ggml_type == 8:  # Q8_0: d [out, G] fp16 per group
+        return _as_bytes(tiles(d.to(torch.float16))).reshape(t, -1)
+    s = d.shape[1]
+    dd = _as_bytes(tiles(d.float()))  # [T, S, 64]
+    if ggml_type == 14:  # Q6_K: sc [out, S * 16] int8 -> per group (inputs 0-15, 16-31)
+        scs = _as_bytes(tiles(sc.to(torch.int8)).reshape(t, s, 8, 2 * Q4_VNNI_TILE))
+        return torch.cat([dd, scs.reshape(t, s, -1)], dim=2).reshape(t, -1)
+    dm = _as_bytes(tiles(dmin.float()))
+    scm = torch.stack([tiles(sc.to(torch.uint8)), tiles(m.to(torch.uint8))], dim=2)
+    return torch.cat([dd, dm, scm.reshape(t, s, -1)], dim=2).reshape(t, -1)
+
+
+def kquant_usable(part_rows: list[int], in_features: int, ggml_types: set[int]) -> bool:
+    """Whether ``kquant_linear`` takes a weight of these parts: rows a multiple of 16 each,
+    inputs a multiple of 256 (of 32 where every part is Q8_0, ggml type 8)."""
+    return (all(n % Q4_VNNI_TILE == 0 for n in part_rows) and set(ggml_types) <= set(_KQUANT_CODES)
+            and in_features % (Q4_GROUP if set(ggml_types) == {8} else 256) == 0)
+
+
+def pack_kquant(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF K-quant / Q8_0 blocks, unpacked (``engine.quantization.kquant.KQuantBlocks``) and
+    stacked by output rows, -> ``kquant_linear``'s operands.
+
+    Args:
+        parts: per part ``(ggml_type, codes, d, sc, dmin, m)``: ggml_type 8 (Q8_0), 12 (Q4_K),
+            13 (Q5_K) or 14 (Q6_K); codes [rows, in] uint8 (Q8_0: ``q + 128``); d [rows,
+            in / 256] (Q8_0: [rows, in / 32]); sc, dmin, m as ``KQuantBlocks`` holds them.
+            Every part's rows a multiple of 16; ``in`` a multiple of 256 (32: Q8_0 only).
+
+    Returns:
+        (codes [bytes] uint8, scales [bytes] uint8, meta [out / 16, 3] int64: per tile its
+        ggml type and the byte offsets of its codes and scales).
+
+    Raises:
+        ValueError: a type or a shape the kernel cannot take.
+    """
+    codes, scales, meta = [], [], []
+    code_off = scale_off = 0
+    for ggml_type, c, d, sc, dmin, m in parts:
+        n, k = c.shape
+        if ggml_type not in _KQUANT_CODES:
+            raise ValueError(f"kquant: ggml type {ggml_type} is not Q8_0, Q4_K, Q5_K or Q6_K")
+        if n % Q4_VNNI_TILE or k % (Q4_GROUP if ggml_type == 8 else 256):
+            raise ValueError(f"kquant: a part of [{n}, {k}] needs rows a multiple of "
+                             f"{Q4_VNNI_TILE} and inputs of {Q4_GROUP if ggml_type == 8 else 256}")
+        tc = _kquant_tile_codes(ggml_type, c)
+        ts = _kquant_tile_scales(ggml_type, d, sc, dmin, m)
+        for i in range(n // Q4_VNNI_TILE):
+            meta.append((ggml_type, code_off + i * tc.shape[1], scale_off + i * ts.shape[1]))
+        codes.append(tc.reshape(-1))
+        scales.append(ts.reshape(-1))
+        code_off += tc.numel()
+        scale_off += ts.numel()
+    return (torch.cat(codes).contiguous(), torch.cat(scales).contiguous(),
+            torch.tensor(meta, dtype=torch.int64).reshape(-1, 3))
+
+
+def kquant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  meta: torch.Tensor, bias: torch.Tensor | None = None,
+                  act_bits: int = 16) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for GGUF K-quant and Q8_0 weights as the file stores them, through
+    ``kernels/cpu/kquant_vnni.cpp`` (AVX-512 VNNI, or AVX2 with the same bits): exact integer
+    dots, no weight rounded again; activations rounded per group of 32 as ``q4_linear_vnni``
+    rounds them (``act_bits`` 8 or 16).
+
+    Args:
+        x: [num_tokens, in_features] fp32.
+        codes, scales, meta: from ``pack_kquant``.
+        bias: [out_features] fp32 or None.
+
+    Returns:
+        [num_tokens, out_features] fp32.
+
+    Raises:
+        RuntimeError: shapes, dtypes, types or offsets the kernel does not take (a clear
+            message).
+    """
+    return torch.ops.saltserve_cpu.kquant_linear(x.contiguous(), codes, scales, meta, bias,
+                                                 act_bits)

@@ -33,6 +33,7 @@ from engine.quantization import (
     DenseLinear,
     GroupedInt4,
     KernelPolicy,
+    KQuantWeight,
     LinearMethod,
     QuantizationMethod,
     Unquantized,
@@ -479,7 +480,7 @@ class DecoderForCausalLM(nn.Module):
         linears = [self.lm_head] + [m for layer in self.layers for m in layer.linears()]
         return sum(m.weight_bytes for m in linears)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor | GroupedInt4],
+    def load_weights(self, state: Mapping[str, torch.Tensor | GroupedInt4 | KQuantWeight],
                      quantization: str | None = None,
                      act_bits: int = DEFAULT_ACT_BITS) -> None:
         """Loads Hugging Face weight names as the spec declares them, fusing q/k/v and gate/up
@@ -488,7 +489,7 @@ class DecoderForCausalLM(nn.Module):
         after ``.to()``).
 
         Args:
-            state: name -> float tensor, or ``GroupedInt4`` 4-bit blocks (from a GGUF).
+            state: name -> float tensor, or a GGUF's blocks (``GroupedInt4``, ``KQuantWeight``).
             quantization: None (dense), or one of ``engine.quantization.QUANTIZATIONS``.
             act_bits: the quantized layers' activation rounding in our int8-dot kernels, 16 or
                 8 (``--quantized-activation-bits``).
@@ -509,8 +510,9 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(f"the checkpoint has no {name}")
             return as_float(name, state[name])
 
-        def as_float(name: str, value: torch.Tensor | GroupedInt4) -> torch.Tensor:
-            if isinstance(value, GroupedInt4):
+        def as_float(name: str, value: torch.Tensor | GroupedInt4 | KQuantWeight
+                     ) -> torch.Tensor:
+            if isinstance(value, (GroupedInt4, KQuantWeight)):
                 return value.dequantize()
             if value.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise ValueError(f"{name} is {str(value.dtype).removeprefix('torch.')}: a "
@@ -524,7 +526,9 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(f"the checkpoint has no {names[parts.index(None)]}.weight")
             if all(isinstance(p, GroupedInt4) for p in parts):  # fused without dequantizing
                 w = GroupedInt4.cat(parts) if len(parts) > 1 else parts[0]
-            else:  # float, or 4-bit mixed with other types: dequantized (each decoded once)
+            elif all(isinstance(p, KQuantWeight) for p in parts):  # any mix of K-quant types
+                w = KQuantWeight.cat(parts) if len(parts) > 1 else parts[0]
+            else:  # float, or blocks mixed with other types: dequantized (each decoded once)
                 floats = [as_float(n + ".weight", p) for n, p in zip(names, parts, strict=True)]
                 w = floats[0] if len(floats) == 1 else torch.cat(floats)
             b = torch.cat([tensor(n + ".bias") for n in names]) if bias else None
@@ -546,11 +550,17 @@ class DecoderForCausalLM(nn.Module):
                 # dense copy is bf16 (CPUs with native bf16: a 57 MB copy for SmolLM2; its
                 # logits from 24 rows are bf16-rounded, as the int8 kernel's are below that).
                 # bf16 activations: from the checkpoint's values, not their bf16 rounding.
+                # A GGUF's quantized embedding (Q8_0, Q6_K, ...) is the head as the file
+                # stores it, not a second rounding of its dequantization.
                 embedding = (self.embed_tokens.weight if dtype == torch.float32
                              else tensor(prefix + "embed_tokens.weight"))
-                self.lm_head = (DenseLinear(self.embed_tokens.weight, policy=self.policy)
-                                if quantization is None
-                                else method.create_linear(embedding, None, dtype, device))
+                stored = state[prefix + "embed_tokens.weight"]
+                if quantization is None:
+                    self.lm_head = DenseLinear(self.embed_tokens.weight, policy=self.policy)
+                elif isinstance(stored, (GroupedInt4, KQuantWeight)):
+                    self.lm_head = linear([prefix + "embed_tokens"])
+                else:
+                    self.lm_head = method.create_linear(embedding, None, dtype, device)
             else:
                 self.lm_head = linear(["lm_head"])
             for i, layer in enumerate(self.layers):

@@ -1,11 +1,12 @@
-"""Reading a GGUF file's weights under Hugging Face names, 4-bit blocks kept as they are.
+"""Reading a GGUF file's weights under Hugging Face names, quantized blocks kept as they are.
 
-``--quantization gguf`` serves a GGUF's own 4-bit weights without dequantizing them to fp32
-first: Q4_1, Q4_0 and Q4_K tensors become ``GroupedInt4`` (one code per byte, fp32 scale and
-minimum per 32-weight group; exact for all three); F32 and F16 tensors are read as they are;
-every other type (Q8_0, Q5_K, Q6_K, ...) is dequantized with the ``gguf`` library to fp32, and
-``make_linear`` then quantizes it per channel to int8 (not exact: a grouped 8-bit kernel would
-be). Tensors are decoded one at a time, when the model's loader asks for them (``GGUFState``,
+``--quantization gguf`` serves a GGUF's own quantized weights without dequantizing them to fp32
+first: Q4_1 and Q4_0 tensors become ``GroupedInt4`` (one code per byte, fp32 scale and minimum
+per 32-weight group); Q4_K, Q5_K, Q6_K and Q8_0 tensors ``KQuantWeight`` (one code per byte,
+their integer and fp16 scales as stored; ``engine.quantization.kquant``); both exact. F32 and
+F16 tensors are read as they are; any other type (Q2_K, Q3_K, IQ*, ...) is dequantized with the
+``gguf`` library to fp32, and the quantization method then quantizes it per channel to int8
+(not exact). Tensors are decoded one at a time, when the model's loader asks for them (``GGUFState``,
 over the file's memory map), so loading never holds the whole model in fp32. The model's
 ``config.json``, tokenizer and norms' shapes come from the converted Hugging Face folder beside
 it (``engine/weights.py``).
@@ -49,9 +50,12 @@ then 16 bytes whose low nibbles are weights 0-15 and high nibbles weights 16-31;
 m``. Q4_0 is 18 bytes: fp16 ``d`` and the same nibbles; ``w = (q - 8) * d``. Q4_K is 144 bytes
 per 256 weights: fp16 ``d`` and ``dmin``, 12 bytes of eight 6-bit scales and minimums
 (``get_scale_min_k4``), then 128 bytes whose 32-byte chunk ``c`` holds sub-block ``2c`` in its low
-nibbles and ``2c + 1`` in its high ones; ``w = d * sc * q - dmin * m``, so each 32-weight
-sub-block is a ``GroupedInt4`` group with scale ``d * sc`` and minimum ``-dmin * m`` (products of
-an fp16 and a 6-bit integer: exact in fp32).
+nibbles and ``2c + 1`` in its high ones; ``w = d * sc * q - dmin * m``. Q5_K is 176 bytes:
+Q4_K's ``d``, ``dmin`` and scales, then 32 bytes ``qh`` whose bit ``j`` of byte ``l`` is the fifth
+bit of sub-block ``j``'s weight ``l``, then Q4_K's 128 bytes of nibbles. Q6_K is 210 bytes: 128
+bytes of low nibbles, 64 of two-bit high parts, sixteen int8 scales (one per 16 weights) and
+fp16 ``d`` last; ``w = d * sc * (q - 32)``. Q8_0 is 34 bytes: fp16 ``d`` and 32 int8 ``q``;
+``w = d * q``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.spec import LayerSpec
 from engine.quantization import INT4_GROUP_SIZE, GroupedInt4
+from engine.quantization.kquant import KQuantBlocks, KQuantWeight
 
 # GGUF ``general.architecture`` -> the Hugging Face architectures llama.cpp's converter writes
 # under it (``ModelBase.register`` in convert_hf_to_gguf.py).
@@ -173,6 +178,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 # Block bytes of the 4-bit types kept as they are: fp16 d (and fp16 m for Q4_1) + 16 bytes.
 _Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_KQUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def grouped_from_blocks(raw: np.ndarray, type_name: str) -> GroupedInt4:
@@ -197,30 +203,69 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 
 
 
-def q4_k_grouped(raw: np.ndarray) -> GroupedInt4:
-    """A Q4_K tensor's raw blocks [rows, blocks * 144] uint8 as ``GroupedInt4`` (groups of 32;
-    the layout in the module docstring). Raises ValueError for a row that is not whole
-    blocks."""
-    rows = raw.shape[0]
-    if raw.shape[1] % 144:
-        raise ValueError(f"a Q4_K row of {raw.shape[1]} bytes is not whole 144-byte blocks")
-    blocks = raw.reshape(rows, -1, 144)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 4:16].astype(np.uint8)
+def _f16(b: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes of little-endian fp16 -> [...] fp32."""
+    return torch.from_numpy(b.copy().view(np.float16)[..., 0].astype(np.float32))
+
+
+def _blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """[rows, row bytes] -> [rows, blocks, block bytes]; ValueError for a partial block."""
+    size = _KQUANT_BLOCK_BYTES[type_name]
+    if raw.shape[1] % size:
+        raise ValueError(f"a {type_name} row of {raw.shape[1]} bytes is not whole {size}-byte "
+                         "blocks")
+    return raw.reshape(raw.shape[0], -1, size)
+
+
+def _scale_min_k4(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit scales and minimums (ggml ``get_scale_min_k4``)
+    -> ([..., 8], [..., 8]) uint8."""
     sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)],
                         axis=-1)
     mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)],
                         axis=-1)
-    qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)  # sub-blocks 2c, 2c + 1
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1)
-    minimum = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
-    return GroupedInt4(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
-                       torch.from_numpy(minimum), INT4_GROUP_SIZE)
+    return sc, mn
 
 
-class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
+def kquant_blocks(raw: np.ndarray, type_name: str) -> KQuantBlocks:
+    """A Q4_K, Q5_K, Q6_K or Q8_0 tensor's raw blocks [rows, row bytes] uint8, unpacked but not
+    rounded (``KQuantBlocks``; the layouts in the module docstring). Raises ValueError for a
+    row that is not whole blocks."""
+    blocks = _blocks(raw, type_name)
+    rows = blocks.shape[0]
+    if type_name == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return KQuantBlocks("Q8_0", torch.from_numpy(codes.reshape(rows, -1)),
+                            _f16(blocks[..., 0:2]))
+    if type_name == "Q6_K":
+        ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
+            1, 1, 1, 2, 1)
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array(
+            [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        codes = (ql & 0x0F).reshape(rows, -1, 2, 4, 32) | ((qh & 3) << 4)
+        sc = blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1)
+        return KQuantBlocks("Q6_K", torch.from_numpy(codes.reshape(rows, -1)),
+                            _f16(blocks[..., 208:210]), torch.from_numpy(sc))
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mn = _scale_min_k4(blocks[..., 4:16])
+    if type_name == "Q4_K":
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # sub-blocks 2c, 2c + 1
+    else:  # Q5_K: sub-block j's fifth bit is bit j of qh[l]
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
+        low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
+        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+            1, 1, 8, 1)
+        codes = low | ((qh & 1) << 4)
+    return KQuantBlocks(type_name, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+                        d, torch.from_numpy(sc.reshape(rows, -1)), dmin,
+                        torch.from_numpy(mn.reshape(rows, -1)))
+
+
+_BLOCKS = (GroupedInt4, KQuantWeight)  # a file's blocks kept as they are
+
+
+class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4 | KQuantWeight"]):
     """A GGUF's weights under Hugging Face names, each decoded when it is looked up (from the
     file's memory map; nothing is cached, so a loader that takes each weight once holds at most
     the one it is converting in fp32). An expert of a 3-D expert tensor is decoded from its
@@ -266,7 +311,7 @@ class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
     def __contains__(self, name: object) -> bool:  # without decoding it
         return name in self._tensors
 
-    def __getitem__(self, name: str) -> torch.Tensor | GroupedInt4:
+    def __getitem__(self, name: str) -> torch.Tensor | GroupedInt4 | KQuantWeight:
         import gguf
 
         t, expert = self._tensors[name]
@@ -275,9 +320,9 @@ class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
             raw = raw[expert]
         kind = t.tensor_type.name
         if kind in _Q4_BLOCK_BYTES:
-            value: torch.Tensor | GroupedInt4 = grouped_from_blocks(raw, kind)
-        elif kind == "Q4_K":
-            value = q4_k_grouped(raw)
+            value: torch.Tensor | GroupedInt4 | KQuantWeight = grouped_from_blocks(raw, kind)
+        elif kind in _KQUANT_BLOCK_BYTES:
+            value = KQuantWeight((kquant_blocks(raw, kind),))
         elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             value = torch.from_numpy(raw.astype(np.float32))
         else:
@@ -288,9 +333,9 @@ class GGUFState(Mapping[str, "torch.Tensor | GroupedInt4"]):
             cfg = self._cfg
             heads = (cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
             order = _unpermute_rows(value.shape[0], heads)
-            value = value.rows(order) if isinstance(value, GroupedInt4) else value[order]
+            value = value.rows(order) if isinstance(value, _BLOCKS) else value[order]
         if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
-            dense = value.dequantize() if isinstance(value, GroupedInt4) else value
+            dense = value.dequantize() if isinstance(value, _BLOCKS) else value
             value = dense.float() - 1.0  # stored w + 1; the spec's norm_offset adds it back
         return value
 
@@ -310,7 +355,8 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> GGUFState:
     name, decoded on lookup (quirks of llama.cpp's converter undone: module docstring).
 
     Returns:
-        name -> ``GroupedInt4`` for Q4_1 / Q4_0 / Q4_K tensors, else an fp32 tensor ([out, in]
+        name -> ``GroupedInt4`` for Q4_1 / Q4_0 tensors, ``KQuantWeight`` for Q4_K / Q5_K /
+        Q6_K / Q8_0 ones, else an fp32 tensor ([out, in]
         for matrices, [n] for norms; an expert's own [out, in]).
 
     Raises:
@@ -352,5 +398,5 @@ def read_gguf_state(path: Path, cfg: ModelConfig) -> GGUFState:
     return state
 
 
-__all__ = ["GGUFState", "grouped_from_blocks", "hf_name", "q4_k_grouped", "read_gguf_state",
+__all__ = ["GGUFState", "grouped_from_blocks", "hf_name", "kquant_blocks", "read_gguf_state",
            "supported_architectures"]

@@ -40,6 +40,7 @@ from engine.quantization.gguf import (
     Int4Linear,
 )
 from engine.quantization.int8 import Int8Linear, Int8Method
+from engine.quantization.kquant import KQuantBlocks, KQuantLinear, KQuantWeight
 from engine.quantization.policy import (
     DENSE_FROM_TOKENS,
     DENSE_FROM_TOKENS_INT8_NATIVE_BF16,
@@ -56,6 +57,7 @@ from kernels.cpu.kinds import (
     SPEC_DENSE,
     SPEC_INT4,
     SPEC_INT8,
+    SPEC_KQUANT,
     SPEC_LINEAR,
     SPEC_LINEAR_BF16,
     SPEC_LINEAR_ONEDNN,
@@ -117,6 +119,7 @@ __all__ = [
     "SPEC_DENSE",
     "SPEC_INT4",
     "SPEC_INT8",
+    "SPEC_KQUANT",
     "SPEC_LINEAR",
     "SPEC_LINEAR_BF16",
     "SPEC_LINEAR_ONEDNN",
@@ -132,6 +135,9 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "Int8Method",
+    "KQuantBlocks",
+    "KQuantLinear",
+    "KQuantWeight",
     "KernelPolicy",
     "LinearMethod",
     "QuantizationMethod",

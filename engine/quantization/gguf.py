@@ -1,8 +1,10 @@
 """``--quantization gguf``: the model folder's GGUF weights served as they are stored where we
-have a kernel for them. 4-bit tensors (Q4_0, Q4_1, Q4_K: ``engine.models.gguf``) stay 4-bit
-(``Int4Linear``: groups of 32 inputs, ``w = code * scale + minimum``); every other tensor (F16,
-F32, Q8_0, Q5_K, Q6_K, dequantized one at a time) is quantized per channel to int8
-(``Int8Linear``). With fp32 activations on CPU our int8-dot kernels run every forward
+have a kernel for them. Q4_K, Q5_K, Q6_K and Q8_0 tensors run our exact K-quant kernel
+(``KQuantLinear``, ``engine.quantization.kquant``) with fp32 activations on CPU; 4-bit tensors
+(Q4_0, Q4_1, and Q4_K elsewhere: ``engine.models.gguf``) stay 4-bit (``Int4Linear``: groups of
+32 inputs, ``w = code * scale + minimum``); every other tensor (F16, F32, other types, and
+Q5_K / Q6_K / Q8_0 where our kernel does not run; dequantized one at a time) is quantized per
+channel to int8 (``Int8Linear``). With fp32 activations on CPU our int8-dot kernels run every forward
 (``KernelPolicy.int8_dot``); otherwise torch's ``aten::_weight_int4pack_mm_for_cpu``, which
 computes ``w = (code - 8) * scale + zero`` (so ``zero = minimum + 8 * scale``), in bf16, our Q4
 kernel at one row, and a dense copy for forwards of many rows.
@@ -25,6 +27,7 @@ from engine.quantization.base import (
     nbytes,
 )
 from engine.quantization.int8 import Int8Linear
+from engine.quantization.kquant import SUPER_BLOCK, KQuantLinear, KQuantWeight
 from engine.quantization.policy import KERNEL_DTYPE, KernelPolicy
 from kernels import cpu_linear
 from kernels.cpu.kinds import SPEC_INT4, SPEC_Q4, SPEC_Q4_VNNI
@@ -212,15 +215,35 @@ class Int4Linear(QuantizedLinear):
         return nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
+def q4_k_as_grouped(w: KQuantWeight) -> GroupedInt4 | None:
+    """A Q4_K-only weight as ``GroupedInt4`` (scale ``d * sc``, minimum ``-dmin * m``: products
+    of an fp16 and a 6-bit integer, exact in fp32), for the 4-bit paths; None for other types."""
+    if any(p.type_name != "Q4_K" for p in w.parts):
+        return None
+    per = SUPER_BLOCK // INT4_GROUP_SIZE
+    scale = torch.cat([p.d.repeat_interleave(per, dim=1) * p.sc.float() for p in w.parts])
+    minimum = torch.cat([-(p.dmin.repeat_interleave(per, dim=1) * p.m.float())
+                         for p in w.parts])
+    return GroupedInt4(torch.cat([p.codes for p in w.parts]), scale, minimum, INT4_GROUP_SIZE)
+
+
 class GGUFMethod(QuantizationMethod):
-    """``--quantization gguf``: 4-bit blocks (``GroupedInt4``) kept as ``Int4Linear``; float
-    weights (a GGUF's other types, dequantized) quantized per channel to int8."""
+    """``--quantization gguf``: K-quant and Q8_0 blocks (``KQuantWeight``) through our exact
+    kernel where fp32 CPU activations run it (``KernelPolicy.kquant``); 4-bit blocks
+    (``GroupedInt4``, and Q4_K elsewhere) kept as ``Int4Linear``; float weights (a GGUF's other
+    types, dequantized, and K-quants where our kernel does not run) quantized per channel to
+    int8."""
 
     name = "gguf"
 
     def create_linear(self, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,
                       device: torch.device) -> LinearMethod:
         keep_dense = dtype == torch.float32
+        if isinstance(weight, KQuantWeight):
+            if keep_dense and device.type == "cpu" and self.policy.kquant(
+                    [p.shape[0] for p in weight.parts], weight.shape[1], weight.ggml_types):
+                return KQuantLinear.from_weight(weight, bias, self.act_bits)
+            weight = q4_k_as_grouped(weight) or weight.dequantize()
         if isinstance(weight, GroupedInt4):
             layer: QuantizedLinear = Int4Linear.from_grouped(weight, bias, dtype, keep_dense,
                                                              self.policy)

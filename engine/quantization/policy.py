@@ -110,6 +110,13 @@ class KernelPolicy:
         return (self.cpu_kernels and self.int8_dot
                 and cpu_linear.q4_vnni_usable(out_features, in_features))
 
+    def kquant(self, part_rows: list[int], in_features: int, ggml_types: set[int]) -> bool:
+        """Whether a GGUF K-quant / Q8_0 weight (``engine.quantization.kquant.KQuantWeight``:
+        its parts' rows and ggml types) runs our exact kernel (``kernels/cpu/kquant_vnni.cpp``)
+        with fp32 activations."""
+        return (self.cpu_kernels and self.int8_dot
+                and cpu_linear.kquant_usable(part_rows, in_features, ggml_types))
+
     def int8_dot_serves(self, quantization: str | None, dtype: torch.dtype) -> bool:
         """Whether quantized layers with ``dtype`` activations on CPU run our int8-dot kernels
         (the only path ``--quantized-activation-bits`` applies to)."""

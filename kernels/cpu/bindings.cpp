@@ -19,6 +19,9 @@ TORCH_LIBRARY(saltserve_cpu, m) {
         "int act_bits) -> Tensor");
   m.def("int8_amx(int mode) -> bool");
   m.def("int8_amx_calls() -> int");
+  // kquant_vnni.cpp
+  m.def("kquant_linear(Tensor x, Tensor codes, Tensor scales, Tensor meta, Tensor? bias, "
+        "int act_bits) -> Tensor");
   // norm.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -56,6 +59,7 @@ TORCH_LIBRARY_IMPL(saltserve_cpu, CPU, m) {
   m.impl("q4_linear", &saltserve_cpu::q4_linear);
   m.impl("q4_linear_vnni", &saltserve_cpu::q4_linear_vnni);
   m.impl("q8_linear_vnni", &saltserve_cpu::q8_linear_vnni);
+  m.impl("kquant_linear", &saltserve_cpu::kquant_linear);
   m.impl("rms_norm", &saltserve_cpu::rms_norm);
   m.impl("add_rms_norm", &saltserve_cpu::add_rms_norm);
   m.impl("decode_attention", &saltserve_cpu::decode_attention);

@@ -38,8 +38,8 @@ FALLBACK_FLAGS = ("-DSALTSERVE_HAVE_AMX=0", "-DSALTSERVE_HAVE_BF16=0")
 LDFLAGS = ("-fopenmp",)
 ENV_SWITCH = "SALTSERVE_CPU_KERNELS"  # "0": do not build, use torch's ops
 # Every op bindings.cpp registers: load() fails where one is missing.
-OPS = ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni", "int8_amx",
-       "int8_amx_calls", "rms_norm", "add_rms_norm", "decode_attention", "bf16_kv_cache",
+OPS = ("linear_small_m", "q4_linear", "q4_linear_vnni", "q8_linear_vnni", "kquant_linear",
+       "int8_amx", "int8_amx_calls", "rms_norm", "add_rms_norm", "decode_attention", "bf16_kv_cache",
        "attention_avx512", "attention_amx", "rotary_neox_", "reshape_and_cache", "decode_layer",
        "decode_layers", "silu_and_mul", "argmax_rows")
 

@@ -23,6 +23,7 @@
 //   kQ4Vnni (codes, scale_min)         our q4_linear_vnni (VNNI or AVX2, q4_vnni.cpp); its
 //                                      group slot carries the activation bits (8 or 16)
 //   kQ8Vnni (codes, scale)             our q8_linear_vnni (int8 weights; the same)
+//   kKQuant (codes, scales, meta)      our kquant_linear (GGUF K-quants and Q8_0; the same)
 //   kInt8   (qweight, scales)          torch's _weight_int8pack_mm in bf16
 //   kLinearBf16 (w bf16)               at::linear in bf16 (a quantized layer's bf16 dense copy)
 //   kLinearOneDnn (w)                  mkldnn::_linear_pointwise (kernels.cpu_linear.linear's
@@ -75,6 +76,9 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
   static const auto q8_linear_vnni =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                     int64_t)>("saltserve_cpu::q8_linear_vnni");
+  static const auto kquant_linear =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const OptTensor&, int64_t)>("saltserve_cpu::kquant_linear");
   auto slot = [&](int64_t i) -> at::Tensor {
     const OptTensor t = w.get(p * kSlots + i);
     TORCH_CHECK(t.has_value() && t->defined(), "decode_layer: projection ", p, " kind ", kind,
@@ -103,6 +107,8 @@ at::Tensor project(const c10::List<OptTensor>& w, int64_t p, int64_t kind, int64
       return q4_linear_vnni.call(x.contiguous(), slot(0), slot(1), bias, group);  // act bits
     case kQ8Vnni:
       return q8_linear_vnni.call(x.contiguous(), slot(0), slot(1), bias, group);
+    case kKQuant:
+      return kquant_linear.call(x.contiguous(), slot(0), slot(1), slot(2), bias, group);
     case kInt4:
     case kInt8:
     case kLinearBf16: {

@@ -12,7 +12,7 @@ namespace saltserve_cpu {
 
 enum Kind : int64_t {
   kDense = 0, kInt4 = 1, kQ4 = 2, kInt8 = 3, kLinear = 4, kLinearBf16 = 5, kLinearOneDnn = 6,
-  kQ4Vnni = 7, kQ8Vnni = 8
+  kQ4Vnni = 7, kQ8Vnni = 8, kKQuant = 9
 };
 
 }  // namespace saltserve_cpu

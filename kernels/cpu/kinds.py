@@ -23,6 +23,7 @@ class Kind(IntEnum):
     LINEAR_ONEDNN = 6  # (w) fp32: oneDNN's GEMM above MAX_ROWS rows
     Q4_VNNI = 7  # (codes, scale_min): our q4_linear_vnni
     Q8_VNNI = 8  # (codes, scale): our q8_linear_vnni
+    KQUANT = 9  # (codes, scales, meta): our kquant_linear (GGUF K-quants and Q8_0)
 
 
 SPEC_DENSE = Kind.DENSE.value
@@ -34,3 +35,4 @@ SPEC_LINEAR_BF16 = Kind.LINEAR_BF16.value
 SPEC_LINEAR_ONEDNN = Kind.LINEAR_ONEDNN.value
 SPEC_Q4_VNNI = Kind.Q4_VNNI.value
 SPEC_Q8_VNNI = Kind.Q8_VNNI.value
+SPEC_KQUANT = Kind.KQUANT.value

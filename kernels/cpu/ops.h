@@ -30,6 +30,11 @@ at::Tensor q8_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at
 bool int8_amx(int64_t mode);
 int64_t int8_amx_calls();
 
+// kquant_vnni.cpp
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& meta, const c10::optional<at::Tensor>& bias,
+                         int64_t act_bits);
+
 // norm.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,

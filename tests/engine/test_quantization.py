@@ -23,6 +23,8 @@ from engine.quantization import (
     Int4Linear,
     Int8Linear,
     KernelPolicy,
+    KQuantLinear,
+    KQuantWeight,
     check_quantization,
     make_linear,
 )
@@ -384,14 +386,17 @@ def test_gguf_tensor_names_map_to_hugging_face():
 
 def test_bundled_gguf_reads_as_exactly_the_converted_weights(model_dir):
     """Every tensor of the bundled Q4_1 GGUF, 4-bit blocks unpacked and q/k rows permuted back,
-    equals transformers' dequantized conversion bit for bit; the 4-bit ones stay 4-bit."""
+    equals transformers' dequantized conversion bit for bit; the 4-bit ones stay 4-bit, its one
+    Q8_0 tensor (the embedding) stays Q8_0."""
     state = read_gguf_state(find_gguf(model_dir), ModelConfig.from_pretrained(model_dir))
     reference = load_file(str(model_dir / "model.safetensors"))
     assert set(state) == set(reference)
     grouped = {n for n, v in state.items() if isinstance(v, GroupedInt4)}
     assert len(grouped) == 30 * 7  # q, k, v, o, gate, up, down of every layer
+    assert {n for n, v in state.items() if isinstance(v, KQuantWeight)} == {
+        "model.embed_tokens.weight"}
     for name, value in state.items():
-        got = value.dequantize() if isinstance(value, GroupedInt4) else value
+        got = value.dequantize() if isinstance(value, (GroupedInt4, KQuantWeight)) else value
         assert torch.equal(got, reference[name]), name
 
 
@@ -441,8 +446,8 @@ def _teacher_forced_agreement(engine, prompts: list[list[int]], reference: list[
 @pytest.mark.skipif(not VNNI, reason="our CPU kernels are off here")
 def test_8_bit_activations_serve_gguf_near_fp32_and_a_flooding_tenant_changes_no_bits(
         make_llm_engine, tokenizer):
-    """``quantized_activation_bits=8``: every 4-bit projection and the int8 LM head round
-    their activations to int8 alone (llama.cpp's Q8_1), and the answers stay near fp32's
+    """``quantized_activation_bits=8``: every 4-bit projection and the LM head (the file's Q8_0
+    embedding, in our K-quant kernel) round their activations to int8 alone (llama.cpp's Q8_1), and the answers stay near fp32's
     (teacher-forced agreement, as served). Each row still has the same bits in any batch: with
     tenant A flooding 20 requests (half of them B's very prompt), B's tokens and logprobs are
     those of its run alone, and B finds none of A's blocks; B's own repeat hits."""
@@ -452,7 +457,9 @@ def test_8_bit_activations_serve_gguf_near_fp32_and_a_flooding_tenant_changes_no
     engine = make_llm_engine(quantization="gguf", quantized_activation_bits=8)
     layers = [engine.model.lm_head] + [m for layer in engine.model.layers
                                        for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    assert all(m.vnni is not None and m.act_bits == 8 for m in layers)
+    assert isinstance(engine.model.lm_head, KQuantLinear)
+    assert all(m.act_bits == 8 for m in layers)
+    assert all(m.vnni is not None for m in layers[1:])
     agree, total = _teacher_forced_agreement(engine, prompts, reference)
     assert total == sum(map(len, reference)) >= 20 and agree / total >= 0.8, (agree, total)
 
