@@ -6,8 +6,8 @@ that type, random valid blocks; norms F32; a small vocabulary, so the layers dom
 then loaded in a fresh process with ``--quantization gguf`` as the engine does. Printed per type:
 
 - bytes per layer in the file and in memory (every projection's ``weight_bytes``), their ratio,
-  and the whole 8B model extrapolated: 32 layers + the embedding (fp32 in our model:
-  ``nn.Embedding``) + the LM head in that type;
+  and the whole 8B model extrapolated: 32 layers + the embedding and the LM head in that type
+  (a quantized embedding is held unpacked, one code a byte: ``EMBEDDING_BYTES``);
 - the loading process's resident memory after the load and its peak during it (``ru_maxrss``),
   each over the process before loading, against the file size and the same layers in fp32:
   loading decodes one tensor at a time (``engine.models.gguf.GGUFState``), so the peak is the
@@ -36,6 +36,11 @@ LAYOUT = {"Q4_0": (144, range(0, 144, 18)), "Q4_1": (160, [*range(0, 160, 20),
                                                            *range(2, 160, 20)]),
           "Q8_0": (272, range(0, 272, 34)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
           "Q6_K": (210, (208,))}
+# Bytes per weight of an embedding table in the type, held unpacked (decoder.BlockEmbedding:
+# one code a byte; GroupedInt4's fp32 scale and minimum per 32; KQuantBlocks' integer scales per
+# sub-block and fp32 d (dmin) per 256, Q8_0's fp32 d per 32).
+EMBEDDING_BYTES = {"Q4_0": 1 + 8 / 32, "Q4_1": 1 + 8 / 32, "Q4_K": 1 + 2 / 32 + 8 / 256,
+                   "Q5_K": 1 + 2 / 32 + 8 / 256, "Q6_K": 1 + 1 / 16 + 4 / 256, "Q8_0": 1 + 4 / 32}
 PROJECTIONS = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
                "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
                "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
@@ -135,7 +140,7 @@ def main() -> None:
         bits = file_layer * 8 / (per_layer_fp32 / 4)
         head_file = VOCAB * HIDDEN * bits / 8
         file_8b = LAYERS_8B * file_layer + 2 * head_file  # embedding and head in the type
-        ours_8b = (LAYERS_8B * ours_layer + VOCAB * HIDDEN * 4  # fp32 embedding
+        ours_8b = (LAYERS_8B * ours_layer + VOCAB * HIDDEN * EMBEDDING_BYTES[kind]
                    + VOCAB * HIDDEN * ours_layer / (per_layer_fp32 / 4))  # head like a layer
         peak = (got["peak_kib"] - got["base_kib"]) / 1024
         resident = got["resident_kib"] / 1024

@@ -39,6 +39,7 @@ from engine.quantization import (
     Unquantized,
     get_quantization_method,
 )
+from engine.quantization.base import nbytes
 from kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,33 @@ class MixtureOfExperts:
 
 
 _NORM_ROLES = ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm")
+
+
+class BlockEmbedding(nn.Module):
+    """A GGUF's quantized embedding table kept as stored (``GroupedInt4`` or ``KQuantWeight``,
+    [vocab, hidden]): a lookup dequantizes only its rows, with the bits of the whole table's
+    dequantization; an 8B model's fp32 table (2.1 GB) is never held.
+
+    Args:
+        blocks: the table's blocks, one tensor.
+        dtype: the activations' dtype.
+    """
+
+    def __init__(self, blocks: GroupedInt4 | KQuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks, self.dtype = blocks, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden] in ``dtype``."""
+        return self.blocks.rows(input_ids.cpu()).dequantize().to(self.dtype)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the table holds (codes and scales)."""
+        b = self.blocks
+        if isinstance(b, GroupedInt4):
+            return nbytes(b.codes, b.scale, b.minimum)
+        return sum(nbytes(p.codes, p.d, p.sc, p.dmin, p.m) for p in b.parts)
 
 
 class DecoderLayer(nn.Module):
@@ -542,7 +570,14 @@ class DecoderForCausalLM(nn.Module):
                 module.weight32 = (raw.to(dtype).float() + spec.norm_offset).to(device)
 
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(tensor(prefix + "embed_tokens.weight"))
+            stored_embedding = state.get(prefix + "embed_tokens.weight")
+            if quantization is not None and isinstance(stored_embedding,
+                                                       (GroupedInt4, KQuantWeight)):
+                # A GGUF's quantized embedding stays as stored; each step dequantizes only the
+                # rows it looks up (the same bits as the whole table's dequantization).
+                self.embed_tokens = BlockEmbedding(stored_embedding, dtype)
+            else:
+                self.embed_tokens.weight.copy_(tensor(prefix + "embed_tokens.weight"))
             norm_weight(self.norm, prefix + "norm.weight")
             if self.config.tie_word_embeddings or "lm_head.weight" not in state:
                 # The head is the embedding: quantized from the parameter itself, which an fp32
@@ -552,14 +587,13 @@ class DecoderForCausalLM(nn.Module):
                 # bf16 activations: from the checkpoint's values, not their bf16 rounding.
                 # A GGUF's quantized embedding (Q8_0, Q6_K, ...) is the head as the file
                 # stores it, not a second rounding of its dequantization.
-                embedding = (self.embed_tokens.weight if dtype == torch.float32
-                             else tensor(prefix + "embed_tokens.weight"))
-                stored = state[prefix + "embed_tokens.weight"]
                 if quantization is None:
                     self.lm_head = DenseLinear(self.embed_tokens.weight, policy=self.policy)
-                elif isinstance(stored, (GroupedInt4, KQuantWeight)):
+                elif isinstance(self.embed_tokens, BlockEmbedding):
                     self.lm_head = linear([prefix + "embed_tokens"])
                 else:
+                    embedding = (self.embed_tokens.weight if dtype == torch.float32
+                                 else tensor(prefix + "embed_tokens.weight"))
                     self.lm_head = method.create_linear(embedding, None, dtype, device)
             else:
                 self.lm_head = linear(["lm_head"])

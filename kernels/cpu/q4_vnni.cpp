@@ -15,8 +15,8 @@
 //   scale_min [N / 16, K / 32, 32] float16: the tile's 16 scales, then its 16 minimums.
 // 5 bits a weight, as in the GGUF.
 // Activations: each row's groups of 32 inputs quantized to int8 (dx = max|x| / 127, round to
-// nearest even), with their fp32 sums for the minimum's term, as q4_linear.cpp and llama.cpp's
-// Q4_1 x Q8_1 dot product do:
+// nearest even; quantize_row in int8_dot.h, shared with kquant_vnni.cpp), with their fp32 sums
+// for the minimum's term, as q4_linear.cpp and llama.cpp's Q4_1 x Q8_1 dot product do:
 //   y[m, n] = sum_g (scale[n, g] * dx[m, g]) * idot(code[n, g], qx[m, g]) + minimum[n, g] * xsum[m, g]
 // (+ bias[n] at the end); idot is exact int32. Each row's result takes the same operations in
 // the same order whatever the other rows of the call, so a row has the same bits alone or in a
@@ -46,7 +46,6 @@
 #include "amx.h"
 #include "int8_dot.h"
 #include "ops.h"
-
 
 namespace saltserve_cpu {
 namespace {

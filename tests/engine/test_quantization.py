@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm import run_to_completion
 from engine.models.config import ModelConfig
+from engine.models.decoder import BlockEmbedding
 from engine.models.gguf import grouped_from_blocks, hf_name, read_gguf_state
 from engine.quantization import (
     DENSE_FROM_TOKENS,
@@ -305,8 +306,8 @@ def _build(cfg: ModelConfig, state: dict, quantization: str | None):
 
 
 def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weights():
-    """An untied GGUF may quantize its embedding to 4 bits too, and a fused projection may mix
-    4-bit and other blocks: both are dequantized where they must be. A missing weight is a
+    """An untied GGUF may quantize its embedding to 4 bits too: it stays as stored and a lookup
+    dequantizes its rows; a fused projection may mix 4-bit and other blocks: dequantized. A missing weight is a
     ValueError that names it."""
     cfg, state = _tiny_llama(tie=False, bias=True)
     p = "model.layers.0."
@@ -318,8 +319,11 @@ def test_load_weights_takes_4bit_embeddings_mixed_fusions_and_names_missing_weig
                                       torch.ones(w.shape[0], w.shape[1] // 32) * 0.01,
                                       w.view(w.shape[0], -1, 32).mean(-1))
     model = _build(cfg, quantized, "gguf")
-    assert torch.equal(model.embed_tokens.weight,
-                       quantized["model.embed_tokens.weight"].dequantize())
+    table = quantized["model.embed_tokens.weight"].dequantize()
+    ids = torch.tensor([5, 0, 5, cfg.vocab_size - 1])
+    assert isinstance(model.embed_tokens, BlockEmbedding)  # kept as stored: rows on lookup
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    assert model.embed_tokens.held_bytes < table.numel() * 4 / 3
     layer = model.layers[0]
     assert isinstance(layer.gate_up, Int4Linear)  # both halves 4-bit: fused as they are
     assert isinstance(layer.qkv, Int8Linear)  # q 4-bit, k and v fp32: dequantized, then int8
