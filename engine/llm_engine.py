@@ -303,7 +303,11 @@ class LLMEngine:
         fire("detokenize", req.request_id)
         new_ids = [req.output_token_ids[-1]]
         detok = self.detokenizers[req.request_id]
-        delta = detok.add_tokens(new_ids, req.status.finished)
+        # The token a request stopped on (eos, a stop token id) is not text, also where
+        # special tokens are kept (vLLM's detokenizer skips it the same way).
+        stopped_on = req.status == RequestStatus.FINISHED_STOPPED \
+            and new_ids[0] in req.stop_token_ids
+        delta = detok.add_tokens([] if stopped_on else new_ids, req.status.finished)
         if detok.stopped_by is not None:  # a stop string matched; delta holds the rest
             req.stop_reason = detok.stopped_by
             if req.status.finished:  # finished by a token rule in the same step

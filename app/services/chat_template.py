@@ -68,8 +68,9 @@ class _Masker:
 
     def message(self, m: dict[str, Any]) -> dict[str, Any]:
         out = {**m, "content": self.text(m["content"])}
-        if m.get("tool_calls"):
-            out["tool_calls"] = [{**c, "function": self.json_strings(c["function"])}
+        if m.get("tool_calls"):  # the function's own keys stay (templates index them)
+            out["tool_calls"] = [{**c, "function": {k: self.json_strings(v)
+                                                    for k, v in c["function"].items()}}
                                  for c in m["tool_calls"]]
         return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -288,6 +289,9 @@ class CompletionsService:
             call.params = body.sampling_params(self.info.default_sampling, spec)
         except InvalidRequestError as e:
             raise APIError(400, e.message, e.param, e.code) from None
+        if isinstance(body, ChatCompletionRequest) and body.calls_tools() \
+                and self.prompts.tool_format.keep_special_tokens:
+            call.params = dataclasses.replace(call.params, skip_special_tokens=False)
         try:
             call.cache_salt = call.auth.effective_salt(body.cache_salt)
         except ValueError as e:

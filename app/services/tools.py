@@ -11,7 +11,9 @@ Three formats, each the text of one of vLLM's tool parsers (``--tool-call-parser
 - ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): ``{"name": "get_weather", "parameters": {...}}``,
   optionally after ``<|python_tag|>``, several calls separated by ``"; "``.
 - ``mistral`` (Mistral v0.3 and later templates):
-  ``[TOOL_CALLS][{"name": "get_weather", "arguments": {...}}, ...]``.
+  ``[TOOL_CALLS][{"name": "get_weather", "arguments": {...}}, ...]``; with the templates of
+  Mistral's v11+ tokenizers (Mistral Small 3.2, Magistral, Devstral, Ministral 3), whose
+  template writes ``[ARGS]``, one ``[TOOL_CALLS]get_weather[ARGS]{...}`` per call.
 
 ``tool_call_format`` picks the name from markers in the chat template (the rule is in its
 docstring and in docs/api.md); ``tool_format_for`` builds the format object for a tokenizer.
@@ -61,6 +63,9 @@ class ToolFormat(Protocol):
     """One tool-call format: prompt, grammar, parser and history rendering of one family."""
 
     name: str
+    # The output's text keeps special tokens when tools are offered (the format's markers are
+    # special tokens that ``parse`` must see).
+    keep_special_tokens: bool
 
     def system_prompt(self, tools: list[ToolDef], parallel: bool) -> str:
         """The system section that offers ``tools`` to a template without tool support."""
@@ -125,7 +130,9 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     if name == "llama3_json":
         return Llama3JsonFormat(vocab.get(Llama3JsonFormat.TAG))
     if name == "mistral":
-        return MistralFormat(vocab.get(MistralFormat.MARKER), "tool_calls" in template)
+        return MistralFormat(vocab.get(MistralFormat.MARKER), "tool_calls" in template,
+                             args=MistralFormat.ARGS in template,
+                             args_id=vocab.get(MistralFormat.ARGS))
     return HERMES
 
 
@@ -234,6 +241,7 @@ class HermesFormat:
     results are rendered as ``<tool_response>`` blocks."""
 
     name = "hermes"
+    keep_special_tokens = False
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
     def system_prompt(self, tools: list[ToolDef], parallel: bool) -> str:
@@ -308,6 +316,7 @@ class Llama3JsonFormat:
     """
 
     name = "llama3_json"
+    keep_special_tokens = False
     TAG = "<|python_tag|>"
 
     def __init__(self, tag_id: int | None = None) -> None:
@@ -380,7 +389,8 @@ def mistral_call_id(call_id: str) -> str:
 class MistralFormat:
     """``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}`` (vLLM's
     ``mistral`` parser; the Mistral v0.3 templates with ``[AVAILABLE_TOOLS]`` /
-    ``[TOOL_CALLS]``).
+    ``[TOOL_CALLS]``); with ``args`` (the templates of Mistral's v11+ tokenizers), each call
+    as ``[TOOL_CALLS]name[ARGS]{...}`` instead, one after another (vLLM's v11+ parsing).
 
     History follows those templates: assistant ``tool_calls`` are passed to the template as
     data (it writes ``[TOOL_CALLS] [...]`` itself and leaves those turns out of its
@@ -393,37 +403,77 @@ class MistralFormat:
         marker_id: the token id of ``[TOOL_CALLS]``, or None when the tokenizer lacks it (the
             grammar then spells it as text).
         template_renders_calls: the template reads messages' ``tool_calls``.
+        args: calls as ``[TOOL_CALLS]name[ARGS]{...}`` (the template writes ``[ARGS]``).
+        args_id: the token id of ``[ARGS]``, or None (the grammar spells it as text).
     """
 
     name = "mistral"
     MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
 
     def __init__(self, marker_id: int | None = None,
-                 template_renders_calls: bool = True) -> None:
+                 template_renders_calls: bool = True, args: bool = False,
+                 args_id: int | None = None) -> None:
         self.marker_id = marker_id
         self.template_renders_calls = template_renders_calls
+        self.args, self.args_id = args, args_id
+
+    @property
+    def keep_special_tokens(self) -> bool:
+        """Whether a call's output must keep special tokens in its text: the v11+ markers are
+        special tokens, and without them a call reads as plain text (vLLM's Mistral parser
+        turns ``skip_special_tokens`` off the same way)."""
+        return self.args
 
     def system_prompt(self, tools: list[ToolDef], parallel: bool) -> str:
         many = ("You may call several functions in the list."
                 if parallel else "Call at most one function.")
+        how = ("[TOOL_CALLS]<function name>[ARGS]<JSON object of arguments>, once per call"
+               if self.args else
+               '[TOOL_CALLS][{"name": <function name>, "arguments": <JSON object of '
+               'arguments>}]')
         return ("You can call functions. Their signatures are JSON objects, one per line:\n"
                 f"[AVAILABLE_TOOLS]\n{_listing(tools)}\n[/AVAILABLE_TOOLS]\n"
-                'To call functions, answer with only [TOOL_CALLS][{"name": <function name>, '
-                '"arguments": <JSON object of arguments>}]\n'
+                f"To call functions, answer with only {how}\n"
                 f"{many} Otherwise answer normally.")
 
+    def _token(self, token_id: int | None, text: str) -> str:
+        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
     def grammar(self, body: ChatCompletionRequest) -> StructuredOutput | None:
-        marker = f"<[{self.marker_id}]>" if self.marker_id is not None \
-            else json.dumps(self.MARKER)
-        return _calls_lark(body, "arguments", "body", '","', "\\[",
-                           head=marker + ' " "? "[" ', tail=' "]"')
+        marker = self._token(self.marker_id, self.MARKER)
+        if not self.args:
+            return _calls_lark(body, "arguments", "body", '","', "\\[",
+                               head=marker + ' " "? "[" ', tail=' "]"')
+        if not body.calls_tools():
+            return None
+        # One alternative per offered function: its name, [ARGS], then its arguments' schema.
+        tools = _offered(body)
+        alts = " | ".join(f"{json.dumps(t.function.name)} {self._token(self.args_id, self.ARGS)}"
+                          f" args{i}" for i, t in enumerate(tools))
+        rules = "".join(
+            f"args{i}: %json "
+            f"{json.dumps({'x-guidance': _STRICT_JSON, **_call_schema(t)['properties']['arguments']})}\n"
+            for i, t in enumerate(tools))
+        more = "+" if body.parallel_tool_calls is not False and \
+            not isinstance(body.tool_choice, NamedToolChoice) else ""
+        answer = "free | " if body.tool_choice in (None, "auto") else ""
+        return StructuredOutput("lark", (
+            f"start: {answer}calls\n"
+            f"calls: call{more}\n"
+            f"free: /[{_BLANKS_CLASS}]*[^{_BLANKS_CLASS}\\[](?s:.*)/\n"
+            f"call: {marker} ({alts})\n" + rules))
 
     def parse(self, text: str, body: ChatCompletionRequest
               ) -> tuple[str | None, list[ToolCall]]:
         """``[TOOL_CALLS]`` (or nothing, when the detokenizer dropped that special token) and a
         JSON array at the start of the output whose items all name offered functions with
-        their ``arguments``. Anything else is content."""
+        their ``arguments``; with ``args``, calls ``[TOOL_CALLS]name[ARGS]{...}`` one after
+        another (the marker required: the text keeps special tokens, ``keep_special_tokens``,
+        so that a text answer ``name{...}`` stays text). Anything else is content."""
         names = _offered_names(body)
+        if self.args:
+            return self._parse_args(text, body, names)
         pos = _skip_blanks(text, 0)
         if text.startswith(self.MARKER, pos):
             pos = _skip_blanks(text, pos + len(self.MARKER))
@@ -437,7 +487,34 @@ class MistralFormat:
             return text, []
         return (text[decoded[1]:].strip() or None), _keep([c for c in calls if c], body)
 
+    def _parse_args(self, text: str, body: ChatCompletionRequest, names: set[str]
+                    ) -> tuple[str | None, list[ToolCall]]:
+        # Longest name first: "get" must not cut "get_time" short.
+        by_length = sorted(names, key=len, reverse=True)
+        calls: list[ToolCall] = []
+        pos = end = _skip_blanks(text, 0)
+        while text.startswith(self.MARKER, pos):  # kept in the text: keep_special_tokens
+            pos += len(self.MARKER)
+            name = next((n for n in by_length if text.startswith(n, pos)), None)
+            if name is None:
+                break
+            pos += len(name)
+            if text.startswith(self.ARGS, pos):
+                pos += len(self.ARGS)
+            decoded = _decode(text, pos)
+            if decoded is None or not isinstance(decoded[0], dict):
+                break
+            calls.append(ToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(
+                name=name, arguments=json.dumps(decoded[0]))))
+            pos = end = decoded[1]
+        if not calls:
+            return text, []
+        return (text[end:].strip() or None), _keep(calls, body)
+
     def render_call(self, calls: list[ToolCall]) -> str:
+        if self.args:
+            return "".join(f"{self.MARKER}{c.function.name}{self.ARGS}"
+                           f"{json.dumps(_arguments(c))}" for c in calls)
         return self.MARKER + json.dumps([{"name": c.function.name, "arguments": _arguments(c)}
                                          for c in calls])
 

@@ -410,8 +410,9 @@ def test_bench_sweep_pool_size_starts_its_own_servers(model_dir, tmp_path):
 @pytest.mark.parametrize("kv_cache_dtype,act_bits", [("auto", 16), ("bfloat16", 16),
                                                      ("auto", 8)])
 def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype, act_bits):
-    """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights (fp32
-    activations, the kernels in bf16): the OpenAI SDK gets a correct answer, streamed and not,
+    """``saltserve serve --quantization gguf`` serves the bundled GGUF's own 4-bit weights and
+    its Q8_0 embedding as the tied head (fp32 activations; 97 MB a token): the OpenAI SDK gets
+    a correct answer, streamed and not,
     and a prefix hit; a hostile request is refused alone and the server goes on. The same over
     a bf16 KV cache (``--kv-cache-dtype bfloat16``: half the bytes a block), and with 8-bit
     activations (``--quantized-activation-bits 8``, llama.cpp's rounding)."""
@@ -437,7 +438,7 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype, a
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == first.choices[0].message.content
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-    assert "cpu float32, quantization gguf (95 MB of weights read per token)" in proc.output, \
+    assert "cpu float32, quantization gguf (97 MB of weights read per token)" in proc.output, \
         proc.output[-2000:]
     if cpu_linear.load():  # our int8-dot kernels run every 4-bit forward, at these bits
         assert f", {act_bits}-bit activations) at every row count" in proc.output
