@@ -18,7 +18,7 @@ described at ``FORMATS``), in one run:
    of the runs' own ratios ("limit" the median limit), so a drift of the VM's speed between
    the bandwidth read and the decode does not land in the ratio;
    then "cached": the same with the read rate of a tensor as large as the weights, summed
-   again and again, the limit where the weights stay in the CPU's caches between tokens (95 MB
+   again and again, the limit where the weights stay in the CPU's caches between tokens (97 MB
    of gguf weights fit the 480 MiB L3 of some 2-vCPU Xeons; 538 MB of fp32 do not).
 3. Fidelity, against fp32 (the reference, token-identical to Hugging Face):
    - greedy agreement: fp32 generates 32 tokens for each of 8 chat prompts; each format then
