@@ -193,6 +193,9 @@ class AsyncLLM(EngineClient):
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        offloader = getattr(self.engine, "offloader", None)
+        if offloader is not None:  # the disk tier's queued writes land before the exit
+            offloader.flush()
 
     @property
     def is_running(self) -> bool:

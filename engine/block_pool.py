@@ -43,8 +43,8 @@ _DEFAULT_SHARE = TenantShare()
 class KVCacheBlock:
     """One physical KV block: ``block_size`` token slots in every layer's KV cache tensor."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "owner", "prev_free", "private",
-                 "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "generation", "next_free", "owner", "prev_free",
+                 "private", "ref_cnt", "salt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -54,6 +54,10 @@ class KVCacheBlock:
         self.owner: str | None = None
         # Hittable only by the siblings that computed it; unhashed when its last holder frees it.
         self.private = False
+        # The effective salt and cache generation of the request that cached it (the key of
+        # its offloaded copy, engine.kv_offload); None when unhashed.
+        self.salt: bytes | None = None
+        self.generation = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -238,7 +242,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
-                         owner: str | None, private: bool = False) -> None:
+                         owner: str | None, private: bool = False,
+                         salt: bytes | None = None, generation: int = 0) -> None:
         """Makes ``block`` hittable under ``block_hash``.
 
         If another block already holds this hash (two requests computed the same block
@@ -253,6 +258,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.owner = owner
         block.private = private
+        block.salt, block.generation = salt, generation
         self.cached_block_hash_to_block[block_hash] = block
         self.stats.record_cached(owner)
         self._resident_changed(owner)
@@ -342,6 +348,7 @@ class BlockPool:
         block.block_hash = None
         block.owner = None
         block.private = False
+        block.salt, block.generation = None, 0
         self._resident_changed(owner)
 
     # -- fair cache share ----------------------------------------------------------------------

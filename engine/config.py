@@ -106,6 +106,13 @@ class EngineConfig:
         "help": "KV cache budget in bytes; on CUDA it replaces --gpu-memory-utilization "
                 "(vLLM --kv-cache-memory-bytes).",
         "unset": "1 GiB on CPU, --gpu-memory-utilization on CUDA"})
+    kv_offload_size: int = field(default=0, metadata={
+        "help": "Bytes of KV blocks kept on local disk behind the pool (the offload tier: "
+                "blocks the pool evicts, sealed per tenant with AES-256-GCM; 0 = off; "
+                "docs/prefix-caching.md)."})
+    kv_offload_dir: str | None = field(default=None, metadata={
+        "help": "Directory of the disk offload tier (created 0700; its files 0600).",
+        "unset": "required with --kv-offload-size"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})
@@ -217,6 +224,10 @@ class EngineConfig:
             parse_generation_overrides(self.override_generation_config)
         if self.one_token_step_threads is not None and self.one_token_step_threads < 0:
             raise ValueError("--one-token-step-threads must be at least 0")
+        if self.kv_offload_size < 0:
+            raise ValueError("--kv-offload-size must be at least 0")
+        if self.kv_offload_size and not self.kv_offload_dir:
+            raise ValueError("--kv-offload-size needs --kv-offload-dir")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("--max-consecutive-step-failures must be at least 1")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.block_hash import HashFn, hash_prompt_blocks
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.faults import fire
+from engine.kv_offload import KVOffloader
 from engine.request import Request
 
 
@@ -29,8 +30,10 @@ class KVCacheManager:
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, hash_fn: HashFn,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, offloader: KVOffloader | None = None) -> None:
         self.block_pool = block_pool
+        # The tier behind the pool (engine.kv_offload), or None.
+        self.offloader = offloader
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.enable_caching = enable_caching
@@ -64,6 +67,10 @@ class KVCacheManager:
         Last-token rule: at most ``floor((num_tokens - 1) / block_size)`` blocks are reused, so at
         least one token is computed and produces logits (vLLM v1).
 
+        With an offload tier, the prefix goes on with the blocks the tier holds after the
+        pool's hits: they count in the hit tokens (not in the blocks returned), and
+        ``allocate_slots`` loads them into the blocks it allocates for them.
+
         Returns:
             (hit blocks, number of hit tokens). Never modifies ref counts.
         """
@@ -78,7 +85,11 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        tier = 0
+        if self.offloader is not None and not request.private_cache:
+            # The prefix goes on in the tier (index only): allocate_slots loads those blocks.
+            tier = self.offloader.lookup(request.block_hashes[len(hits):max_blocks])
+        return hits, (len(hits) + tier) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None
@@ -111,6 +122,21 @@ class KVCacheManager:
             self.num_cached_block[request.request_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id)
         blocks.extend(new_blocks)
+        # Prefix blocks the offload tier holds (counted in num_computed_tokens by the caller):
+        # loaded into the first new blocks now, before the step that reads them. A blob that
+        # fails ends the hit there; the request computes the rest.
+        first_new = len(blocks) - len(new_blocks)
+        num_tier = request.num_computed_tokens // self.block_size - first_new
+        if num_tier > 0 and self.offloader is not None:
+            start = first_new
+            loaded = self.offloader.load(
+                request.tenant_id, request.cache_salt, request.cache_generation,
+                request.block_hashes[start:start + num_tier], [b.block_id for b in
+                                                               new_blocks[:num_tier]])
+            request.num_tier_tokens = loaded * self.block_size
+            if loaded < num_tier:  # this step computes from there: cache only what it writes
+                request.num_computed_tokens = (start + loaded) * self.block_size
+                num_total = request.num_computed_tokens + num_new_tokens
 
         if self.uses_prefix_cache(request):
             # Cache every block that is full once this step's tokens are written. The KV of those
@@ -122,7 +148,9 @@ class KVCacheManager:
             for i in range(start, num_full):
                 self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
                                                  request.tenant_id,
-                                                 private=request.private_cache)
+                                                 private=request.private_cache,
+                                                 salt=request.cache_salt,
+                                                 generation=request.cache_generation)
             self.num_cached_block[request.request_id] = max(start, num_full)
         return new_blocks
 

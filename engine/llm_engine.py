@@ -21,6 +21,7 @@ from engine.errors import EngineDeadError
 from engine.executor import ModelExecutor
 from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_offload import BlockCipher, DiskStore, KVOffloader
 from engine.models.config import ModelConfig
 from engine.protocol import ModelInfo, attach_grammar, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TokenLogprobs
@@ -144,10 +145,12 @@ class LLMEngine:
         self.cache_info = CacheInfo(num_blocks, bs, max_model_len, per_block, tuple(sorted(eos)),
                                     executor.dtype, executor.device, executor.attention_backend,
                                     getattr(executor, "kv_cache_dtype", executor.dtype))
-        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.offloader = self._offloader(config, executor, model_cfg, per_block)
+        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching,
+                                    on_evict=self.offloader.on_evict if self.offloader else None)
         self.kv_cache_manager = KVCacheManager(self.block_pool, bs,
                                                get_hash_fn(config.prefix_caching_hash_algo),
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, self.offloader)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, max_model_len, eos,
                                    policy=config.scheduling_policy,
@@ -178,6 +181,23 @@ class LLMEngine:
                     config.prefix_caching_hash_algo, executor.attention_backend,
                     executor.device, executor.dtype, config.quantization or "none",
                     f" ({weights})" if weights else "", f", {dense_note}" if dense_note else "")
+
+    @staticmethod
+    def _offloader(config: EngineConfig, executor: Any, model_cfg: ModelConfig,
+                   per_block: int) -> KVOffloader | None:
+        """The disk offload tier (``--kv-offload-size``), or None."""
+        if not config.kv_offload_size or not config.enable_prefix_caching:
+            return None
+        if not hasattr(executor, "read_block"):
+            logger.warning("--kv-offload-size: this executor cannot copy KV blocks; no tier")
+            return None
+        layout = (f"{Path(config.model).name}|{getattr(executor, 'kv_cache_dtype', '')}|"
+                  f"{model_cfg.num_hidden_layers}x2x{config.block_size}x"
+                  f"{model_cfg.num_key_value_heads}x{model_cfg.head_dim}").encode()
+        store = DiskStore(config.kv_offload_dir, config.kv_offload_size)
+        logger.info("KV offload tier: %s, %.1f GiB, %d blocks found", config.kv_offload_dir,
+                    config.kv_offload_size / 2**30, len(store))
+        return KVOffloader(store, BlockCipher(layout, per_block), executor)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -216,6 +236,9 @@ class LLMEngine:
         Returns:
             Blocks dropped.
         """
+        if self.offloader is not None:
+            self.offloader.flush()
+            self.offloader.store.delete_all()
         return self.block_pool.reset_prefix_cache()
 
     def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
@@ -238,6 +261,8 @@ class LLMEngine:
             for req in self.scheduler.requests.values():
                 if req.tenant_id == tenant_id:
                     req.enable_prefix_caching = False
+        if self.offloader is not None:
+            self.offloader.drop_tenant(tenant_id)
         return self.block_pool.evict_cached_blocks(lambda b: b.owner == tenant_id, reason)
 
     def stats_snapshot(self) -> EngineStatsSnapshot:

@@ -160,6 +160,24 @@ class ModelRunner:
                                      cfg.num_key_value_heads, cfg.head_dim,
                                      device=self.torch_device, dtype=self.kv_dtype)
 
+    def read_block(self, block_id: int) -> bytes:
+        """One block's KV in every layer ([layers, 2, block_size, kv_heads, head_dim] in the
+        cache dtype), as bytes (the offload tier's payload)."""
+        block = self.kv_caches[:, :, block_id].contiguous().cpu()
+        return block.view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Writes ``read_block``'s bytes back into block ``block_id``, bit for bit.
+
+        Raises:
+            ValueError: ``data`` is not one block's bytes.
+        """
+        shape = self.kv_caches[:, :, block_id].shape
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if src.numel() != self.kv_caches[:, :, block_id].numel() * self.kv_caches.element_size():
+            raise ValueError("not one KV block's bytes")
+        self.kv_caches[:, :, block_id].copy_(src.view(self.kv_dtype).view(shape))
+
     def release(self, request_id: str) -> None:
         """Drops per-request state (the seeded RNG) when a request finishes."""
         self.generators.pop(request_id, None)

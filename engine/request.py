@@ -78,6 +78,10 @@ class EngineRequest:
     sampling_params: SamplingParams
     tenant_id: str | None = None
     cache_salt: bytes | None = field(default=None, repr=False)
+    # The tenant's cache generation (its salt version and cache epoch, opaque here): part of
+    # the key of its offloaded blocks, so a reset or rotation leaves none of the older one
+    # readable (engine.kv_offload.cipher).
+    cache_generation: int = 0
     enable_prefix_caching: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     tenant_share: TenantShare = field(default_factory=TenantShare)
@@ -110,6 +114,7 @@ class Request:
         self.request_id = req.request_id
         self.tenant_id = req.tenant_id
         self.cache_salt = req.cache_salt
+        self.cache_generation = req.cache_generation
         self.enable_prefix_caching = req.enable_prefix_caching
         self.private_cache = req.private_cache
         self.tenant_share = req.tenant_share
@@ -124,6 +129,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        # Tokens of the prefix hit loaded from the offload tier at admission.
+        self.num_tier_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None

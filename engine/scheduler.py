@@ -447,6 +447,7 @@ class Scheduler:
         if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
             req.num_computed_tokens = 0
             return 0
+        num_hit_tokens = req.num_computed_tokens  # less where an offloaded block failed
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING

@@ -120,6 +120,8 @@ class CompletionCall:
                     prompt_token_ids=tuple(prompt.token_ids),
                     sampling_params=params, tenant_id=self.auth.tenant_id,
                     cache_salt=salt, private_cache=private,
+                    # salt version and cache epoch: the key of offloaded blocks moves with both
+                    cache_generation=(self.auth.salt_version << 32) | self.auth.cache_epoch,
                     grammar=None if self.grammar is None else self.grammar.deep_copy(),
                     enable_prefix_caching=self.auth.enable_prefix_caching,
                     tenant_share=share))

@@ -1,0 +1,203 @@
+"""The disk offload tier behind the block pool (``engine.kv_offload``): blobs sealed per tenant
+(a tampered, truncated, swapped or another generation's blob never opens), files 0600 under
+hash names, a byte budget a flooding tenant pays from its own blobs, and, through the engine on
+a tiny random checkpoint with a pool too small for the working set: prefixes the pool evicted
+come back from disk bit for bit (greedy tokens and logprobs identical to the tier off), after a
+restart too, never across tenants, and a bad blob is a miss the request computes."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+from tiny_checkpoints import VOCAB, StubTokenizer, build_checkpoint
+
+from engine.config import EngineConfig
+from engine.kv_offload import BlockCipher, DiskStore
+from engine.kv_offload.disk import UNCLAIMED
+from engine.llm import run_to_completion
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+SALT_A, SALT_B = b"a" * 32, b"b" * 32
+H1, H2 = bytes(range(32)), bytes(range(1, 33))
+
+
+# -- the cipher -------------------------------------------------------------------------------
+def test_a_blob_opens_only_with_its_salt_generation_hash_and_layout():
+    cipher = BlockCipher(b"model|float32|2x2x16x2x16", 64)
+    data = os.urandom(64)
+    blob = cipher.seal(SALT_A, 3, H1, data)
+    assert len(blob) == cipher.blob_bytes == 64 + 28 and data not in blob
+    assert cipher.open(SALT_A, 3, H1, blob) == data
+    assert cipher.seal(SALT_A, 3, H1, data) != blob  # a fresh nonce every time
+    assert cipher.open(SALT_B, 3, H1, blob) is None  # another tenant
+    assert cipher.open(SALT_A, 4, H1, blob) is None  # after a reset or rotation
+    assert cipher.open(SALT_A, 3, H2, blob) is None  # replayed under another hash
+    assert BlockCipher(b"other", 64).open(SALT_A, 3, H1, blob) is None  # another layout
+    assert cipher.open(SALT_A, 3, H1, blob[:-1]) is None  # truncated
+    for i in (0, 20, len(blob) - 1):  # any byte flipped: nonce, ciphertext, tag
+        bad = bytearray(blob)
+        bad[i] ^= 1
+        assert cipher.open(SALT_A, 3, H1, bytes(bad)) is None
+    with pytest.raises(ValueError):
+        cipher.seal(SALT_A, 3, H1, data[:-1])
+
+
+# -- the disk store ---------------------------------------------------------------------------
+def test_files_are_private_named_by_hash_and_found_again(tmp_path):
+    store = DiskStore(tmp_path / "tier", 10_000)
+    assert store.put(H1, b"x" * 100, "tenant-a")
+    path = tmp_path / "tier" / H1.hex()[:2] / (H1.hex() + ".kv")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) == 0o700
+    assert "tenant-a" not in "".join(str(p) for p in (tmp_path / "tier").rglob("*"))
+    assert store.get(H1) == b"x" * 100 and store.get(H2) is None
+    (path.parent / "junk.kv.tmp").write_bytes(b"half a write")  # a write cut short
+    again = DiskStore(tmp_path / "tier", 10_000)
+    assert H1 in again and again.get(H1) == b"x" * 100 and len(again) == 1
+    assert not (path.parent / "junk.kv.tmp").exists()
+    assert again.owner_bytes() == {UNCLAIMED: 100}
+    again.claim(H1, "tenant-a")
+    assert again.owner_bytes() == {"tenant-a": 100}
+
+
+def test_a_flooding_tenant_evicts_its_own_blobs(tmp_path):
+    store = DiskStore(tmp_path, 1_000)
+    keys_a = [bytes([1, i]) * 16 for i in range(3)]
+    for k in keys_a:
+        store.put(k, b"a" * 100, "A")
+    for i in range(50):  # B floods unique blobs far past the budget
+        store.put(bytes([2, i]) * 16, b"b" * 100, "B")
+    assert all(k in store for k in keys_a)
+    assert store.used_bytes <= 1_000 and store.owner_bytes()["A"] == 300
+    assert store.evicted == 50 + 3 - 10
+    assert store.delete_owner("B") == 7 and store.owner_bytes() == {"A": 300}
+
+
+# -- through the engine -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_checkpoint("llama", tmp_path_factory.mktemp("tier-model"))
+
+
+def _engine(model_dir, tier_dir=None):
+    """A 16-block pool (256 tokens): one 150-token request fills most of it."""
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                  max_model_len=256, num_gpu_blocks_override=16,
+                                  kv_offload_size=64 << 20 if tier_dir else 0,
+                                  kv_offload_dir=str(tier_dir) if tier_dir else None),
+                     tokenizer=StubTokenizer())
+
+
+def _prompt(seed: int) -> list[int]:
+    return torch.randint(1, VOCAB, (150,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPT = _prompt(0)
+FULL = 144  # the prompt's 9 full blocks (the last-token rule leaves the rest computed)
+
+
+def _run(engine, prompts, tenant="A", salt=SALT_A, generation=0, tag="r"):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    out = run_to_completion(engine, [
+        EngineRequest(f"{tag}{i}", tuple(p), params, tenant_id=tenant, cache_salt=salt,
+                      cache_generation=generation) for i, p in enumerate(prompts)])
+    if engine.offloader is not None:
+        engine.offloader.flush()
+    return out
+
+
+def _evict(engine, tenant="A", salt=SALT_A, tag="evict"):
+    """Three other prompts, one at a time: every block of earlier prompts leaves the pool."""
+    for i in range(3):
+        _run(engine, [_prompt(100 + i)], tenant, salt, tag=f"{tag}{i}")
+
+
+def _tokens(outputs):
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """(cold, warm) answers without a tier: the prompt computed whole, then again with its
+    144 tokens hit in the pool (a warm answer's last 6 tokens are computed in another shape,
+    so its logprobs may differ from the cold ones in the last bits; the tier's must not differ
+    from the pool's at all)."""
+    plain = _engine(model_dir)
+    cold = _tokens(_run(plain, [PROMPT]))
+    warm = _run(plain, [PROMPT], tag="warm")
+    assert warm[0].num_cached_tokens == FULL
+    _evict(plain)
+    assert _run(plain, [PROMPT], tag="again")[0].num_cached_tokens == 0  # no tier: cold
+    return cold, _tokens(warm)
+
+
+def test_evicted_prefixes_come_back_from_disk_bit_for_bit(model_dir, tmp_path, reference):
+    cold, warm = reference
+    tier = tmp_path / "tier"
+    engine = _engine(model_dir, tier)
+    assert _tokens(_run(engine, [PROMPT])) == cold
+    _evict(engine)
+    assert engine.offloader.stats.written >= 9
+    again = _run(engine, [PROMPT], tag="again")
+    assert again[0].num_cached_tokens == FULL and _tokens(again) == warm
+    assert engine.offloader.stats.loaded == 9 and engine.offloader.stats.load_failed == 0
+    engine.kv_cache_manager.check_integrity()
+
+    # A restart finds the tier again: the first request on the prefix hits all of it.
+    _evict(engine, tag="evict-more")
+    engine.offloader.close()
+    restarted = _engine(model_dir, tier)
+    assert len(restarted.offloader.store) >= 9
+    out = _run(restarted, [PROMPT], tag="restart")
+    assert out[0].num_cached_tokens == FULL and _tokens(out) == warm
+
+
+def test_another_tenant_never_loads_a_tenants_blocks(model_dir, tmp_path, reference):
+    cold, warm = reference
+    engine = _engine(model_dir, tmp_path / "tier")
+    assert _tokens(_run(engine, [PROMPT])) == cold
+    _evict(engine)  # A's prompt now only on disk
+    # B sends A's very prompt with its own salt: no hit anywhere; its own repeat hits.
+    b = _run(engine, [PROMPT], tenant="B", salt=SALT_B, tag="b")
+    assert b[0].num_cached_tokens == 0 and _tokens(b) == cold
+    _evict(engine, "B", SALT_B, tag="b-evict")
+    b_again = _run(engine, [PROMPT], tenant="B", salt=SALT_B, tag="b-again")
+    assert b_again[0].num_cached_tokens == FULL and _tokens(b_again) == warm
+    # A's own prefix still comes back from disk.
+    _evict(engine, tag="a-evict")
+    a_again = _run(engine, [PROMPT], tag="a-again")
+    assert a_again[0].num_cached_tokens == FULL and _tokens(a_again) == warm
+
+
+def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_path,
+                                                                 reference):
+    cold, _ = reference
+    tier = tmp_path / "tier"
+    engine = _engine(model_dir, tier)
+    assert _tokens(_run(engine, [PROMPT])) == cold
+    _evict(engine)
+    files = sorted(tier.rglob("*.kv"))
+    assert files
+    for f in files:  # tamper with every blob
+        data = bytearray(f.read_bytes())
+        data[40] ^= 0xFF
+        f.write_bytes(bytes(data))
+    out = _run(engine, [PROMPT], tag="tampered")
+    assert out[0].num_cached_tokens == 0 and _tokens(out) == cold
+    assert engine.offloader.stats.load_failed == 1
+    engine.kv_cache_manager.check_integrity()
+    # A reset deletes the tenant's blobs.
+    _evict(engine, tag="evict2")
+    assert engine.offloader.store.owner_bytes().get("A", 0) > 0
+    engine.evict_tenant_cache("A", "reset")
+    assert engine.offloader.store.owner_bytes().get("A", 0) == 0
+    # Blobs of generation 0 never open under generation 1 (a reset or rotation elsewhere).
+    _run(engine, [PROMPT], tag="gen0")
+    _evict(engine, tag="evict3")
+    newer = _run(engine, [PROMPT], generation=1, tag="gen1")
+    assert newer[0].num_cached_tokens == 0 and _tokens(newer) == cold
