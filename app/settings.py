@@ -107,5 +107,7 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
         # Every EngineConfig field but ``model`` is a same-named setting (engine_setting_fields).
-        return EngineConfig(model=str(model_dir), **{
-            f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "model"})
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "model"}
+        if values.get("kv_offload_size") and not values.get("kv_offload_dir"):
+            values["kv_offload_dir"] = str(Path(self.data_dir) / "kv-offload")
+        return EngineConfig(model=str(model_dir), **values)

@@ -194,8 +194,12 @@ class AsyncLLM(EngineClient):
             self._thread.join(timeout=30)
             self._thread = None
         offloader = getattr(self.engine, "offloader", None)
-        if offloader is not None:  # the disk tier's queued writes land before the exit
+        if offloader is not None and self._thread is None:
+            # The engine is stopped: the pool's cached blocks join the disk tier too, and every
+            # queued write lands before the exit (a restart finds them).
+            saved = offloader.save_pool(self.engine.block_pool.cached_block_hash_to_block.values())
             offloader.flush()
+            logger.info("KV offload tier: %d cached blocks written at shutdown", saved)
 
     @property
     def is_running(self) -> bool:

@@ -112,7 +112,7 @@ class EngineConfig:
                 "docs/prefix-caching.md)."})
     kv_offload_dir: str | None = field(default=None, metadata={
         "help": "Directory of the disk offload tier (created 0700; its files 0600).",
-        "unset": "required with --kv-offload-size"})
+        "unset": "served: <data dir>/kv-offload"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})

@@ -6,7 +6,8 @@ Write: when the pool reuses a cached block (eviction reason ``capacity``), its K
 of the cache at once (the step about to run overwrites it) and handed to a writer thread, which
 seals it for its tenant (``engine.kv_offload.cipher``) and writes it (``DiskStore``). A full
 queue drops the write (counted): the step never waits for the disk. Private blocks, blocks of a
-failed step and blocks dropped by a reset or a rotation are never written.
+failed step and blocks dropped by a reset or a rotation are never written. A clean shutdown
+also writes the cached blocks still in the pool (``save_pool``), so a restart finds them.
 
 Load: ``lookup`` counts the leading block hashes the tier holds (its in-memory index: no I/O,
 so the scheduler can plan with it); ``load`` reads, opens and copies them into the blocks
@@ -25,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,6 +95,20 @@ class KVOffloader:
             self._queue.put_nowait(item)
         except queue.Full:
             self.stats.write_dropped += 1
+
+    def save_pool(self, blocks: Iterable) -> int:
+        """Queues every cached block of ``blocks`` not on disk yet (a clean shutdown: blocks
+        still in the pool then survive the restart), waiting for room in the queue; returns how
+        many. Call with the engine stopped (nothing writes the cache meanwhile)."""
+        n = 0
+        for block in blocks:
+            if block.block_hash is None or block.private or block.salt is None \
+                    or block.block_hash in self.store:
+                continue
+            self._queue.put((block.block_hash, block.owner, block.salt, block.generation,
+                             self.io.read_block(block.block_id)))
+            n += 1
+        return n
 
     def _write_loop(self) -> None:
         while True:

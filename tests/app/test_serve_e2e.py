@@ -450,3 +450,35 @@ def test_serve_with_the_gguf_4bit_weights(model_dir, tmp_path, kv_cache_dtype, a
     # before uvicorn ends the process with that signal, so none of its semaphores is left.
     assert proc.process.returncode == -signal.SIGTERM
     assert "leaked semaphore" not in proc.output, proc.output[-1000:]
+
+
+def test_serve_finds_evicted_and_pre_restart_prefixes_on_disk(model_dir, tmp_path):
+    """``saltserve serve --kv-offload-size``: four ~430-token documents overflow the 96-block
+    pool, so the first leaves it; asked again, its whole prefix comes back from the disk tier
+    (``cached_tokens``) with the same greedy answer; after a restart on the same data dir the
+    first request on it hits the whole prefix too (tenant isolation of the tier:
+    tests/engine/test_kv_offload.py)."""
+    docs = [f"Document {i}. " + " ".join(f"word{i}x{j}" for j in range(80)) for i in range(4)]
+
+    def ask(client, doc):
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": doc + "\nSummarize."}])
+        return r.choices[0].message.content, r.usage.prompt_tokens, \
+            r.usage.prompt_tokens_details.cached_tokens
+
+    flags = ("--kv-offload-size", str(256 << 20))
+    with serve(model_dir, tmp_path, *flags) as proc:
+        key = (tmp_path / "demo-api-key").read_text().strip()
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
+        first = [ask(client, d) for d in docs]
+        # (cold but for the chat template's shared opening block)
+        assert all(400 < n < 500 and cached <= 16 for _, n, cached in first), first
+        text, n, cached = ask(client, docs[0])
+        assert text == first[0][0] and cached == n // 16 * 16, (n, cached)
+    assert (tmp_path / "kv-offload").is_dir()
+    assert "KV offload tier" in proc.output
+    with serve(model_dir, tmp_path, *flags) as proc:
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
+        text, n, cached = ask(client, docs[1])
+        assert text == first[1][0] and cached == n // 16 * 16, (n, cached)
