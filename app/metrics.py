@@ -98,8 +98,14 @@ class EngineCollector(Collector):
         over_share = counter("prefix_cache_over_share_evictions", "The tenant's cached blocks "
                              "evicted because it was over its cache share (part of the "
                              "capacity evictions).", tl)
+        tier_hits = counter("prefix_cache_tier_hits", "Of the hit tokens, tokens loaded from "
+                            "the disk offload tier (the rest hit the pool).", tl)
+        tier_bytes = gauge("kv_offload_tenant_bytes", "The tenant's bytes in the disk offload "
+                           "tier now.", tl)
         for tenant, t in s.tenants.items():
             labels = [m, tenant_label(tenant)]
+            tier_hits.add_metric(labels, t.prefix_cache_tier_hits)
+            tier_bytes.add_metric(labels, t.offload_bytes)
             queries.add_metric(labels, t.prefix_cache_queries)
             hits.add_metric(labels, t.prefix_cache_hits)
             recomputed.add_metric(labels, t.prefix_cache_recomputed_tokens)
@@ -115,6 +121,9 @@ class EngineCollector(Collector):
             evictions.add_metric([m, tenant_label(row.tenant), row.reason,
                                   tenant_label(row.evicted_by)], row.num_blocks)
         yield from (queries, hits, recomputed, resident, share, over_share, evictions)
+        if s.offload is not None:
+            yield from (tier_hits, tier_bytes)
+            yield from self._offload(s.offload, m)
 
         ml = ["model_name"]
         for name, doc, value in (
@@ -136,6 +145,39 @@ class EngineCollector(Collector):
         preemptions = counter("num_preemptions", "Requests preempted (recomputed later).", ml)
         preemptions.add_metric([m], s.num_preemptions)
         yield preemptions
+
+
+    @staticmethod
+    def _offload(o, m: str) -> Iterator[Metric]:
+        """The disk offload tier's totals (engine.kv_offload)."""
+        ml = ["model_name"]
+        for kind, name, doc, value in (
+                ("gauge", "kv_offload_capacity_bytes", "The disk tier's byte budget.",
+                 o.capacity_bytes),
+                ("gauge", "kv_offload_used_bytes", "Bytes of sealed blocks in the disk tier now.",
+                 o.used_bytes),
+                ("gauge", "kv_offload_unclaimed_bytes", ("Of them, blocks found at start that "
+                 "their tenant has not opened yet."), o.unclaimed_bytes),
+                ("counter", "kv_offload_written_blocks", "Blocks written to the disk tier.",
+                 o.written_blocks),
+                ("counter", "kv_offload_written_bytes", "Bytes written to the disk tier.",
+                 o.written_bytes),
+                ("counter", "kv_offload_write_dropped_blocks", ("Evicted blocks not written (the "
+                 "writer's queue was full, or the write failed)."), o.write_dropped),
+                ("counter", "kv_offload_loaded_blocks", "Blocks loaded from the disk tier.",
+                 o.loaded_blocks),
+                ("counter", "kv_offload_loaded_bytes", ("Plaintext bytes loaded from the disk "
+                 "tier."), o.loaded_bytes),
+                ("counter", "kv_offload_load_failures", ("Blobs missing, tampered, truncated or "
+                 "of another generation (a miss; never loaded)."), o.load_failed),
+                ("counter", "kv_offload_load_seconds", ("Seconds spent loading blocks (read, "
+                 "open, copy; on the engine thread)."), o.load_seconds),
+                ("counter", "kv_offload_evicted_blobs", ("Blobs evicted to stay in the byte "
+                 "budget."), o.evicted_blobs)):
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                PREFIX + name, doc, labels=ml)
+            family.add_metric([m], value)
+            yield family
 
 
 class ServerMetrics:

@@ -454,7 +454,8 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # first admission: the only time hits count
             req.num_cached_tokens = num_hit_tokens
             if self.kv.records_prefix_stats(req):
-                self.stats.record_first_admission(req.tenant_id, req.num_tokens, num_hit_tokens)
+                self.stats.record_first_admission(req.tenant_id, req.num_tokens, num_hit_tokens,
+                                                  req.num_tier_tokens)
         else:  # re-admission after preemption: recompute, never a hit
             self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
         return num_new

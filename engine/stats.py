@@ -105,14 +105,21 @@ class SchedulerStats:
     per_tenant_queries: dict[TenantId, int] = field(default_factory=dict)
     per_tenant_hits: dict[TenantId, int] = field(default_factory=dict)
     per_tenant_recomputed_tokens: dict[TenantId, int] = field(default_factory=dict)
+    # Of the hits, tokens loaded from the disk offload tier (engine.kv_offload).
+    prefix_cache_tier_hits: int = 0
+    per_tenant_tier_hits: dict[TenantId, int] = field(default_factory=dict)
 
     def record_first_admission(self, tenant: TenantId, num_query_tokens: int,
-                               num_hit_tokens: int) -> None:
-        """Counts one request's prefix-cache lookup (tokens)."""
+                               num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
+        """Counts one request's prefix-cache lookup (tokens; ``num_tier_tokens`` of the hits
+        came from the offload tier)."""
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens
         _add(self.per_tenant_queries, tenant, num_query_tokens)
         _add(self.per_tenant_hits, tenant, num_hit_tokens)
+        if num_tier_tokens:
+            self.prefix_cache_tier_hits += num_tier_tokens
+            _add(self.per_tenant_tier_hits, tenant, num_tier_tokens)
 
     def record_recompute(self, tenant: TenantId, num_tokens: int) -> None:
         """Counts tokens a re-admitted preempted request computes again."""
@@ -146,6 +153,9 @@ class TenantStats:
             ``engine.block_pool``).
         over_share_evictions: the tenant's blocks evicted because it was over its share
             (cumulative; part of ``evictions["capacity"]``).
+        prefix_cache_tier_hits: of the hits, tokens loaded from the disk offload tier
+            (cumulative).
+        offload_bytes: the tenant's bytes in the disk offload tier now (gauge).
     """
 
     prefix_cache_queries: int = 0
@@ -157,6 +167,8 @@ class TenantStats:
     evictions_caused: Mapping[TenantId, int] = field(
         default_factory=lambda: MappingProxyType({}))
     cache_share_blocks: int = 0
+    prefix_cache_tier_hits: int = 0
+    offload_bytes: int = 0
     over_share_evictions: int = 0
 
     @property
@@ -165,6 +177,24 @@ class TenantStats:
         if self.prefix_cache_queries == 0:
             return None
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class OffloadSnapshot:
+    """The disk offload tier at one instant (blocks and bytes cumulative unless a gauge)."""
+
+    capacity_bytes: int
+    used_bytes: int  # gauge
+    blobs: int  # gauge
+    unclaimed_bytes: int  # gauge: found at start, not opened by their tenant yet
+    written_blocks: int
+    written_bytes: int
+    write_dropped: int
+    loaded_blocks: int
+    loaded_bytes: int
+    load_failed: int
+    load_seconds: float
+    evicted_blobs: int
 
 
 @dataclass(frozen=True)
@@ -193,6 +223,7 @@ class EngineStatsSnapshot:
     eviction_counts: tuple[EvictionCount, ...]
     tenants: Mapping[TenantId, TenantStats]
     over_share_evictions: int = 0
+    offload: OffloadSnapshot | None = None  # the disk offload tier, when there is one
 
     @property
     def hit_rate(self) -> float | None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from engine.kv_offload.disk import UNCLAIMED
 from engine.stats import (
     EVICTION_REASONS,
     EngineStatsSnapshot,
     EvictionCount,
+    OffloadSnapshot,
     TenantId,
     TenantStats,
 )
@@ -39,6 +41,8 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         if reason == "capacity":
             _add(caused.setdefault(by, {}), owner, n)
             ids.add(by)
+    offload, offload_bytes = _offload(scheduler.kv.offloader)
+    ids |= set(sstats.per_tenant_tier_hits) | set(offload_bytes)
     tenants = {
         t: TenantStats(
             prefix_cache_queries=sstats.per_tenant_queries.get(t, 0),
@@ -48,7 +52,9 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
             evictions=MappingProxyType(evictions.get(t, dict.fromkeys(EVICTION_REASONS, 0))),
             evictions_caused=MappingProxyType(caused.get(t, {})),
             cache_share_blocks=pool.cache_share(t),
-            over_share_evictions=pstats.over_share_evictions.get(t, 0))
+            over_share_evictions=pstats.over_share_evictions.get(t, 0),
+            prefix_cache_tier_hits=sstats.per_tenant_tier_hits.get(t, 0),
+            offload_bytes=offload_bytes.get(t, 0))
         for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
     num_free = pool.get_num_free_blocks()
     return EngineStatsSnapshot(
@@ -64,7 +70,24 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         evictions=MappingProxyType(dict(pstats.num_evictions)),
         eviction_counts=tuple(rows),
         tenants=MappingProxyType(tenants),
-        over_share_evictions=pstats.num_over_share_evictions)
+        over_share_evictions=pstats.num_over_share_evictions, offload=offload)
+
+
+def _offload(offloader) -> tuple[OffloadSnapshot | None, dict[TenantId, int]]:
+    """The tier's snapshot and its bytes per tenant (blobs found at start and not opened yet
+    are ``unclaimed_bytes``, no tenant's)."""
+    if offloader is None:
+        return None, {}
+    store, s = offloader.store, offloader.stats
+    owners = store.owner_bytes()
+    unclaimed = owners.pop(UNCLAIMED, 0)
+    per_tenant = {(o or None): n for o, n in owners.items()}
+    return OffloadSnapshot(
+        capacity_bytes=store.capacity_bytes, used_bytes=store.used_bytes, blobs=len(store),
+        unclaimed_bytes=unclaimed, written_blocks=s.written, written_bytes=s.written_bytes,
+        write_dropped=s.write_dropped, loaded_blocks=s.loaded, loaded_bytes=s.loaded_bytes,
+        load_failed=s.load_failed, load_seconds=s.load_seconds,
+        evicted_blobs=store.evicted), per_tenant
 
 
 def _add(d: dict, key: object, n: int) -> None:

@@ -147,6 +147,21 @@ def test_evicted_prefixes_come_back_from_disk_bit_for_bit(model_dir, tmp_path, r
     assert again[0].num_cached_tokens == FULL and _tokens(again) == warm
     assert engine.offloader.stats.loaded == 9 and engine.offloader.stats.load_failed == 0
     engine.kv_cache_manager.check_integrity()
+    # Observed: the tenant's tier hits and bytes, the tier's totals, in Prometheus too.
+    snap = engine.stats_snapshot()
+    assert snap.tenants["A"].prefix_cache_tier_hits == FULL
+    assert snap.tenants["A"].offload_bytes == snap.offload.used_bytes > 0
+    assert snap.offload.loaded_blocks == 9 and snap.offload.load_failed == 0
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from app.metrics import EngineCollector
+
+    collector, registry = EngineCollector("m"), CollectorRegistry()
+    collector.snapshot = snap
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'saltserve:prefix_cache_tier_hits_total{model_name="m",tenant="A"} 144.0' in text
+    assert 'saltserve:kv_offload_loaded_blocks_total{model_name="m"} 9.0' in text
 
     # A restart finds the tier again: the first request on the prefix hits all of it.
     _evict(engine, tag="evict-more")

@@ -198,7 +198,7 @@ torch.save(out, sys.argv[1])
 
 
 @pytest.mark.skipif(not (_LOADED and cpu_linear.int8_dot_isa() == "avx512_vnni"),
-                    reason="this CPU lacks AVX-512 VNNI: only the AVX2 path runs")
+                    reason="needs our kernels loaded on an AVX-512 VNNI CPU (both paths)")
 def test_the_vnni_and_avx2_paths_give_the_same_bits(tmp_path):
     results = {}
     for flag in ("1", "0"):
