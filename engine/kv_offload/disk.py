@@ -13,8 +13,9 @@
 - At start the index (hash -> size, owner, use order) is rebuilt from the directory listing in
   file-modification order (no blob is read).
 
-Thread safety: every method takes the store's lock; the writer thread and the engine thread
-share it.
+Thread safety: the index changes under the store's lock, and file reads and writes happen
+outside it, so the engine thread's lookups and loads never wait for the writer thread's disk
+writes.
 """
 
 from __future__ import annotations
@@ -104,51 +105,51 @@ class DiskStore:
 
     # -- blobs --------------------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._size
+        return key in self._size  # one dict lookup (atomic): the engine thread never waits
 
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         """Stores ``blob`` under ``key`` for ``owner`` (nothing when already stored). Returns
-        False when it could not be written (the error is logged; nothing is indexed)."""
+        False when it could not be written (the error is logged; nothing is indexed). The file
+        is written outside the lock (one writer thread calls this)."""
         with self._lock:
             if key in self._size:
                 return True
             if len(blob) > self.capacity_bytes:
                 return False
             self._fit(len(blob), owner)
-            path = self._path(key)
-            tmp = path.with_name(path.name + _TMP)
+        path = self._path(key)
+        tmp = path.with_name(path.name + _TMP)
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                path.parent.mkdir(mode=0o700, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    view = memoryview(blob)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                logger.warning("KV disk tier: a write failed (%s); the block is not offloaded",
-                               type(e).__name__)
-                return False
-            self._add(key, len(blob), owner)
-            return True
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            logger.warning("KV disk tier: a write failed (%s); the block is not offloaded",
+                           type(e).__name__)
+            return False
+        with self._lock:
+            if key not in self._size:
+                self._add(key, len(blob), owner)
+        return True
 
     def get(self, key: bytes) -> bytes | None:
         """The blob under ``key`` (marked most recently used), or None."""
         with self._lock:
             if key not in self._size:
                 return None
-            try:
-                blob = self._path(key).read_bytes()
-            except OSError:
-                self._remove(key)
-                return None
-            owner = self._owner[key]
-            self._lru[owner].move_to_end(key)
-            return blob
+            self._lru[self._owner[key]].move_to_end(key)
+        try:
+            return self._path(key).read_bytes()
+        except OSError:
+            self.delete(key)
+            return None
 
     def claim(self, key: bytes, owner: str) -> None:
         """Records ``owner`` for a blob found at start (its tenant opened it)."""
