@@ -190,11 +190,12 @@ class AsyncLLM(EngineClient):
     def shutdown(self) -> None:
         self._stop = True
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=30)
             self._thread = None
         offloader = getattr(self.engine, "offloader", None)
-        if offloader is not None and self._thread is None:
+        if offloader is not None and (thread is None or not thread.is_alive()):
             # The engine is stopped: the pool's cached blocks join the disk tier too, and every
             # queued write lands before the exit (a restart finds them).
             saved = offloader.save_pool(self.engine.block_pool.cached_block_hash_to_block.values())
