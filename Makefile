@@ -38,7 +38,7 @@ serve: $(STAMP)
 test: $(STAMP) $(CHROMIUM) $(HAPROXY)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
 
-# Everyday tier (about 2 minutes on 2 cores): unit, engine and API tests on the fake model; no
+# Everyday tier (about 3 minutes on 2 cores): unit, engine and API tests on the fake model; no
 # browser, HAProxy/Redis cluster, real-model runs, `saltserve serve` processes, HF-parity checks
 # or native builds (tests/conftest.py marks those `slow`). Our CPU kernels stay off, so an edited
 # .cpp is not rebuilt (~1-3 minutes) at collection. Needs only the venv.
