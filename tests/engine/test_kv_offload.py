@@ -216,3 +216,26 @@ def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_
     _evict(engine, tag="evict3")
     newer = _run(engine, [PROMPT], generation=1, tag="gen1")
     assert newer[0].num_cached_tokens == 0 and _tokens(newer) == cold
+
+
+def test_a_tenant_flooding_unique_prompts_leaves_anothers_offloaded_prefix(model_dir, tmp_path):
+    """A tier of 40 blocks' bytes; B floods 12 unique prompts (over 100 blocks) after A's one
+    prompt. The flood's first allocation pushes A's tail blocks to disk (the pool's fair share
+    keeps A's head); then B's blobs fill the tier and evict only B's own: A's blobs stay, and
+    A's prefix comes back whole, its head from the pool and its tail from disk."""
+    engine = _engine(model_dir, tmp_path / "tier")
+    store, block_blob = engine.offloader.store, engine.offloader.cipher.blob_bytes
+    store.capacity_bytes = 40 * block_blob
+    _run(engine, [PROMPT])
+    _run(engine, [_prompt(500)], tenant="B", salt=SALT_B, tag="flood0")
+    a_bytes = store.owner_bytes()["A"]
+    assert a_bytes >= block_blob
+    for i in range(1, 12):
+        _run(engine, [_prompt(500 + i)], tenant="B", salt=SALT_B, tag=f"flood{i}")
+    assert store.used_bytes <= store.capacity_bytes and store.evicted > 0
+    assert store.owner_bytes()["A"] == a_bytes  # the flood evicted B's blobs only
+    loaded = engine.offloader.stats.loaded
+    again = _run(engine, [PROMPT], tag="a-again")
+    assert again[0].num_cached_tokens == FULL
+    assert engine.offloader.stats.loaded - loaded == a_bytes // block_blob
+    engine.kv_cache_manager.check_integrity()
