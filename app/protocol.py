@@ -8,6 +8,7 @@ accepted under vLLM's names. ``docs/api.md`` has the table.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -279,6 +280,20 @@ class ResponseFormat(_Strict):
         return None
 
 
+MAX_CACHE_KEY_CHARS = 1024
+
+
+def client_cache_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str | None:
+    """The client part of a request's effective salt: ``cache_salt`` alone (vLLM), or, with
+    ``prompt_cache_key`` (OpenAI), a digest of both, so each key (with or without a
+    ``cache_salt``) is its own partition of the tenant's prefix cache."""
+    if prompt_cache_key is None:
+        return cache_salt
+    digest = hashlib.sha256(b"saltserve/prompt-cache-key/v1\0" + (cache_salt or "").encode()
+                            + b"\0" + prompt_cache_key.encode()).hexdigest()
+    return "pck-" + digest
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
@@ -302,8 +317,9 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: unsupported("verbosity is not supported")
     web_search_options: unsupported("web search is not supported")
     metadata: unsupported("metadata needs stored completions, which are not supported")
-    prompt_cache_key: unsupported("prompt_cache_key is not supported; prefix caching is "
-                                  "automatic within the tenant (cache_salt splits it further)")
+    # OpenAI's prompt-cache grouping key: here it narrows sharing inside the tenant like
+    # cache_salt (client_cache_salt); requests with the same key share cached prefixes.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
 
     @field_validator("tools")
     @classmethod

@@ -42,6 +42,7 @@ from app.protocol import (
     ChatCompletionStreamResponse,
     CompletionRequest,
     CompletionStreamResponse,
+    client_cache_salt,
 )
 from app.services.call import ChoiceState, CompletionCall, Endpoint, Prompt
 from app.services.logprobs import (
@@ -293,7 +294,8 @@ class CompletionsService:
                 and self.prompts.tool_format.keep_special_tokens:
             call.params = dataclasses.replace(call.params, skip_special_tokens=False)
         try:
-            call.cache_salt = call.auth.effective_salt(body.cache_salt)
+            call.cache_salt = call.auth.effective_salt(
+                client_cache_salt(body.cache_salt, getattr(body, "prompt_cache_key", None)))
         except ValueError as e:
             raise APIError(400, str(e), "cache_salt", "invalid_value") from None
         limit, max_tokens = self.info.max_model_len, call.params.max_tokens

@@ -142,6 +142,8 @@ CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
                     lambda s, e: all(r.grammar is not None for r in s.requests)),
     "parallel_tool_calls": ({"tools": [WEATHER], "parallel_tool_calls": False},
                             lambda s, e: "Call at most one function." in _prompt_text(s, e)),
+    "prompt_cache_key": ({"prompt_cache_key": "team-1"}, lambda s, e: s.requests[0].cache_salt
+                         not in (None, _tenant_salt(e))),
 }
 # Refused whatever their value (a value equal to the default is accepted: store false,
 # modalities ["text"]; those refusals are the values below).
@@ -152,7 +154,6 @@ CHAT_REFUSED: dict[str, object] = {
     "metadata": {"k": "v"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
-    "prompt_cache_key": "k",
     "reasoning_effort": "low",
     "store": True,
     "verbosity": "low",
@@ -344,3 +345,23 @@ def test_bad_field_values_are_400_with_param(send):
         assert seen.body["error"]["param"] == "min_tokens", seen.text  # one rule, one place
     r = send("/tokenize", {"messages": CHAT["messages"], "add_special_tokens": True})
     assert r.status == 400 and r.body["error"]["code"] == "unsupported_parameter"
+
+
+def test_prompt_cache_key_partitions_the_tenants_cache(send, app_env):
+    """Same key: the same effective salt (its prefixes shared; the repeat hits); another key,
+    no key, or the key with a cache_salt: each another partition. A key over 1,024 characters
+    is a 400 naming it, and nothing reaches the engine."""
+    def salt(**extra):
+        seen = send("/v1/chat/completions", {**CHAT, **extra})
+        assert seen.status == 200, seen.text
+        return seen.requests[0].cache_salt, seen.body["usage"]
+
+    a, _ = salt(prompt_cache_key="team-1")
+    again, usage = salt(prompt_cache_key="team-1")
+    assert again == a and usage["prompt_tokens_details"]["cached_tokens"] > 0
+    others = [salt(prompt_cache_key="team-2")[0], salt()[0],
+              salt(prompt_cache_key="team-1", cache_salt="u")[0], salt(cache_salt="u")[0]]
+    assert len({a, *others}) == 5
+    seen = send("/v1/chat/completions", {**CHAT, "prompt_cache_key": "k" * 1025})
+    assert seen.status == 400 and seen.body["error"]["param"] == "prompt_cache_key"
+    assert seen.requests == []
