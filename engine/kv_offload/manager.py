@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.kv_offload.cipher import BlockCipher
@@ -58,9 +58,6 @@ class OffloadStats:
     loaded_bytes: int = 0
     load_failed: int = 0  # missing, tampered, truncated or another tenant's
     load_seconds: float = 0.0
-    queried_blocks: int = 0
-    hit_blocks: int = 0
-    by_tenant_hits: dict = field(default_factory=dict)
 
 
 class KVOffloader:
