@@ -128,14 +128,13 @@ class KVCacheManager:
         first_new = len(blocks) - len(new_blocks)
         num_tier = request.num_computed_tokens // self.block_size - first_new
         if num_tier > 0 and self.offloader is not None:
-            start = first_new
             loaded = self.offloader.load(
                 request.tenant_id, request.cache_salt, request.cache_generation,
-                request.block_hashes[start:start + num_tier], [b.block_id for b in
-                                                               new_blocks[:num_tier]])
+                request.block_hashes[first_new:first_new + num_tier],
+                [b.block_id for b in new_blocks[:num_tier]])
             request.num_tier_tokens = loaded * self.block_size
             if loaded < num_tier:  # this step computes from there: cache only what it writes
-                request.num_computed_tokens = (start + loaded) * self.block_size
+                request.num_computed_tokens = (first_new + loaded) * self.block_size
                 num_total = request.num_computed_tokens + num_new_tokens
 
         if self.uses_prefix_cache(request):

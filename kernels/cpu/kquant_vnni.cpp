@@ -85,11 +85,6 @@ struct Acts {
   int64_t K;
 };
 
-inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + b), _MM_HINT_T0);
-}
-
 // ---- AVX-512 VNNI ----
 
 // Group g's 8 operands (unsigned codes, one byte each) of one tile.
@@ -144,7 +139,7 @@ VNNI_TARGET void tile(const Acts& a, const uint8_t* codes, const uint8_t* scales
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = codes + g * Fm::kCodeBytes;
     const uint8_t* rec = scales + (g / Fm::kGroupsPerRecord) * Fm::kRecordBytes;
-    if (m0 == 0) prefetch_lines(c, Fm::kCodeBytes);
+    if (m0 == 0) prefetch_ahead(c, Fm::kCodeBytes, nullptr);
     __m512i w[8];
     operands<F>(c, w);
     __m512 s0, s1 = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
@@ -283,7 +278,7 @@ void tile_avx2(const Acts& a, const uint8_t* codes, const uint8_t* scales, const
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* c = codes + g * Fm::kCodeBytes;
       const uint8_t* rec = scales + (g / Fm::kGroupsPerRecord) * Fm::kRecordBytes;
-      if (m0 == 0 && h == 0) prefetch_lines(c, Fm::kCodeBytes);
+      if (m0 == 0 && h == 0) prefetch_ahead(c, Fm::kCodeBytes, nullptr);
       __m256i w[8], wh[8];
       operands_avx2<F>(c, h, w, wh);
       __m256 s0, s1 = _mm256_setzero_ps(), mn = _mm256_setzero_ps();

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from int8_dot_reference import round_activations
 
 from kernels import cpu_linear
 
@@ -202,13 +203,8 @@ needs_vnni = pytest.mark.skipif(not _LOADED, reason="our CPU kernels are off her
 def _q4_vnni_reference(x, codes, scale, minimum, bias, act_bits):
     """kernels/cpu/q4_vnni.cpp's arithmetic in torch: int8 groups as ``_q4_reference``; with
     16 bits also the residual x - dx q rounded to 1/256 steps of dx (clamped to +-127)."""
-    m, k = x.shape
-    xg = x.view(m, k // 32, 32)
-    dx = xg.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros(()))
-    q = torch.round(xg * inv)
-    if act_bits == 16:
-        q = q + torch.round((xg - dx * q) * (inv * 256)).clamp(-127, 127) / 256
+    k = x.shape[1]
+    xg, q, dx = round_activations(x, act_bits)
     dots = torch.einsum("mgi,ngi->mng", q.double(), codes.view(-1, k // 32, 32).double())
     y = (dots * (scale[None] * dx[:, None, :, 0]).double()).sum(-1)
     y = y + (xg.sum(-1).double() @ minimum.double().t())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from int8_dot_reference import round_activations
 
 from engine.quantization.kquant import GGML_TYPE, KQuantBlocks, KQuantLinear, KQuantWeight
 from kernels import cpu_linear
@@ -50,14 +51,8 @@ def _reference(x: torch.Tensor, w: KQuantWeight, bias, act_bits: int) -> torch.T
     """The kernel's arithmetic in float64: activations rounded per group of 32 to int8 (with 16
     bits plus a residual in 1/256 steps); Q4_K / Q5_K's minimums against the exact group sums
     of x (as llama.cpp's Q8_K sums), every other term against the rounded activations."""
-    m, k = x.shape
-    xg = x.view(m, k // 32, 32)
-    dx = xg.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros(()))
-    q = torch.round(xg * inv)
-    if act_bits == 16:
-        q = q + torch.round((xg - dx * q) * (inv * 256)).clamp(-127, 127) / 256
-    xr = (q * dx).view(m, k).double()
+    xg, q, dx = round_activations(x, act_bits)
+    xr = (q * dx).view(x.shape).double()
     outs = []
     for p in w.parts:
         if p.type_name in ("Q4_K", "Q5_K"):
