@@ -22,12 +22,17 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from engine.request import EngineRequest, RequestOutput
-from engine.stats import EngineStatsSnapshot
+from engine.stats import LOAD_SECONDS_BUCKETS, EngineStatsSnapshot
 from tenants.repository import UsageRecord
 
 PREFIX = "saltserve:"
@@ -99,13 +104,21 @@ class EngineCollector(Collector):
                              "evicted because it was over its cache share (part of the "
                              "capacity evictions).", tl)
         tier_hits = counter("prefix_cache_tier_hits", "Of the hit tokens, tokens loaded from "
-                            "the disk offload tier (the rest hit the pool).", tl)
-        tier_bytes = gauge("kv_offload_tenant_bytes", "The tenant's bytes in the disk offload "
-                           "tier now.", tl)
+                            "the offload tiers (the rest hit the pool).", tl)
+        by_source = counter("prompt_tokens_by_source", "Prompt tokens at first admission by "
+                            "where their KV came from: computed, pool_hit, tier_hit.",
+                            [*tl, "source"])
+        tier_bytes = gauge("kv_offload_tenant_bytes", "The tenant's bytes in each offload tier "
+                           "now (a shared tier: written by every replica).", [*tl, "tier"])
         for tenant, t in s.tenants.items():
             labels = [m, tenant_label(tenant)]
             tier_hits.add_metric(labels, t.prefix_cache_tier_hits)
-            tier_bytes.add_metric(labels, t.offload_bytes)
+            for source, n in (("computed", t.prefix_cache_queries - t.prefix_cache_hits),
+                              ("pool_hit", t.prefix_cache_hits - t.prefix_cache_tier_hits),
+                              ("tier_hit", t.prefix_cache_tier_hits)):
+                by_source.add_metric([*labels, source], n)
+            for tier, n in t.offload_bytes.items():
+                tier_bytes.add_metric([*labels, tier], n)
             queries.add_metric(labels, t.prefix_cache_queries)
             hits.add_metric(labels, t.prefix_cache_hits)
             recomputed.add_metric(labels, t.prefix_cache_recomputed_tokens)
@@ -122,7 +135,7 @@ class EngineCollector(Collector):
                                   tenant_label(row.evicted_by)], row.num_blocks)
         yield from (queries, hits, recomputed, resident, share, over_share, evictions)
         if s.offload is not None:
-            yield from (tier_hits, tier_bytes)
+            yield from (tier_hits, by_source, tier_bytes)
             yield from self._offload(s.offload, m)
 
         ml = ["model_name"]
@@ -149,35 +162,58 @@ class EngineCollector(Collector):
 
     @staticmethod
     def _offload(o, m: str) -> Iterator[Metric]:
-        """The disk offload tier's totals (engine.kv_offload)."""
+        """The offload tiers' totals (engine.kv_offload), per tier where they are a tier's."""
+        tl = ["model_name", "tier"]
+        for kind, name, doc, attr in (
+                ("gauge", "kv_offload_up", ("1 while the tier is reachable (a remote tier that "
+                 "failed is off for a while; serving goes on without it)."), "up"),
+                ("gauge", "kv_offload_capacity_bytes", "The tier's byte budget.",
+                 "capacity_bytes"),
+                ("gauge", "kv_offload_used_bytes", "Bytes of sealed blocks in the tier now.",
+                 "used_bytes"),
+                ("gauge", "kv_offload_unclaimed_bytes", ("Of them, blocks found at start that "
+                 "their tenant has not opened yet."), "unclaimed_bytes"),
+                ("counter", "kv_offload_written_blocks", "Blocks written to the tier.",
+                 "written_blocks"),
+                ("counter", "kv_offload_written_bytes", "Bytes written to the tier.",
+                 "written_bytes"),
+                ("counter", "kv_offload_write_failures", ("Writes the tier refused or failed "
+                 "(full disk, unreachable Redis)."), "write_failed"),
+                ("counter", "kv_offload_loaded_blocks", "Blocks loaded from the tier.",
+                 "loaded_blocks"),
+                ("counter", "kv_offload_loaded_bytes", "Plaintext bytes loaded from the tier.",
+                 "loaded_bytes"),
+                ("counter", "kv_offload_load_failures", ("Blobs tampered, truncated or of "
+                 "another generation (a miss; deleted, never loaded)."), "load_failed"),
+                ("counter", "kv_offload_evicted_blobs", ("Blobs evicted to stay in the tier's "
+                 "byte budget."), "evicted_blobs")):
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                PREFIX + name, doc, labels=tl)
+            for t in o.tiers:
+                family.add_metric([m, t.name], float(getattr(t, attr)))
+            yield family
         ml = ["model_name"]
         for kind, name, doc, value in (
-                ("gauge", "kv_offload_capacity_bytes", "The disk tier's byte budget.",
-                 o.capacity_bytes),
-                ("gauge", "kv_offload_used_bytes", "Bytes of sealed blocks in the disk tier now.",
-                 o.used_bytes),
-                ("gauge", "kv_offload_unclaimed_bytes", ("Of them, blocks found at start that "
-                 "their tenant has not opened yet."), o.unclaimed_bytes),
-                ("counter", "kv_offload_written_blocks", "Blocks written to the disk tier.",
-                 o.written_blocks),
-                ("counter", "kv_offload_written_bytes", "Bytes written to the disk tier.",
-                 o.written_bytes),
-                ("counter", "kv_offload_write_dropped_blocks", ("Evicted blocks not written (the "
-                 "writer's queue was full, or the write failed)."), o.write_dropped),
-                ("counter", "kv_offload_loaded_blocks", "Blocks loaded from the disk tier.",
-                 o.loaded_blocks),
-                ("counter", "kv_offload_loaded_bytes", ("Plaintext bytes loaded from the disk "
-                 "tier."), o.loaded_bytes),
-                ("counter", "kv_offload_load_failures", ("Blobs missing, tampered, truncated or "
-                 "of another generation (a miss; never loaded)."), o.load_failed),
-                ("counter", "kv_offload_load_seconds", ("Seconds spent loading blocks (read, "
-                 "open, copy; on the engine thread)."), o.load_seconds),
-                ("counter", "kv_offload_evicted_blobs", ("Blobs evicted to stay in the byte "
-                 "budget."), o.evicted_blobs)):
+                ("counter", "kv_offload_write_dropped_blocks", ("Evicted blocks not written "
+                 "because the writer's queue was full."), o.write_dropped),
+                ("counter", "kv_offload_load_misses", ("Loads that stopped on a block no tier "
+                 "gave (the request computes the rest)."), o.load_missing),
+                ("gauge", "kv_offload_loads_in_flight", ("Requests waiting for their prefix to "
+                 "load from a tier."), o.loads_in_flight)):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 PREFIX + name, doc, labels=ml)
             family.add_metric([m], value)
             yield family
+        hist = HistogramMetricFamily(PREFIX + "kv_offload_load_seconds", "Time to load one "
+                                     "request's blocks from the tiers (read, open, copy; on the "
+                                     "loader thread).", labels=ml)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*LOAD_SECONDS_BUCKETS, float("inf")), o.load_seconds_buckets,
+                            strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        hist.add_metric([m], buckets, o.load_seconds)
+        yield hist
 
 
 class ServerMetrics:

@@ -242,12 +242,7 @@ class BuiltServer:
 def journal_dir(settings: Settings) -> Path:
     """The usage journal's folder in the data dir: one per replica when replicas share a data
     dir (``--replica-id``), so that each journals its own rows."""
-    import re
-
-    if settings.replica_id is None:
-        return settings.data_dir / "usage-journal"
-    return settings.data_dir / ("usage-journal-"
-                                + re.sub(r"[^A-Za-z0-9_.-]", "_", settings.replica_id)[:64])
+    return settings.replica_folder("usage-journal")
 
 
 def parts_from_settings(settings: Settings, replica_id: str,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from pydantic import Field, create_model
+from pydantic import ByteSize, Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
@@ -23,12 +25,32 @@ def engine_setting_fields() -> dict[str, Any]:
     hints = get_type_hints(EngineConfig)  # resolves the string annotations of ``__future__``
     out: dict[str, Any] = {}
     for f in fields(EngineConfig):
-        if f.name == "model":
+        if f.name == "model" or f.metadata.get("flag") is False:
             continue
         if f.default is MISSING:
             raise TypeError(f"EngineConfig.{f.name} needs a default to be a setting")
-        out[f.name] = (hints[f.name], Field(f.default, description=f.metadata["help"]))
+        typ = hints[f.name]
+        if f.metadata.get("bytes"):  # 8GiB, 500MB or a plain number of bytes
+            typ = ByteSize | None if f.default is None else ByteSize
+        out[f.name] = (typ, Field(f.default, description=f.metadata["help"]))
     return out
+
+
+DEFAULT_DISK_TIER_BYTES = 8 << 30
+
+
+def default_disk_tier_bytes(directory: str | Path) -> int:
+    """The served default of ``--kv-offload-size``: 8 GiB (llama.cpp's server keeps 8 GiB of
+    prompt cache in RAM by default; disk is cheaper), or half the disk space free where the
+    tier lives, whichever is less (docs/prefix-caching.md)."""
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return 0
+    return min(DEFAULT_DISK_TIER_BYTES, free // 2)
 
 
 # Engine settings (vLLM flag names), generated so that EngineConfig stays their one source.
@@ -104,10 +126,25 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
             jwks_refetch_cooldown_s=self.jwt_jwks_refetch_cooldown_s,
             max_token_ttl_s=self.jwt_max_token_ttl_s)
 
+    def replica_folder(self, name: str) -> Path:
+        """``<data dir>/<name>``, or ``<name>-<replica id>`` with ``--replica-id``: replicas
+        sharing a data dir each keep their own (usage journal, disk tier)."""
+        if self.replica_id is None:
+            return Path(self.data_dir) / name
+        return Path(self.data_dir) / (name + "-" + re.sub(r"[^A-Za-z0-9_.-]", "_",
+                                                          self.replica_id)[:64])
+
     def engine_config(self, model_dir: Path) -> EngineConfig:
         """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
-        # Every EngineConfig field but ``model`` is a same-named setting (engine_setting_fields).
-        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name != "model"}
-        if values.get("kv_offload_size") and not values.get("kv_offload_dir"):
-            values["kv_offload_dir"] = str(Path(self.data_dir) / "kv-offload")
+        # Every EngineConfig field but ``model`` and those filled here ("flag": False) is a
+        # same-named setting (engine_setting_fields).
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
+                  if f.name != "model" and f.metadata.get("flag") is not False}
+        values = {k: int(v) if isinstance(v, ByteSize) else v for k, v in values.items()}
+        values["kv_offload_dir"] = values["kv_offload_dir"] or str(self.replica_folder(
+            "kv-offload"))
+        if values["kv_offload_size"] is None:
+            values["kv_offload_size"] = default_disk_tier_bytes(values["kv_offload_dir"])
+        values["kv_offload_redis_url"] = values["kv_offload_redis_url"] or self.redis_url
+        values["kv_offload_redis_namespace"] = self.redis_namespace
         return EngineConfig(model=str(model_dir), **values)

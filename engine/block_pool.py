@@ -335,6 +335,17 @@ class BlockPool:
             self.on_evict(block, reason, evicted_by)
         self._unhash(block)
 
+    def uncache_unwritten(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Drops the hash of each given block its holder alone holds (no eviction counted, no
+        offload): blocks cached when their slots were allocated whose step never ran for them
+        (a request preempted in the step that allocated them). Returns blocks dropped."""
+        n = 0
+        for block in blocks:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self._uncache_private(block)
+                n += 1
+        return n
+
     def _uncache_private(self, block: KVCacheBlock) -> None:
         """Drops a private block's hash when its last holder frees it (no eviction counted)."""
         self.stats.record_uncached(block.owner)

@@ -103,16 +103,32 @@ class EngineConfig:
                 "(vLLM --num-gpu-blocks-override).",
         "unset": "sized from the KV budget"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
-        "help": "KV cache budget in bytes; on CUDA it replaces --gpu-memory-utilization "
-                "(vLLM --kv-cache-memory-bytes).",
-        "unset": "1 GiB on CPU, --gpu-memory-utilization on CUDA"})
-    kv_offload_size: int = field(default=0, metadata={
-        "help": "Bytes of KV blocks kept on local disk behind the pool (the offload tier: "
-                "blocks the pool evicts, sealed per tenant with AES-256-GCM; 0 = off; "
-                "docs/prefix-caching.md)."})
+        "help": "KV cache budget in bytes (or with a unit: 4GiB); on CUDA it replaces "
+                "--gpu-memory-utilization (vLLM --kv-cache-memory-bytes).",
+        "unset": "1 GiB on CPU, --gpu-memory-utilization on CUDA", "bytes": True})
+    kv_offload_size: int | None = field(default=None, metadata={
+        "help": "Bytes (or 8GiB, 500MB) of KV blocks kept on local disk behind the pool (the "
+                "disk tier: blocks the pool evicts, sealed per tenant with AES-256-GCM; 0 = "
+                "off; docs/prefix-caching.md).",
+        "unset": "served: 8 GiB or half the free disk, whichever is less; offline: off",
+        "bytes": True})
     kv_offload_dir: str | None = field(default=None, metadata={
-        "help": "Directory of the disk offload tier (created 0700; its files 0600).",
+        "help": "Directory of the disk tier (created 0700; its files 0600).",
         "unset": "served: <data dir>/kv-offload"})
+    kv_offload_host_size: int = field(default=0, metadata={
+        "help": "Bytes of KV blocks kept in host memory behind a CUDA pool (the host tier, "
+                "before the disk tier; 0 = off). On CPU the pool already is host memory and "
+                "this is ignored.", "bytes": True})
+    kv_offload_redis_url: str | None = field(default=None, metadata={
+        "help": "Redis of the tier shared by every replica (redis://host:6379/0): a tenant's "
+                "offloaded prefixes follow it to any replica.",
+        "unset": "served: --redis-url; offline: none"})
+    kv_offload_redis_size: int = field(default=1 << 30, metadata={
+        "help": "Bytes of this deployment's KV blocks in the shared Redis tier (0 = off).",
+        "bytes": True})
+    kv_offload_redis_namespace: str = field(default="saltserve", metadata={
+        "help": "Key prefix of the shared tier in Redis.", "flag": False,
+        "unset": "served: --redis-namespace"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})
@@ -224,8 +240,9 @@ class EngineConfig:
             parse_generation_overrides(self.override_generation_config)
         if self.one_token_step_threads is not None and self.one_token_step_threads < 0:
             raise ValueError("--one-token-step-threads must be at least 0")
-        if self.kv_offload_size < 0:
-            raise ValueError("--kv-offload-size must be at least 0")
+        for name in ("kv_offload_size", "kv_offload_host_size", "kv_offload_redis_size"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 0")
         if self.kv_offload_size and not self.kv_offload_dir:
             raise ValueError("--kv-offload-size needs --kv-offload-dir")
         if self.max_consecutive_step_failures < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.block_hash import HashFn, hash_prompt_blocks
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.faults import fire
-from engine.kv_offload import KVOffloader
+from engine.kv_offload import KVOffloader, LoadJob
 from engine.request import Request
 
 
@@ -62,14 +62,11 @@ class KVCacheManager:
             start=start, parent=parent))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of ``request``, walking from block 0 and stopping at the first miss.
+        """Longest cached prefix of ``request`` in the pool, walking from block 0 and stopping
+        at the first miss.
 
         Last-token rule: at most ``floor((num_tokens - 1) / block_size)`` blocks are reused, so at
         least one token is computed and produces logits (vLLM v1).
-
-        With an offload tier, the prefix goes on with the blocks the tier holds after the
-        pool's hits: they count in the hit tokens (not in the blocks returned), and
-        ``allocate_slots`` loads them into the blocks it allocates for them.
 
         Returns:
             (hit blocks, number of hit tokens). Never modifies ref counts.
@@ -85,11 +82,51 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        tier = 0
-        if self.offloader is not None and not request.private_cache:
-            # The prefix goes on in the tier (index only): allocate_slots loads those blocks.
-            tier = self.offloader.lookup(request.block_hashes[len(hits):max_blocks])
-        return hits, (len(hits) + tier) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def num_tier_blocks(self, request: Request, num_hit_blocks: int, remote: bool = False
+                        ) -> int:
+        """Blocks of ``request``'s prefix past its ``num_hit_blocks`` pool hits that the
+        offload tiers hold (``KVOffloader.lookup``; ``remote``: ask a remote tier too). 0
+        without tiers, for a private cache, or for a request whose load already ran in this
+        wait."""
+        if self.offloader is None or request.private_cache or request.kv_load_tried \
+                or not self.uses_prefix_cache(request) \
+                or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.offloader.lookup(request.block_hashes[num_hit_blocks:max_blocks], remote)
+
+    def start_load(self, request: Request, hit_blocks: list[KVCacheBlock], num_tier: int
+                   ) -> bool:
+        """Holds ``request``'s pool hits and allocates ``num_tier`` fresh blocks after them,
+        then hands the tier's blocks to the offloader's loader thread (``finish_load`` ends
+        it). Returns False, changing nothing, when the pool cannot spare the blocks."""
+        num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_tier > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return False
+        self.block_pool.touch(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_tier, request.tenant_id)
+        self.req_to_blocks[request.request_id] = [*hit_blocks, *new_blocks]
+        first = len(hit_blocks)
+        self.offloader.submit_load(LoadJob(
+            request.request_id, request.tenant_id, request.cache_salt, request.cache_generation,
+            request.block_hashes[first:first + num_tier], [b.block_id for b in new_blocks]))
+        return True
+
+    def finish_load(self, request: Request, job: LoadJob) -> int:
+        """Caches the blocks ``job`` loaded (pool hits from now on) and releases every block
+        the request held for the load: its admission then finds the loaded prefix in the
+        pool. Returns the blocks loaded."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first = len(blocks) - len(job.block_ids)
+        if self.uses_prefix_cache(request):  # (not after a rotation during the load)
+            for i in range(first, first + job.loaded):
+                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
+                                                 request.tenant_id, salt=request.cache_salt,
+                                                 generation=request.cache_generation)
+        self.free(request)
+        return job.loaded
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None
@@ -122,21 +159,6 @@ class KVCacheManager:
             self.num_cached_block[request.request_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id)
         blocks.extend(new_blocks)
-        # Prefix blocks the offload tier holds (counted in num_computed_tokens by the caller):
-        # loaded into the first new blocks now, before the step that reads them. A blob that
-        # fails ends the hit there; the request computes the rest.
-        first_new = len(blocks) - len(new_blocks)
-        num_tier = request.num_computed_tokens // self.block_size - first_new
-        if num_tier > 0 and self.offloader is not None:
-            loaded = self.offloader.load(
-                request.tenant_id, request.cache_salt, request.cache_generation,
-                request.block_hashes[first_new:first_new + num_tier],
-                [b.block_id for b in new_blocks[:num_tier]])
-            request.num_tier_tokens = loaded * self.block_size
-            if loaded < num_tier:  # this step computes from there: cache only what it writes
-                request.num_computed_tokens = (first_new + loaded) * self.block_size
-                num_total = request.num_computed_tokens + num_new_tokens
-
         if self.uses_prefix_cache(request):
             # Cache every block that is full once this step's tokens are written. The KV of those
             # tokens is written before any attention reads it in the same forward pass, so a
@@ -158,6 +180,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def uncache_uncomputed(self, request: Request) -> int:
+        """Before a preemption frees ``request``'s blocks: the blocks past its computed tokens
+        were cached when this step allocated them (full once the step writes them), but the
+        step will not run for it now; no one may hit them. Returns blocks dropped."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = request.num_computed_tokens // self.block_size
+        return self.block_pool.uncache_unwritten(blocks[start:])
 
     def drop_hashes_from(self, request: Request, num_computed_tokens: int) -> int:
         """Makes the request's blocks from the one holding token ``num_computed_tokens`` on

@@ -21,7 +21,7 @@ from engine.errors import EngineDeadError
 from engine.executor import ModelExecutor
 from engine.faults import fire
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.kv_offload import BlockCipher, DiskStore, KVOffloader
+from engine.kv_offload import BlockCipher, DiskStore, KVOffloader, MemoryStore, RedisStore
 from engine.models.config import ModelConfig
 from engine.protocol import ModelInfo, attach_grammar, validate_request
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TokenLogprobs
@@ -185,19 +185,36 @@ class LLMEngine:
     @staticmethod
     def _offloader(config: EngineConfig, executor: Any, model_cfg: ModelConfig,
                    per_block: int) -> KVOffloader | None:
-        """The disk offload tier (``--kv-offload-size``), or None."""
-        if not config.kv_offload_size or not config.enable_prefix_caching:
+        """The tiers behind the pool (``--kv-offload-*``), nearest first, or None."""
+        sizes = (config.kv_offload_host_size, config.kv_offload_size,
+                 config.kv_offload_redis_url and config.kv_offload_redis_size)
+        if not any(sizes) or not config.enable_prefix_caching:
             return None
         if not hasattr(executor, "read_block"):
-            logger.warning("--kv-offload-size: this executor cannot copy KV blocks; no tier")
+            logger.warning("--kv-offload-*: this executor cannot copy KV blocks; no tiers")
             return None
         layout = (f"{Path(config.model).name}|{getattr(executor, 'kv_cache_dtype', '')}|"
                   f"{model_cfg.num_hidden_layers}x2x{config.block_size}x"
                   f"{model_cfg.num_key_value_heads}x{model_cfg.head_dim}").encode()
-        store = DiskStore(config.kv_offload_dir, config.kv_offload_size)
-        logger.info("KV offload tier: %s, %.1f GiB, %d blocks found", config.kv_offload_dir,
-                    config.kv_offload_size / 2**30, len(store))
-        return KVOffloader(store, BlockCipher(layout, per_block), executor)
+        tiers: list = []
+        if config.kv_offload_host_size:
+            if str(executor.device).startswith("cpu"):
+                logger.info("--kv-offload-host-size: on CPU the pool already is host memory; "
+                            "no host tier")
+            else:
+                tiers.append(MemoryStore(config.kv_offload_host_size))
+        if config.kv_offload_size:
+            tiers.append(DiskStore(config.kv_offload_dir, config.kv_offload_size))
+        if config.kv_offload_redis_url and config.kv_offload_redis_size:
+            tiers.append(RedisStore(config.kv_offload_redis_url, config.kv_offload_redis_size,
+                                    config.kv_offload_redis_namespace, layout))
+        if not tiers:
+            return None
+        for tier in tiers:
+            u = tier.usage()
+            logger.info("KV offload %s tier: %.2f GiB, %d blocks found%s", tier.name,
+                        u.capacity_bytes / 2**30, u.blobs, "" if u.up else " (unreachable now)")
+        return KVOffloader(tiers, BlockCipher(layout, per_block), executor)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -216,6 +233,9 @@ class LLMEngine:
         request = Request(req)
         self.scheduler.add_request(request)
         self.block_pool.set_tenant_share(req.tenant_id, req.tenant_share)
+        if self.offloader is not None:
+            self.offloader.set_tenant_share(req.tenant_id, req.tenant_share,
+                                            self.cache_info.num_blocks)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, req.sampling_params.stop,
             req.sampling_params.skip_special_tokens, req.sampling_params.min_tokens)
@@ -237,8 +257,7 @@ class LLMEngine:
             Blocks dropped.
         """
         if self.offloader is not None:
-            self.offloader.flush()
-            self.offloader.store.delete_all()
+            self.offloader.drop_all()
         return self.block_pool.reset_prefix_cache()
 
     def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
@@ -288,6 +307,8 @@ class LLMEngine:
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.scheduler.loading:  # only loads in flight: wait for one, do not spin
+                self.offloader.wait_loads(0.05)
             return self._failed_outputs()
         t0 = time.perf_counter()
         try:

@@ -13,6 +13,9 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Waiting while the offload tiers' blocks of its prefix are loaded into the pool (vLLM's
+    # WAITING_FOR_REMOTE_KVS); admitted as WAITING once they are.
+    WAITING_FOR_KV_LOAD = "waiting_for_kv_load"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"          # eos, stop token or stop string
@@ -129,8 +132,10 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
-        # Tokens of the prefix hit loaded from the offload tier at admission.
+        # Tokens of the prefix loaded from the offload tiers before admission, and whether a
+        # load ran since the request last waited (one load per wait).
         self.num_tier_tokens = 0
+        self.kv_load_tried = False
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None

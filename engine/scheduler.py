@@ -114,6 +114,10 @@ class Scheduler:
         self.interactive_step_tokens = interactive_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests waiting for blocks of their prefix to load from the offload tiers (by id),
+        # and aborted ones whose load still writes into their blocks (freed once it is done).
+        self.loading: dict[str, Request] = {}
+        self._abandoned_loads: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         # Per tenant with unfinished requests (dropped with its last request):
@@ -154,9 +158,13 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_KV_LOAD:
+                del self.loading[rid]  # its blocks are freed once the loader is done with them
+                self._abandoned_loads[rid] = req
             else:
                 self.waiting.remove(req)
-            self.kv.free(req)
+            if rid not in self._abandoned_loads:
+                self.kv.free(req)
             req.status = status
             t = req.tenant_id
             self.num_unfinished[t] -= 1
@@ -172,7 +180,41 @@ class Scheduler:
             self.failed.append((req, reason))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def _finish_loads(self) -> None:
+        """Collects finished tier loads: the loaded blocks join the pool's cache and the
+        request waits again, first after the preempted requests (it was being admitted), to
+        be admitted with them as hits. An aborted request's blocks are only freed."""
+        for job in self.kv.offloader.poll_loads():
+            req = self._abandoned_loads.pop(job.request_id, None)
+            if req is not None:
+                self.kv.free(req)
+                continue
+            req = self.loading.pop(job.request_id)
+            req.num_tier_tokens = self.kv.finish_load(req, job) * self.kv.block_size
+            if req.num_preemptions:
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(req)
+            else:
+                req.status = RequestStatus.WAITING
+                self.waiting.insert(sum(1 for r in itertools.takewhile(
+                    lambda r: r.status == RequestStatus.PREEMPTED, self.waiting)), req)
+
+    def _start_load(self, req: Request) -> bool:
+        """Starts loading the blocks of waiting ``req``'s prefix that the offload tiers hold
+        past its pool hits (``KVCacheManager.start_load``). Returns True when ``req`` now waits
+        for its load; False when there is nothing to load or no room for it (``req`` is then
+        admitted as usual, computing that part)."""
+        hit_blocks, _ = self.kv.get_computed_blocks(req)
+        num_tier = self.kv.num_tier_blocks(req, len(hit_blocks), remote=True)
+        req.kv_load_tried = True
+        if not num_tier or not self.kv.start_load(req, hit_blocks, num_tier):
+            return False
+        self.waiting.remove(req)
+        self.loading[req.request_id] = req
+        req.status = RequestStatus.WAITING_FOR_KV_LOAD
+        return True
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -188,6 +230,8 @@ class Scheduler:
         requests after it, so a lone tenant uses the whole budget; a victim's unused plan is
         left to phase 4.
         """
+        if self.kv.offloader is not None:
+            self._finish_loads()
         budget, light = self._step_budget()
         plan = self._plan(budget, light)
         # Invariant: used + planned_left <= budget, and every plan is > 0; so an admission's
@@ -235,6 +279,9 @@ class Scheduler:
             planned_left -= share
             req = self.requests[rid]
             try:
+                if self.kv.offloader is not None and not req.kv_load_tried \
+                        and self._start_load(req):
+                    continue  # its plan is left for the requests after it
                 num_new = self._admit(req, budget - planned_left - used)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
@@ -447,12 +494,14 @@ class Scheduler:
         if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
             req.num_computed_tokens = 0
             return 0
-        num_hit_tokens = req.num_computed_tokens  # less where an offloaded block failed
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
+        req.kv_load_tried = False  # a later wait (after a preemption) may load again
         if req.num_cached_tokens < 0:  # first admission: the only time hits count
             req.num_cached_tokens = num_hit_tokens
+            # (loaded blocks evicted again before this admission are not hits)
+            req.num_tier_tokens = min(req.num_tier_tokens, num_hit_tokens)
             if self.kv.records_prefix_stats(req):
                 self.stats.record_first_admission(req.tenant_id, req.num_tokens, num_hit_tokens,
                                                   req.num_tier_tokens)
@@ -482,6 +531,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.kv.uncache_uncomputed(req)  # granted in this step: its new blocks were not written
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -105,7 +105,7 @@ class SchedulerStats:
     per_tenant_queries: dict[TenantId, int] = field(default_factory=dict)
     per_tenant_hits: dict[TenantId, int] = field(default_factory=dict)
     per_tenant_recomputed_tokens: dict[TenantId, int] = field(default_factory=dict)
-    # Of the hits, tokens loaded from the disk offload tier (engine.kv_offload).
+    # Of the hits, tokens loaded from the offload tiers (engine.kv_offload).
     prefix_cache_tier_hits: int = 0
     per_tenant_tier_hits: dict[TenantId, int] = field(default_factory=dict)
 
@@ -153,9 +153,10 @@ class TenantStats:
             ``engine.block_pool``).
         over_share_evictions: the tenant's blocks evicted because it was over its share
             (cumulative; part of ``evictions["capacity"]``).
-        prefix_cache_tier_hits: of the hits, tokens loaded from the disk offload tier
+        prefix_cache_tier_hits: of the hits, tokens loaded from the offload tiers
             (cumulative).
-        offload_bytes: the tenant's bytes in the disk offload tier now (gauge).
+        offload_bytes: ``tier name -> the tenant's bytes in that tier now`` (gauge; a shared
+            tier counts what every replica wrote for the tenant).
     """
 
     prefix_cache_queries: int = 0
@@ -168,7 +169,7 @@ class TenantStats:
         default_factory=lambda: MappingProxyType({}))
     cache_share_blocks: int = 0
     prefix_cache_tier_hits: int = 0
-    offload_bytes: int = 0
+    offload_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     over_share_evictions: int = 0
 
     @property
@@ -179,22 +180,48 @@ class TenantStats:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
-@dataclass(frozen=True)
-class OffloadSnapshot:
-    """The disk offload tier at one instant (blocks and bytes cumulative unless a gauge)."""
+# Upper bounds (seconds) of the tier load-latency histogram's buckets, per load (one request's
+# run of blocks).
+LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-    capacity_bytes: int
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """One offload tier at one instant (blocks and bytes cumulative unless a gauge)."""
+
+    name: str  # "host", "disk", "redis"
+    up: bool  # gauge: False while a remote tier is unreachable
+    capacity_bytes: int  # gauge
     used_bytes: int  # gauge
     blobs: int  # gauge
     unclaimed_bytes: int  # gauge: found at start, not opened by their tenant yet
+    evicted_blobs: int  # evicted to stay in the budget
     written_blocks: int
     written_bytes: int
-    write_dropped: int
+    write_failed: int
     loaded_blocks: int
     loaded_bytes: int
-    load_failed: int
+    load_failed: int  # stored but unopenable: tampered, truncated, another generation
+
+
+@dataclass(frozen=True)
+class OffloadSnapshot:
+    """The offload tiers at one instant (counters cumulative).
+
+    ``load_seconds_buckets[i]`` counts loads (one request's run of blocks) that took at most
+    ``LOAD_SECONDS_BUCKETS[i]`` seconds and more than the bucket before (the last: more than
+    every bound), for a Prometheus histogram.
+    """
+
+    tiers: tuple[TierSnapshot, ...]
+    write_dropped: int  # the writer's queue was full
+    loaded_blocks: int
+    loaded_bytes: int
+    load_missing: int  # loads that stopped on a block no tier gave
+    load_jobs: int
     load_seconds: float
-    evicted_blobs: int
+    load_seconds_buckets: tuple[int, ...]
+    loads_in_flight: int  # gauge: requests waiting for their load
 
 
 @dataclass(frozen=True)
@@ -223,7 +250,7 @@ class EngineStatsSnapshot:
     eviction_counts: tuple[EvictionCount, ...]
     tenants: Mapping[TenantId, TenantStats]
     over_share_evictions: int = 0
-    offload: OffloadSnapshot | None = None  # the disk offload tier, when there is one
+    offload: OffloadSnapshot | None = None  # the offload tiers, when there are any
 
     @property
     def hit_rate(self) -> float | None:

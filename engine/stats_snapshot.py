@@ -15,6 +15,7 @@ from engine.stats import (
     OffloadSnapshot,
     TenantId,
     TenantStats,
+    TierSnapshot,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         if reason == "capacity":
             _add(caused.setdefault(by, {}), owner, n)
             ids.add(by)
-    offload, offload_bytes = _offload(scheduler.kv.offloader)
+    offload, offload_bytes = _offload(scheduler.kv.offloader, len(scheduler.loading))
     ids |= set(sstats.per_tenant_tier_hits) | set(offload_bytes)
     tenants = {
         t: TenantStats(
@@ -54,7 +55,7 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
             cache_share_blocks=pool.cache_share(t),
             over_share_evictions=pstats.over_share_evictions.get(t, 0),
             prefix_cache_tier_hits=sstats.per_tenant_tier_hits.get(t, 0),
-            offload_bytes=offload_bytes.get(t, 0))
+            offload_bytes=MappingProxyType(offload_bytes.get(t, {})))
         for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
     num_free = pool.get_num_free_blocks()
     return EngineStatsSnapshot(
@@ -62,7 +63,7 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         num_blocks_used=pool.num_used_blocks, num_blocks_cached=pool.get_num_cached_blocks(),
         kv_cache_usage=pool.get_usage(),
         num_requests_running=len(scheduler.running),
-        num_requests_waiting=len(scheduler.waiting),
+        num_requests_waiting=len(scheduler.waiting) + len(scheduler.loading),
         num_preemptions=sstats.num_preemptions,
         prefix_cache_queries=sstats.prefix_cache_queries,
         prefix_cache_hits=sstats.prefix_cache_hits,
@@ -73,21 +74,31 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         over_share_evictions=pstats.num_over_share_evictions, offload=offload)
 
 
-def _offload(offloader) -> tuple[OffloadSnapshot | None, dict[TenantId, int]]:
-    """The tier's snapshot and its bytes per tenant (blobs found at start and not opened yet
-    are ``unclaimed_bytes``, no tenant's)."""
+def _offload(offloader, loads_in_flight: int
+             ) -> tuple[OffloadSnapshot | None, dict[TenantId, dict[str, int]]]:
+    """The tiers' snapshot and each tenant's bytes per tier (blobs found at start and not
+    opened yet are ``unclaimed_bytes``, no tenant's)."""
     if offloader is None:
         return None, {}
-    store, s = offloader.store, offloader.stats
-    owners = store.owner_bytes()
-    unclaimed = owners.pop(UNCLAIMED, 0)
-    per_tenant = {(o or None): n for o, n in owners.items()}
+    per_tenant: dict[TenantId, dict[str, int]] = {}
+    tiers = []
+    for tier in offloader.tiers:
+        u, s = tier.usage(), offloader.stats.tiers[tier.name]
+        owners = offloader.owner_bytes(tier, u.owner_bytes)
+        unclaimed = owners.pop(UNCLAIMED, 0)
+        for owner, n in owners.items():
+            per_tenant.setdefault(owner or None, {})[tier.name] = n
+        tiers.append(TierSnapshot(
+            name=tier.name, up=u.up, capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes,
+            blobs=u.blobs, unclaimed_bytes=unclaimed, evicted_blobs=u.evicted,
+            written_blocks=s.written, written_bytes=s.written_bytes, write_failed=s.write_failed,
+            loaded_blocks=s.loaded, loaded_bytes=s.loaded_bytes, load_failed=s.load_failed))
+    s = offloader.stats
     return OffloadSnapshot(
-        capacity_bytes=store.capacity_bytes, used_bytes=store.used_bytes, blobs=len(store),
-        unclaimed_bytes=unclaimed, written_blocks=s.written, written_bytes=s.written_bytes,
-        write_dropped=s.write_dropped, loaded_blocks=s.loaded, loaded_bytes=s.loaded_bytes,
-        load_failed=s.load_failed, load_seconds=s.load_seconds,
-        evicted_blobs=store.evicted), per_tenant
+        tiers=tuple(tiers), write_dropped=s.write_dropped, loaded_blocks=s.loaded,
+        loaded_bytes=s.loaded_bytes, load_missing=s.load_missing, load_jobs=s.load_jobs,
+        load_seconds=s.load_seconds, load_seconds_buckets=tuple(s.load_seconds_buckets),
+        loads_in_flight=loads_in_flight), per_tenant
 
 
 def _add(d: dict, key: object, n: int) -> None:

@@ -170,6 +170,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     "app/test_cluster_haproxy.py": ("cluster", "real_model"),  # HAProxy + `saltserve serve`s
     "app/test_cluster.py": ("cluster",),                 # two replicas over PostgreSQL + Redis
     "app/test_limits_redis.py": ("cluster",),            # replicas' shared limits in Redis
+    "engine/test_kv_offload_redis.py": ("cluster",),     # the shared KV tier in Redis
     "app/test_serve_e2e.py": ("real_model",),            # `saltserve serve` / `bench` processes
     "app/test_serve_families.py": ("real_model",),       # `saltserve serve` on tiny checkpoints
     "engine/test_model_families.py": ("real_model",),    # Hugging Face parity of every family

@@ -75,6 +75,24 @@ def tenant_id_of(repo: TenantRepository, tenant: str) -> str:
         raise click.ClickException(str(e)) from None
 
 
+class _Bytes(click.ParamType):
+    """A size: a number of bytes, or with a unit (``8GiB``, ``500MB``; pydantic's ByteSize)."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        from pydantic import ByteSize, TypeAdapter, ValidationError
+
+        try:
+            return int(TypeAdapter(ByteSize).validate_python(value))
+        except ValidationError:
+            self.fail(f"{value!r} is not a size (a number of bytes, or e.g. 8GiB, 500MB)",
+                      param, ctx)
+
+
+BYTES = _Bytes()
+
+
 def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
     """``(declaration, click.option kwargs)`` per ``EngineConfig`` field but ``model``, in order.
 
@@ -86,18 +104,21 @@ def engine_option_specs() -> list[tuple[str, dict[str, Any]]]:
     hints = get_type_hints(EngineConfig)
     specs = []
     for f in fields(EngineConfig):
-        if f.name == "model":
+        if f.name == "model" or f.metadata.get("flag") is False:
             continue
         flag, typ = "--" + f.name.replace("_", "-"), hints[f.name]
         if get_origin(typ) in (Union, types.UnionType):  # X | None -> X
             typ = next(a for a in get_args(typ) if a is not type(None))
         shown = f.metadata.get("unset") if f.default is None else f.default
+        if f.metadata.get("bytes") and isinstance(shown, int):
+            shown = f"{shown >> 30}GiB" if shown and not shown % (1 << 30) else shown
         kwargs: dict[str, Any] = {"default": None}
         if typ is bool:
             decl, shown = f"{flag}/--no-{flag[2:]}", "on" if f.default else "off"
         else:
             decl = flag
-            kwargs["type"] = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else typ
+            kwargs["type"] = (click.Choice(f.metadata["choices"]) if "choices" in f.metadata
+                              else BYTES if f.metadata.get("bytes") else typ)
         kwargs["help"] = f"{f.metadata['help']} [{shown}; env SALTSERVE_{f.name.upper()}]"
         specs.append((decl, kwargs))
     return specs

@@ -1,9 +1,13 @@
-"""KV blocks beyond the pool: a local disk tier behind the block pool, sealed per tenant
-(``cipher``), with a fair byte budget (``disk``), written off the step and loaded before the
-step that needs them (``manager``). docs/prefix-caching.md describes the design."""
+"""KV blocks beyond the pool: tiers behind the block pool (host memory on CUDA, local disk,
+the shared Redis), sealed per tenant (``cipher``), each with a fair byte budget (``disk``,
+``redis_store``), written off the step and loaded while the request waits (``manager``).
+docs/prefix-caching.md describes the design."""
 
 from engine.kv_offload.cipher import BlockCipher
-from engine.kv_offload.disk import DiskStore
-from engine.kv_offload.manager import KVOffloader, OffloadStats
+from engine.kv_offload.disk import DiskStore, FairBudget, MemoryStore
+from engine.kv_offload.manager import KVOffloader, LoadJob, OffloadStats, TierStats
+from engine.kv_offload.redis_store import RedisStore
+from engine.kv_offload.tier import OffloadTier, TierUsage
 
-__all__ = ["BlockCipher", "DiskStore", "KVOffloader", "OffloadStats"]
+__all__ = ["BlockCipher", "DiskStore", "FairBudget", "KVOffloader", "LoadJob", "MemoryStore",
+           "OffloadStats", "OffloadTier", "RedisStore", "TierStats", "TierUsage"]

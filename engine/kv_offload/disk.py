@@ -5,11 +5,10 @@
   file under a block's name; leftovers of such writes are removed at start. A name is the block
   hash, which reveals nothing without the tenant's salt; the content is the sealed blob
   (``engine.kv_offload.cipher``).
-- Capacity (``capacity_bytes``) is shared by tenants as the pool shares its blocks: when a write
-  does not fit, the least recently used blob of the tenant holding the most bytes goes first,
-  so a tenant flooding unique prompts pays with its own blobs while another tenant is under
-  its share. Blobs found at start have no known tenant until a request opens one (they are
-  ``UNCLAIMED``, a tenant of their own for the rule above).
+- Capacity (``capacity_bytes``) is shared by tenants as the pool shares its blocks
+  (``FairBudget``): a tenant flooding unique prompts pays with its own blobs while another
+  tenant is under its share. Blobs found at start have no known tenant until a request opens
+  one (they are ``UNCLAIMED``, a tenant of their own for that rule).
 - At start the index (hash -> size, owner, use order) is rebuilt from the directory listing in
   file-modification order (no blob is read).
 
@@ -20,41 +19,203 @@ writes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+
+from engine.kv_offload.tier import TierUsage
 
 logger = logging.getLogger(__name__)
 
 UNCLAIMED = "\x00unclaimed"  # the owner of blobs found at start (no tenant id is this string)
 _SUFFIX = ".kv"
 _TMP = ".tmp"
+_WARN_EVERY_S = 60.0
 
 
-class DiskStore:
-    """Blobs on local disk under a byte budget shared fairly by tenants.
+class FairBudget:
+    """The index of a local tier: blob sizes and owners under a byte budget that owners share
+    like the pool's blocks (DESIGN "Multi-tenant capacity").
 
-    Args:
-        root: the directory (created 0700 if missing).
-        capacity_bytes: the budget; blobs are evicted to stay within it.
-
-    Raises:
-        OSError: ``root`` cannot be created or listed.
+    When a write does not fit, the least recently used blob of the owner furthest over its
+    share goes first: an owner above its cap (``set_share``) first, else the one holding the
+    most bytes per unit of weight, never one at or under its floor while another can give.
+    Shares follow ``TenantShare``: weight as is; ``min_cache_blocks``/``max_cache_blocks`` as
+    the same fraction of this tier's budget as of the pool. Subclasses store the blobs
+    (``_drop_blob``).
     """
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int) -> None:
-        self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._size: dict[bytes, int] = {}
         self._owner: dict[bytes, str] = {}
         self._lru: dict[str, OrderedDict[bytes, None]] = {}
         self._bytes: dict[str, int] = {}
+        # owner -> (weight, floor fraction, cap fraction); absent: (1, None, None)
+        self._shares: dict[str, tuple[int, float | None, float | None]] = {}
         self.used_bytes = 0
         self.evicted = 0
+
+    def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
+                  max_fraction: float | None = None) -> None:
+        """The owner's weight, and its floor and cap as fractions of the budget."""
+        with self._lock:
+            self._shares[owner] = (weight, min_fraction, max_fraction)
+
+    def _drop_blob(self, key: bytes) -> None:
+        raise NotImplementedError
+
+    def _add(self, key: bytes, size: int, owner: str) -> None:
+        self._size[key] = size
+        self._owner[key] = owner
+        self._lru.setdefault(owner, OrderedDict())[key] = None
+        self._bytes[owner] = self._bytes.get(owner, 0) + size
+        self.used_bytes += size
+
+    def _remove(self, key: bytes) -> None:
+        self._remove_index_only(key)
+        self._drop_blob(key)
+
+    def _remove_index_only(self, key: bytes) -> None:
+        owner = self._owner.pop(key)
+        size = self._size.pop(key)
+        del self._lru[owner][key]
+        self._bytes[owner] -= size
+        if not self._lru[owner]:
+            del self._lru[owner], self._bytes[owner]
+        self.used_bytes -= size
+
+    def _victim(self, incoming: int, owner: str | None) -> str:
+        """The owner that gives a blob (``owner`` counted with ``incoming`` more bytes)."""
+        def rank(o: str) -> tuple:
+            held = self._bytes[o] + (incoming if o == owner else 0)
+            weight, low, high = self._shares.get(o, (1, None, None))
+            over_cap = high is not None and held > high * self.capacity_bytes
+            above_floor = low is None or held > low * self.capacity_bytes
+            return over_cap, above_floor, held / weight
+        return max(self._lru, key=rank)
+
+    def _fit(self, incoming: int, owner: str | None) -> None:
+        """Evicts until ``incoming`` more bytes fit."""
+        while self.used_bytes + incoming > self.capacity_bytes and self._lru:
+            victim = self._victim(incoming, owner)
+            self._remove(next(iter(self._lru[victim])))
+            self.evicted += 1
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._size  # one dict lookup (atomic): the engine thread never waits
+
+    def query(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._size for k in keys]
+
+    def claim(self, key: bytes, owner: str) -> None:
+        """Records ``owner`` for a blob found at start (its tenant opened it)."""
+        with self._lock:
+            if self._owner.get(key) == UNCLAIMED:
+                size = self._size[key]
+                self._remove_index_only(key)
+                self._add(key, size, owner)
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._size:
+                self._remove(key)
+
+    def delete_owner(self, owner: str) -> int:
+        """Deletes every blob of ``owner``; returns how many."""
+        with self._lock:
+            keys = list(self._lru.get(owner, ()))
+            for key in keys:
+                self._remove(key)
+            return len(keys)
+
+    def delete_all(self) -> int:
+        """Deletes every blob; returns how many."""
+        with self._lock:
+            keys = list(self._size)
+            for key in keys:
+                self._remove(key)
+            return len(keys)
+
+    def owner_bytes(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.capacity_bytes, self.used_bytes, len(self._size), self.evicted,
+                             dict(self._bytes))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._size)
+
+
+class MemoryStore(FairBudget):
+    """Blobs in host memory (the host tier behind a CUDA pool; ``--kv-offload-host-size``).
+
+    Args:
+        capacity_bytes: the budget.
+    """
+
+    name = "host"
+    local = True
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._blobs: dict[bytes, bytes] = {}
+
+    def _drop_blob(self, key: bytes) -> None:
+        self._blobs.pop(key, None)
+
+    def put(self, key: bytes, blob: bytes, owner: str) -> bool:
+        with self._lock:
+            if key in self._size:
+                return True
+            if len(blob) > self.capacity_bytes:
+                return False
+            self._fit(len(blob), owner)
+            self._blobs[key] = blob
+            self._add(key, len(blob), owner)
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            if key not in self._size:
+                return None
+            self._lru[self._owner[key]].move_to_end(key)
+            return self._blobs[key]
+
+
+class DiskStore(FairBudget):
+    """Blobs on local disk under a byte budget shared fairly by tenants.
+
+    Args:
+        root: the directory (created 0700 if missing).
+        capacity_bytes: the budget; blobs are evicted to stay within it.
+
+    A full disk (ENOSPC, EDQUOT) lowers the budget to what the disk held at that moment, so
+    the tier goes on within it (logged once a minute); other write errors drop that write.
+
+    Raises:
+        OSError: ``root`` cannot be created or listed.
+    """
+
+    name = "disk"
+    local = True
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.write_errors = 0
+        self._last_warning = 0.0
         self._scan()
 
     # -- index --------------------------------------------------------------------------------
@@ -83,30 +244,10 @@ class DiskStore:
             self._add(key, size, UNCLAIMED)
         self._fit(0, None)
 
-    def _add(self, key: bytes, size: int, owner: str) -> None:
-        self._size[key] = size
-        self._owner[key] = owner
-        self._lru.setdefault(owner, OrderedDict())[key] = None
-        self._bytes[owner] = self._bytes.get(owner, 0) + size
-        self.used_bytes += size
-
-    def _remove(self, key: bytes) -> None:
-        self._remove_index_only(key)
+    def _drop_blob(self, key: bytes) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def _fit(self, incoming: int, owner: str | None) -> None:
-        """Evicts until ``incoming`` more bytes fit: the LRU blob of the owner holding the most
-        bytes (``owner`` counted with ``incoming``)."""
-        while self.used_bytes + incoming > self.capacity_bytes and self._lru:
-            victim = max(self._lru, key=lambda o: self._bytes[o] + (incoming if o == owner
-                                                                     else 0))
-            self._remove(next(iter(self._lru[victim])))
-            self.evicted += 1
-
     # -- blobs --------------------------------------------------------------------------------
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._size  # one dict lookup (atomic): the engine thread never waits
-
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         """Stores ``blob`` under ``key`` for ``owner`` (nothing when already stored). Returns
         False when it could not be written (the error is logged; nothing is indexed). The file
@@ -131,8 +272,16 @@ class DiskStore:
             os.replace(tmp, path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            logger.warning("KV disk tier: a write failed (%s); the block is not offloaded",
-                           type(e).__name__)
+            with self._lock:
+                self.write_errors += 1
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                if full:  # the disk holds no more than this: stay within it from now on
+                    self.capacity_bytes = min(self.capacity_bytes, self.used_bytes)
+                    self._fit(0, None)
+            cause = errno.errorcode.get(e.errno, type(e).__name__)
+            self._warn(f"a write failed ({cause}); the budget is now what the disk holds, "
+                       f"{self.capacity_bytes / 2**20:.0f} MiB" if full
+                       else f"a write failed ({cause}); the block is not offloaded")
             return False
         with self._lock:
             if key not in self._size:
@@ -151,48 +300,8 @@ class DiskStore:
             self.delete(key)
             return None
 
-    def claim(self, key: bytes, owner: str) -> None:
-        """Records ``owner`` for a blob found at start (its tenant opened it)."""
-        with self._lock:
-            if self._owner.get(key) == UNCLAIMED:
-                size = self._size[key]
-                self._remove_index_only(key)
-                self._add(key, size, owner)
-
-    def _remove_index_only(self, key: bytes) -> None:
-        owner = self._owner.pop(key)
-        size = self._size.pop(key)
-        del self._lru[owner][key]
-        self._bytes[owner] -= size
-        if not self._lru[owner]:
-            del self._lru[owner], self._bytes[owner]
-        self.used_bytes -= size
-
-    def delete(self, key: bytes) -> None:
-        with self._lock:
-            if key in self._size:
-                self._remove(key)
-
-    def delete_owner(self, owner: str) -> int:
-        """Deletes every blob of ``owner``; returns how many."""
-        with self._lock:
-            keys = list(self._lru.get(owner, ()))
-            for key in keys:
-                self._remove(key)
-            return len(keys)
-
-    def delete_all(self) -> int:
-        """Deletes every blob; returns how many."""
-        with self._lock:
-            keys = list(self._size)
-            for key in keys:
-                self._remove(key)
-            return len(keys)
-
-    def owner_bytes(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._bytes)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._size)
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            logger.warning("KV disk tier: %s", message)

@@ -1,23 +1,32 @@
-"""The tier behind the block pool: cached blocks the pool evicts are sealed and written to the
-disk tier off the engine step; a later request whose prefix runs past the pool's hits finds the
-rest there and loads it into fresh pool blocks, bit for bit.
+"""The tiers behind the block pool: cached blocks the pool evicts are sealed and written to
+every tier off the engine step; a later request whose prefix runs past the pool's hits finds
+the rest in a tier and waits in a loading state while a loader thread brings it back into
+fresh pool blocks, bit for bit.
 
 Write: when the pool reuses a cached block (eviction reason ``capacity``), its KV is copied out
 of the cache at once (the step about to run overwrites it) and handed to a writer thread, which
-seals it for its tenant (``engine.kv_offload.cipher``) and writes it (``DiskStore``). A full
-queue drops the write (counted): the step never waits for the disk. Private blocks, blocks of a
-failed step and blocks dropped by a reset or a rotation are never written. A clean shutdown
-also writes the cached blocks still in the pool (``save_pool``), so a restart finds them.
+seals it for its tenant (``engine.kv_offload.cipher``) and writes it to each tier that does not
+hold it yet (local disk first, then the shared Redis tier). A full queue drops the write
+(counted): the step never waits for a tier. Private blocks, blocks of a failed step and blocks
+dropped by a reset or a rotation are never written. A clean shutdown also writes the cached
+blocks still in the pool (``save_pool``), so a restart finds them. (Writing at eviction rather
+than when a block is cached writes each block once, and only blocks the pool could not keep:
+docs/prefix-caching.md has the measurement.)
 
-Load: ``lookup`` counts the leading block hashes the tier holds (its in-memory index: no I/O,
-so the scheduler can plan with it); ``load`` reads, opens and copies them into the blocks
-allocated for them before the step that reads them, and stops at the first blob that is
-missing, fails authentication or has the wrong size (a miss, counted and logged at most once a
-minute; the request computes the rest). Loads run on the engine thread, in the step that admits
-the request.
+Lookup: ``lookup`` counts the leading block hashes some tier holds: local indexes first (no
+I/O), then, where asked (``remote=True``, at admission only), one round trip to a remote tier
+for the blocks past the local prefix (another replica may have written them).
 
-A reset or salt rotation of a tenant deletes its blobs from the index (unreachable at once) and
-from disk.
+Load (vLLM's offloading connector and SGLang's HiCache do the same): the scheduler allocates
+fresh blocks and ``submit_load`` hands the job to the loader thread; the request waits
+(``WAITING_FOR_KV_LOAD``) while the steps of other requests run. The loader reads each blob
+from the first tier that opens it, checks it (``BlockCipher.open``: a tampered, truncated,
+swapped or older-generation blob is a miss, counted, logged at most once a minute, and deleted
+from that tier) and copies it into its block; it stops at the first block no tier gives. The
+scheduler collects finished jobs (``poll_loads``) at the start of a step.
+
+A reset or salt rotation of a tenant deletes its blobs from every tier (unreachable at once:
+the key derivation changes with the generation, and the blobs are deleted too).
 """
 
 from __future__ import annotations
@@ -26,12 +35,14 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv_offload.cipher import BlockCipher
-from engine.kv_offload.disk import DiskStore
+from engine.kv_offload.tier import OffloadTier
+from engine.stats import LOAD_SECONDS_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -48,62 +59,131 @@ class BlockIO(Protocol):
 
 
 @dataclass
-class OffloadStats:
-    """Counters of the tier (monotonic, blocks unless named bytes)."""
+class TierStats:
+    """One tier's counters (monotonic; blocks unless named bytes)."""
 
     written: int = 0
     written_bytes: int = 0
-    write_dropped: int = 0  # the writer's queue was full, or the write failed
+    write_failed: int = 0
     loaded: int = 0
     loaded_bytes: int = 0
-    load_failed: int = 0  # missing, tampered, truncated or another tenant's
+    load_failed: int = 0  # stored but unopenable: tampered, truncated, another generation
+
+
+@dataclass
+class OffloadStats:
+    """Counters of the offloader (monotonic, blocks unless named)."""
+
+    write_dropped: int = 0  # the writer's queue was full
+    loaded: int = 0
+    loaded_bytes: int = 0
+    load_missing: int = 0  # runs that stopped on a block no tier gave
+    load_jobs: int = 0
     load_seconds: float = 0.0
+    load_seconds_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+
+
+@dataclass
+class LoadJob:
+    """Blocks one request loads: ``hashes[i]`` into block ``block_ids[i]``; the loader sets
+    ``loaded`` (leading blocks loaded) and ``done``."""
+
+    request_id: str
+    tenant: str | None
+    salt: bytes | None
+    generation: int
+    hashes: Sequence[bytes]
+    block_ids: Sequence[int]
+    loaded: int = 0
+    done: bool = False
 
 
 class KVOffloader:
-    """One tier (local disk) behind the pool.
+    """The tiers behind the pool, in lookup order (the nearest first).
 
     Args:
-        store: the disk tier.
+        tiers: e.g. ``[DiskStore, RedisStore]``.
         cipher: seals and opens this model's blocks.
         io: the cache's block copies.
     """
 
-    def __init__(self, store: DiskStore, cipher: BlockCipher, io: BlockIO) -> None:
-        self.store, self.cipher, self.io = store, cipher, io
-        self.stats = OffloadStats()
+    def __init__(self, tiers: Sequence[OffloadTier], cipher: BlockCipher, io: BlockIO) -> None:
+        if not tiers:
+            raise ValueError("at least one tier")
+        self.tiers, self.cipher, self.io = list(tiers), cipher, io
+        self.stats = OffloadStats(tiers={t.name: TierStats() for t in self.tiers})
         self._queue: queue.Queue = queue.Queue(maxsize=_WRITE_QUEUE_BLOCKS)
+        self._loads: queue.Queue = queue.Queue()
+        self._done: deque[LoadJob] = deque()
+        self._load_done = threading.Event()
         self._last_warning = 0.0
-        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer",
-                                        daemon=True)
-        self._writer.start()
+        self.tenants: set[str | None] = set()  # tenants seen (to name owners in reports)
+        self._shares: dict[str | None, tuple] = {}
+        self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name in
+                         ((self._write_loop, "kv-offload-writer"),
+                          (self._load_loop, "kv-offload-loader"))]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def store(self) -> OffloadTier:
+        """The nearest tier."""
+        return self.tiers[0]
+
+    def set_tenant_share(self, tenant: str | None, share, num_pool_blocks: int) -> None:
+        """Applies a ``TenantShare`` to every tier: its weight, and its cache floor and cap as
+        the same fraction of each tier's budget as of the pool's ``num_pool_blocks``."""
+        key = (share.weight, share.min_cache_blocks, share.max_cache_blocks)
+        if self._shares.get(tenant) == key:
+            return
+        self._shares[tenant] = key
+        self.tenants.add(tenant)
+        low, high = (None if n is None else n / num_pool_blocks
+                     for n in (share.min_cache_blocks, share.max_cache_blocks))
+        for tier in self.tiers:
+            tier.set_share(tenant if tenant is not None else "", share.weight, low, high)
+
+    def owner_bytes(self, tier: OffloadTier, owners: dict[str, int]) -> dict:
+        """``tier.usage().owner_bytes`` by tenant id: a remote tier's tags are matched with the
+        tenants this process has seen; the rest stay under their tags."""
+        tag = getattr(tier, "tag", None)
+        if tag is None:
+            return dict(owners)
+        names = {tag(t if t is not None else ""): (t if t is not None else "")
+                 for t in self.tenants}
+        return {names.get(o, o): n for o, n in owners.items()}
 
     # -- write --------------------------------------------------------------------------------
+    def _holds(self, block_hash: bytes) -> bool:
+        return all(block_hash in t for t in self.tiers)
+
     def on_evict(self, block, reason: str, evicted_by: str | None) -> None:
         """``BlockPool`` eviction listener: a cached block leaving the pool for capacity is
-        copied out and queued for the disk tier."""
-        if reason != "capacity" or block.private or block.salt is None:
-            return
-        if block.block_hash in self.store:
+        copied out and queued for the tiers."""
+        if reason != "capacity" or block.private or block.salt is None \
+                or self._holds(block.block_hash):
             return
         try:
-            item = (block.block_hash, block.owner, block.salt, block.generation,
-                    self.io.read_block(block.block_id))
-            self._queue.put_nowait(item)
+            self._queue.put_nowait(self._item(block))
         except queue.Full:
             self.stats.write_dropped += 1
 
+    def _item(self, block) -> tuple:
+        return (block.block_hash, block.owner, block.salt, block.generation,
+                self.io.read_block(block.block_id))
+
     def save_pool(self, blocks: Iterable) -> int:
-        """Queues every cached block of ``blocks`` not on disk yet (a clean shutdown: blocks
-        still in the pool then survive the restart), waiting for room in the queue; returns how
-        many. Call with the engine stopped (nothing writes the cache meanwhile)."""
+        """Queues every cached block of ``blocks`` not in every tier yet (a clean shutdown:
+        blocks still in the pool then survive the restart), waiting for room in the queue;
+        returns how many. Call with the engine stopped (nothing writes the cache meanwhile)."""
         n = 0
         for block in blocks:
             if block.block_hash is None or block.private or block.salt is None \
-                    or block.block_hash in self.store:
+                    or self._holds(block.block_hash):
                 continue
-            self._queue.put((block.block_hash, block.owner, block.salt, block.generation,
-                             self.io.read_block(block.block_id)))
+            self._queue.put(self._item(block))
             n += 1
         return n
 
@@ -117,14 +197,19 @@ class KVOffloader:
                     return
                 block_hash, owner, salt, generation, data = item
                 blob = self.cipher.seal(salt, generation, block_hash, data)
-                if self.store.put(block_hash, blob, owner if owner is not None else ""):
-                    self.stats.written += 1
-                    self.stats.written_bytes += len(blob)
-                else:
-                    self.stats.write_dropped += 1
+                self.tenants.add(owner)
+                for tier in self.tiers:
+                    if block_hash in tier:
+                        continue
+                    s = self.stats.tiers[tier.name]
+                    if tier.put(block_hash, blob, owner if owner is not None else ""):
+                        s.written += 1
+                        s.written_bytes += len(blob)
+                    else:
+                        s.write_failed += 1
             except Exception as e:  # noqa: BLE001 - a bad write must not stop the writer
                 self.stats.write_dropped += 1
-                logger.warning("KV disk tier: a write failed (%s)", type(e).__name__)
+                logger.warning("KV offload: a write failed (%s)", type(e).__name__)
             finally:
                 self._queue.task_done()
 
@@ -135,49 +220,121 @@ class KVOffloader:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
-        self._writer.join(timeout=5)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes], remote: bool = False) -> int:
+        """How many of ``hashes``, from the first, some tier holds: local indexes (no I/O),
+        then with ``remote`` one query to each remote tier for the blocks past them."""
+        found = [any(h in t for t in self.tiers) for h in hashes]
+        n = found.index(False) if False in found else len(found)
+        if remote and n < len(hashes):
+            for tier in self.tiers:
+                if tier.local:
+                    continue
+                for i, present in enumerate(tier.query(hashes[n:]), n):
+                    found[i] = found[i] or present
+            n = found.index(False) if False in found else len(found)
+        return n
 
     # -- load ---------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many of ``hashes``, from the first, the tier holds (index only, no I/O)."""
-        n = 0
-        for h in hashes:
-            if h not in self.store:
-                break
-            n += 1
-        return n
+    def submit_load(self, job: LoadJob) -> None:
+        """Queues ``job`` for the loader thread; ``poll_loads`` returns it once done. The
+        caller keeps ``job.block_ids`` allocated (and unread) until then."""
+        self._loads.put(job)
 
-    def load(self, tenant: str | None, salt: bytes | None, generation: int,
-             hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Loads ``hashes[i]`` into block ``block_ids[i]`` in order; returns how many loaded
-        (stops at the first miss, which is counted)."""
+    def poll_loads(self) -> list[LoadJob]:
+        """The jobs finished since the last call."""
+        done = []
+        while self._done:
+            done.append(self._done.popleft())
+        if not self._done:
+            self._load_done.clear()
+            if self._done:  # finished between the two lines above
+                self._load_done.set()
+        return done
+
+    def wait_loads(self, timeout: float) -> None:
+        """Returns when a job has finished since the last ``poll_loads``, or after
+        ``timeout`` seconds (the engine waits here when only loads are in flight)."""
+        self._load_done.wait(timeout)
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            try:
+                self.load(job)
+            except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a crash
+                logger.warning("KV offload: a load failed (%s); the request computes it",
+                               type(e).__name__)
+            job.done = True
+            self._done.append(job)
+            self._load_done.set()
+
+    def load(self, job: LoadJob) -> int:
+        """Loads ``job`` in order on the calling thread; sets and returns ``job.loaded`` (it
+        stops at the first block no tier gives, which is counted)."""
         start = time.perf_counter()
-        n = 0
-        for block_hash, block_id in zip(hashes, block_ids, strict=True):
-            blob = self.store.get(block_hash)
-            data = None if blob is None or salt is None else self.cipher.open(
-                salt, generation, block_hash, blob)
+        self.tenants.add(job.tenant)
+        owner = job.tenant if job.tenant is not None else ""
+        for block_hash, block_id in zip(job.hashes, job.block_ids, strict=True):
+            data = self._read(block_hash, job.salt, job.generation, owner)
             if data is None:
-                self.stats.load_failed += 1
-                if blob is not None:  # stored but unopenable: never loaded again
-                    self.store.delete(block_hash)
-                self._warn("a block failed authentication or was missing; it is computed")
+                self.stats.load_missing += 1
                 break
             self.io.write_block(block_id, data)
-            self.store.claim(block_hash, tenant if tenant is not None else "")
-            n += 1
-        self.stats.loaded += n
-        self.stats.loaded_bytes += n * self.cipher.block_bytes
-        self.stats.load_seconds += time.perf_counter() - start
-        return n
+            job.loaded += 1
+        seconds = time.perf_counter() - start
+        s = self.stats
+        s.loaded += job.loaded
+        s.loaded_bytes += job.loaded * self.cipher.block_bytes
+        s.load_jobs += 1
+        s.load_seconds += seconds
+        s.load_seconds_buckets[next((i for i, b in enumerate(LOAD_SECONDS_BUCKETS)
+                                     if seconds <= b), len(LOAD_SECONDS_BUCKETS))] += 1
+        return job.loaded
+
+    def _read(self, block_hash: bytes, salt: bytes | None, generation: int, owner: str
+              ) -> bytes | None:
+        """The block from the first tier that holds it and opens, or None."""
+        if salt is None:
+            return None
+        for tier in self.tiers:
+            blob = tier.get(block_hash)
+            if blob is None:
+                continue
+            data = self.cipher.open(salt, generation, block_hash, blob)
+            s = self.stats.tiers[tier.name]
+            if data is None:  # stored but unopenable: never tried again
+                s.load_failed += 1
+                tier.delete(block_hash)
+                self._warn(f"a block in the {tier.name} tier failed authentication; it is "
+                           "computed")
+                continue
+            tier.claim(block_hash, owner)
+            s.loaded += 1
+            s.loaded_bytes += len(data)
+            return data
+        return None
 
     def drop_tenant(self, tenant: str | None) -> int:
-        """Deletes the tenant's blobs (a reset or salt rotation); returns how many."""
+        """Deletes the tenant's blobs from every tier (a reset or salt rotation); returns how
+        many."""
         self.flush()  # a queued write of the old generation lands before the delete
-        return self.store.delete_owner(tenant if tenant is not None else "")
+        owner = tenant if tenant is not None else ""
+        return sum(t.delete_owner(owner) for t in self.tiers)
+
+    def drop_all(self) -> int:
+        """Deletes every blob of every tier (the global reset); returns how many."""
+        self.flush()
+        return sum(t.delete_all() for t in self.tiers)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
-            logger.warning("KV disk tier: %s", message)
+            logger.warning("KV offload: %s", message)

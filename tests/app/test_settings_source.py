@@ -25,7 +25,9 @@ from engine.config import (
     EngineConfig,
 )
 
-ENGINE_FIELDS = [f for f in fields(EngineConfig) if f.name != "model"]
+# Every field but the model and those the server fills from its own settings ("flag": False).
+ENGINE_FIELDS = [f for f in fields(EngineConfig)
+                 if f.name != "model" and f.metadata.get("flag") is not False]
 CHOICE_CONSTANTS = {"prefix_caching_hash_algo": HASH_ALGOS, "dtype": DTYPES, "device": DEVICES,
                     "attention_backend": ATTENTION_BACKENDS,
                     "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS,
@@ -55,8 +57,29 @@ def test_engine_field_is_a_setting_with_the_same_default(f):
 
 
 def test_default_settings_give_the_default_engine_config(tmp_path):
-    assert Settings().engine_config(tmp_path) == EngineConfig(model=str(tmp_path))
+    """The same defaults, but the disk tier the server turns on (in its data dir, 8 GiB or
+    half the free disk) and the Redis namespace it shares with the cluster."""
+    served = Settings(data_dir=tmp_path).engine_config(tmp_path)
+    assert 0 < served.kv_offload_size <= 8 << 30
+    assert served.kv_offload_dir == str(tmp_path / "kv-offload")
+    assert served.kv_offload_redis_url is None  # no --redis-url: no shared tier
+    assert served == EngineConfig(model=str(tmp_path), kv_offload_size=served.kv_offload_size,
+                                  kv_offload_dir=served.kv_offload_dir)
     assert Settings().max_model_len is None  # the model's max_position_embeddings
+    with_redis = Settings(data_dir=tmp_path, redis_url="redis://h:1/0", redis_namespace="ns",
+                          kv_offload_size="0").engine_config(tmp_path)
+    assert with_redis.kv_offload_redis_url == "redis://h:1/0" and with_redis.kv_offload_size == 0
+    assert with_redis.kv_offload_redis_namespace == "ns"
+
+
+def test_sizes_take_units(tmp_path):
+    config = Settings(data_dir=tmp_path, kv_offload_size="2GiB",
+                      kv_offload_redis_size="500MB").engine_config(tmp_path)
+    assert config.kv_offload_size == 2 << 30 and config.kv_offload_redis_size == 500_000_000
+    opt = _serve_option("kv_offload_size")
+    assert opt.type.convert("1.5GiB", opt, None) == 3 << 29
+    with pytest.raises(click.BadParameter, match="is not a size"):
+        opt.type.convert("lots", opt, None)
 
 
 @pytest.mark.parametrize("f", ENGINE_FIELDS, ids=lambda f: f.name)
@@ -67,6 +90,8 @@ def test_engine_field_is_a_serve_flag_with_help(f):
     help_ = f.metadata["help"]
     assert help_ and "\n" not in help_ and opt.help.startswith(help_)
     shown = f.metadata.get("unset") if f.default is None else f.default
+    if f.metadata.get("bytes") and f.default == 1 << 30:
+        shown = "1GiB"
     if f.default is True:
         shown = "on"
     assert f"[{shown}; env SALTSERVE_{f.name.upper()}]" in opt.help

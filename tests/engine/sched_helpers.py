@@ -58,6 +58,7 @@ def check(sched: Scheduler) -> None:
 def step(sched: Scheduler, token: int | Callable[[Request], int] = 1000,
          ) -> tuple[SchedulerOutput, list[Row]]:
     """One engine step with a fake runner. Returns the output and (id, start, n, samples) rows."""
+    cached_before = _cached_pairs(sched)
     out = sched.schedule()
     check(sched)
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
@@ -68,7 +69,19 @@ def step(sched: Scheduler, token: int | Callable[[Request], int] = 1000,
             for s in out.scheduled]
     sched.update_from_output(out, sampled)
     check(sched)
+    # Every block the step added to the prefix cache holds KV the step wrote: a hit on a
+    # block whose tokens were never computed (its request preempted before the forward ran)
+    # would read garbage.
+    pool = sched.kv.block_pool
+    written = {(b, pool.blocks[b].block_hash) for s in out.scheduled
+               for b in s.block_ids[:(s.num_computed_tokens + s.num_new_tokens) // BS]}
+    for block_id, block_hash in _cached_pairs(sched) - cached_before:
+        assert (block_id, block_hash) in written, f"block {block_id} cached, never computed"
     return out, rows
+
+
+def _cached_pairs(sched: Scheduler) -> set:
+    return {(b.block_id, h) for h, b in sched.kv.block_pool.cached_block_hash_to_block.items()}
 
 
 def assert_idle(sched: Scheduler) -> None:

@@ -933,3 +933,26 @@ def test_siblings_of_a_caching_off_tenant_share_one_prefill_and_leave_nothing_ca
     assert all(not b.private for b in pool.blocks)
     assert pool.stats.num_evictions["capacity"] == 0
     assert sched.stats.prefix_cache_queries == 40 and sched.stats.prefix_cache_hits == 0
+
+
+def test_a_victim_granted_earlier_in_its_step_leaves_no_unwritten_block_cached() -> None:
+    """A running request granted tokens in phase 2 (its new blocks cached, full once the step
+    writes them) and then preempted by a later request's growth in the same step: the step
+    never writes those blocks, so they must leave the prefix cache (``step`` checks that every
+    block a step caches was written). Workloads found by a random search; each failed before
+    the rule."""
+    import random
+
+    for seed in (35, 55):
+        rng = random.Random(seed)
+        sched = make_scheduler(num_blocks=rng.randint(6, 12),
+                               max_num_batched_tokens=rng.choice([16, 32, 48, 64]),
+                               max_num_seqs=rng.randint(2, 6))
+        for i in range(rng.randint(2, 6)):
+            n, base = rng.randint(5, 60), rng.choice([0, 1000])
+            sched.add_request(make_request(
+                f"r{i}", range(base, base + n), tenant=f"t{rng.randint(0, 2)}",
+                weight=rng.randint(1, 3), max_tokens=rng.randint(1, 30), ignore_eos=True))
+        preemptions = sched.stats.num_preemptions
+        run_to_idle(sched)
+        assert sched.stats.num_preemptions > preemptions

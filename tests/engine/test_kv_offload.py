@@ -7,19 +7,23 @@ restart too, never across tenants, and a bad blob is a miss the request computes
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import stat
+import threading
+import time
 
 import pytest
 import torch
 from tiny_checkpoints import VOCAB, StubTokenizer, build_checkpoint
 
 from engine.config import EngineConfig
-from engine.kv_offload import BlockCipher, DiskStore
+from engine.kv_offload import BlockCipher, DiskStore, MemoryStore
 from engine.kv_offload.disk import UNCLAIMED
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest
+from engine.request import EngineRequest, RequestStatus
 from engine.sampling_params import SamplingParams
 
 SALT_A, SALT_B = b"a" * 32, b"b" * 32
@@ -142,16 +146,19 @@ def test_evicted_prefixes_come_back_from_disk_bit_for_bit(model_dir, tmp_path, r
     engine = _engine(model_dir, tier)
     assert _tokens(_run(engine, [PROMPT])) == cold
     _evict(engine)
-    assert engine.offloader.stats.written >= 9
+    assert engine.offloader.stats.tiers["disk"].written >= 9
     again = _run(engine, [PROMPT], tag="again")
     assert again[0].num_cached_tokens == FULL and _tokens(again) == warm
-    assert engine.offloader.stats.loaded == 9 and engine.offloader.stats.load_failed == 0
+    assert engine.offloader.stats.loaded == 9 and engine.offloader.stats.load_missing == 0
+    assert engine.offloader.stats.tiers["disk"].load_failed == 0
     engine.kv_cache_manager.check_integrity()
     # Observed: the tenant's tier hits and bytes, the tier's totals, in Prometheus too.
     snap = engine.stats_snapshot()
     assert snap.tenants["A"].prefix_cache_tier_hits == FULL
-    assert snap.tenants["A"].offload_bytes == snap.offload.used_bytes > 0
-    assert snap.offload.loaded_blocks == 9 and snap.offload.load_failed == 0
+    (disk,) = snap.offload.tiers
+    assert disk.name == "disk" and snap.tenants["A"].offload_bytes == {"disk": disk.used_bytes}
+    assert disk.used_bytes > 0 and disk.loaded_blocks == 9 and disk.load_failed == 0
+    assert snap.offload.load_jobs == 1 and sum(snap.offload.load_seconds_buckets) == 1
     from prometheus_client import CollectorRegistry, generate_latest
 
     from app.metrics import EngineCollector
@@ -161,7 +168,10 @@ def test_evicted_prefixes_come_back_from_disk_bit_for_bit(model_dir, tmp_path, r
     registry.register(collector)
     text = generate_latest(registry).decode()
     assert 'saltserve:prefix_cache_tier_hits_total{model_name="m",tenant="A"} 144.0' in text
-    assert 'saltserve:kv_offload_loaded_blocks_total{model_name="m"} 9.0' in text
+    assert 'saltserve:kv_offload_loaded_blocks_total{model_name="m",tier="disk"} 9.0' in text
+    assert ('saltserve:prompt_tokens_by_source_total{model_name="m",source="tier_hit",'
+            'tenant="A"} 144.0') in text
+    assert 'saltserve:kv_offload_load_seconds_count{model_name="m"} 1.0' in text
 
     # A restart finds the tier again: the first request on the prefix hits all of it.
     _evict(engine, tag="evict-more")
@@ -204,7 +214,7 @@ def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_
         f.write_bytes(bytes(data))
     out = _run(engine, [PROMPT], tag="tampered")
     assert out[0].num_cached_tokens == 0 and _tokens(out) == cold
-    assert engine.offloader.stats.load_failed == 1
+    assert engine.offloader.stats.tiers["disk"].load_failed == 1
     engine.kv_cache_manager.check_integrity()
     # A reset deletes the tenant's blobs.
     _evict(engine, tag="evict2")
@@ -239,3 +249,128 @@ def test_a_tenant_flooding_unique_prompts_leaves_anothers_offloaded_prefix(model
     assert again[0].num_cached_tokens == FULL
     assert engine.offloader.stats.loaded - loaded == a_bytes // block_blob
     engine.kv_cache_manager.check_integrity()
+
+
+# -- loading off the step -----------------------------------------------------------------
+class _Gate:
+    """Holds every tier read until ``open()``: a load in flight for as long as a test wants."""
+
+    def __init__(self, tier):
+        self.tier, self.event, self.reads = tier, threading.Event(), 0
+        self._get, tier.get = tier.get, self.get
+
+    def get(self, key):
+        self.reads += 1
+        assert self.event.wait(30), "the gate was never opened"
+        return self._get(key)
+
+    def open(self):
+        self.event.set()
+
+
+def test_a_request_waits_for_its_load_while_other_requests_run(model_dir, tmp_path, reference):
+    """The loader thread brings the prefix back while the engine steps other requests: the
+    loading request is ``WAITING_FOR_KV_LOAD``, another tenant's request is admitted and
+    decodes meanwhile, and the loaded request then hits its whole prefix, bit for bit."""
+    _, warm = reference
+    engine = _engine(model_dir, tmp_path / "tier")
+    _run(engine, [PROMPT])
+    _evict(engine)
+    gate = _Gate(engine.offloader.store)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    engine.add_request(EngineRequest("loads", tuple(PROMPT), params, tenant_id="A",
+                                     cache_salt=SALT_A))
+    engine.add_request(EngineRequest("other", tuple(_prompt(7)[:40]), params, tenant_id="B",
+                                     cache_salt=SALT_B))
+    got: dict[str, list] = {"loads": [], "other": []}
+
+    def step():
+        for o in engine.step():
+            got[o.request_id].extend(zip(o.new_token_ids, o.new_logprobs, strict=True))
+
+    for _ in range(8):  # B prefills and decodes while A's load is held
+        step()
+    req = engine.scheduler.requests["loads"]
+    assert req.status == RequestStatus.WAITING_FOR_KV_LOAD and gate.reads == 1
+    assert len(got["other"]) == 4 and not got["loads"]
+    snap = engine.stats_snapshot()
+    assert snap.offload.loads_in_flight == 1 and snap.num_requests_waiting == 1
+    gate.open()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    assert req.num_cached_tokens == FULL and req.num_tier_tokens == FULL
+    assert ([t for t, _ in got["loads"]], [lp.logprob for _, lp in got["loads"]]) == warm[0]
+    engine.kv_cache_manager.check_integrity()
+
+
+def test_an_aborted_load_frees_its_blocks_only_when_the_loader_is_done(model_dir, tmp_path):
+    engine = _engine(model_dir, tmp_path / "tier")
+    _run(engine, [PROMPT])
+    _evict(engine)
+    gate = _Gate(engine.offloader.store)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request(EngineRequest("gone", tuple(PROMPT), params, tenant_id="A",
+                                     cache_salt=SALT_A))
+    engine.step()
+    assert engine.scheduler.requests["gone"].status == RequestStatus.WAITING_FOR_KV_LOAD
+    free_before = engine.block_pool.get_num_free_blocks()
+    engine.abort_request(["gone"])
+    # The loader still writes into the request's blocks: none goes back to the pool yet.
+    assert engine.block_pool.get_num_free_blocks() == free_before
+    assert not engine.has_unfinished_requests()
+    gate.open()
+    deadline = time.monotonic() + 30
+    while engine.scheduler._abandoned_loads:
+        assert time.monotonic() < deadline
+        engine.offloader.wait_loads(0.1)
+        engine.step()
+    assert engine.block_pool.get_num_free_blocks() == engine.cache_info.num_blocks
+    engine.kv_cache_manager.check_integrity()
+    # What it loaded stays cached: the next request on the prompt hits it in the pool.
+    again = _run(engine, [PROMPT], tag="again")
+    assert again[0].num_cached_tokens == FULL
+
+
+# -- faults of the store --------------------------------------------------------------------
+def test_a_full_disk_lowers_the_budget_and_serving_goes_on(model_dir, tmp_path, reference,
+                                                           monkeypatch, caplog):
+    cold, _ = reference
+    engine = _engine(model_dir, tmp_path / "tier")
+    _run(engine, [PROMPT])
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("engine.kv_offload.disk.os.write", full)
+    with caplog.at_level(logging.WARNING, logger="engine.kv_offload.disk"):
+        _evict(engine)
+    store = engine.offloader.store
+    # The first write hit the full disk; the budget is now what it held (nothing), so the
+    # tier refuses the rest without touching the disk.
+    assert store.write_errors == 1 and len(store) == 0 and store.capacity_bytes == 0
+    assert engine.offloader.stats.tiers["disk"].write_failed >= 9
+    assert sum("ENOSPC" in r.getMessage() for r in caplog.records) == 1  # once a minute
+    assert not list((tmp_path / "tier").rglob("*.tmp"))
+    out = _run(engine, [PROMPT], tag="after")  # computed, not failed
+    assert out[0].num_cached_tokens == 0 and _tokens(out) == cold
+    engine.kv_cache_manager.check_integrity()
+
+
+def test_a_weighted_tenant_keeps_its_share_of_a_tier(tmp_path):
+    store = DiskStore(tmp_path, 4_000)
+    store.set_share("A", 3)
+    for i in range(40):  # A and B alternate, far past the budget
+        store.put(bytes([1, i]) * 16, b"a" * 100, "A")
+        store.put(bytes([2, i]) * 16, b"b" * 100, "B")
+    assert store.owner_bytes() == {"A": 3_000, "B": 1_000}
+    capped = MemoryStore(4_000)  # a cap (a fraction of the budget) wins over the weight
+    capped.set_share("A", 3, max_fraction=0.25)
+    capped.set_share("B", 1, min_fraction=0.5)
+    for i in range(40):
+        capped.put(bytes([1, i]) * 16, b"a" * 100, "A")
+        capped.put(bytes([2, i]) * 16, b"b" * 100, "B")
+    assert capped.owner_bytes() == {"A": 1_000, "B": 3_000}
+    assert capped.get(bytes([2, 39]) * 16) == b"b" * 100 and capped.get(bytes([2, 0]) * 16) \
+        is None

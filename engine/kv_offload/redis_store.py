@@ -1,0 +1,295 @@
+"""The shared tier: sealed blobs in the deployment's Redis, so a tenant's offloaded prefixes
+follow it to whichever replica serves it next.
+
+Layout, under ``<namespace>:kv:<layout digest>:`` (one model's cache layout per prefix, so two
+models never mix):
+
+- ``b:<hash hex>``: the blob (``engine.kv_offload.cipher``: nonce, ciphertext, tag);
+- ``own``: hash of block hash -> owner tag; ``lru:<tag>``: the tag's blobs by last use (a
+  shared clock, ``clock``); ``bytes``: tag -> bytes; ``used``: total bytes.
+
+An owner tag is a keyed digest of the tenant id (not the id), so the store's operator sees
+which blobs belong together, not whose they are, and nothing of what they hold without the
+tenant's salt. Writes, reads (which refresh the use order) and the fair eviction rule of
+``DiskStore`` (the least recently used blob of the owner holding the most bytes goes first)
+run as Lua scripts, atomic across replicas.
+
+Redis going away never fails a request: every call has a short timeout, and after a failure
+the tier is down for ``retry_after_s`` (reads miss, writes are dropped, logged once a minute),
+then tried again. One Redis (or a primary with replicas) serves a deployment whose offloaded
+working set fits its memory; past tens of GiB, or for retention longer than its memory holds,
+an object-store tier is the next backend (docs/prefix-caching.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.kv_offload.tier import TierUsage
+
+logger = logging.getLogger(__name__)
+
+_KNOWN_KEYS = 1 << 16  # block hashes this process saw in the store (its local index)
+_WARN_EVERY_S = 60.0
+
+# ARGV: prefix, hash hex, owner tag, capacity, blob, the owner's weight. Returns blobs evicted,
+# or -1: too large. The victim: the owner holding the most bytes per unit of weight.
+_PUT = """
+local p, h, owner, cap, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+redis.call('HSET', p .. 'w', owner, ARGV[6])
+local o = redis.call('HGET', p .. 'own', h)
+if o then
+  redis.call('ZADD', p .. 'lru:' .. o, redis.call('INCR', p .. 'clock'), h)
+  return 0
+end
+local size = string.len(blob)
+if size > cap then return -1 end
+local used = tonumber(redis.call('GET', p .. 'used') or '0')
+local evicted = 0
+while used + size > cap do
+  local all = redis.call('HGETALL', p .. 'bytes')
+  local victim, most = nil, -1
+  for i = 1, #all, 2 do
+    local b = tonumber(all[i + 1])
+    if all[i] == owner then b = b + size end
+    b = b / tonumber(redis.call('HGET', p .. 'w', all[i]) or '1')
+    if b > most then victim, most = all[i], b end
+  end
+  if victim == nil then
+    redis.call('SET', p .. 'used', 0)
+    break
+  end
+  local oldest = redis.call('ZRANGE', p .. 'lru:' .. victim, 0, 0)
+  if #oldest == 0 then
+    redis.call('HDEL', p .. 'bytes', victim)
+  else
+    local k = oldest[1]
+    local sz = redis.call('STRLEN', p .. 'b:' .. k)
+    redis.call('DEL', p .. 'b:' .. k)
+    redis.call('ZREM', p .. 'lru:' .. victim, k)
+    redis.call('HDEL', p .. 'own', k)
+    if redis.call('HINCRBY', p .. 'bytes', victim, -sz) <= 0 then
+      redis.call('HDEL', p .. 'bytes', victim)
+    end
+    used = redis.call('DECRBY', p .. 'used', sz)
+    evicted = evicted + 1
+  end
+end
+redis.call('SET', p .. 'b:' .. h, blob)
+redis.call('HSET', p .. 'own', h, owner)
+redis.call('ZADD', p .. 'lru:' .. owner, redis.call('INCR', p .. 'clock'), h)
+redis.call('HINCRBY', p .. 'bytes', owner, size)
+redis.call('INCRBY', p .. 'used', size)
+return evicted
+"""
+
+# ARGV: prefix, hash hex. Returns the blob (its use refreshed) or nil.
+_GET = """
+local p, h = ARGV[1], ARGV[2]
+local blob = redis.call('GET', p .. 'b:' .. h)
+if not blob then return nil end
+local o = redis.call('HGET', p .. 'own', h)
+if o then redis.call('ZADD', p .. 'lru:' .. o, redis.call('INCR', p .. 'clock'), h) end
+return blob
+"""
+
+# ARGV: prefix, hash hex: one blob deleted.
+_DELETE = """
+local p, h = ARGV[1], ARGV[2]
+local o = redis.call('HGET', p .. 'own', h)
+if not o then return 0 end
+local sz = redis.call('STRLEN', p .. 'b:' .. h)
+redis.call('DEL', p .. 'b:' .. h)
+redis.call('HDEL', p .. 'own', h)
+redis.call('ZREM', p .. 'lru:' .. o, h)
+if redis.call('HINCRBY', p .. 'bytes', o, -sz) <= 0 then redis.call('HDEL', p .. 'bytes', o) end
+redis.call('DECRBY', p .. 'used', sz)
+return 1
+"""
+
+# ARGV: prefix, then owner tags (none: every owner). Returns blobs deleted.
+_DELETE_OWNERS = """
+local p = ARGV[1]
+local owners = {}
+if #ARGV == 1 then
+  local all = redis.call('HKEYS', p .. 'bytes')
+  for i = 1, #all do owners[#owners + 1] = all[i] end
+else
+  for i = 2, #ARGV do owners[#owners + 1] = ARGV[i] end
+end
+local n = 0
+for _, o in ipairs(owners) do
+  local keys = redis.call('ZRANGE', p .. 'lru:' .. o, 0, -1)
+  for _, h in ipairs(keys) do
+    redis.call('DEL', p .. 'b:' .. h)
+    redis.call('HDEL', p .. 'own', h)
+  end
+  n = n + #keys
+  redis.call('DEL', p .. 'lru:' .. o)
+  redis.call('HDEL', p .. 'w', o)
+  local b = tonumber(redis.call('HGET', p .. 'bytes', o) or '0')
+  redis.call('HDEL', p .. 'bytes', o)
+  redis.call('DECRBY', p .. 'used', b)
+end
+if #ARGV == 1 then redis.call('SET', p .. 'used', 0) end
+return n
+"""
+
+
+class RedisStore:
+    """Blobs in Redis under a byte budget shared fairly by tenants, across replicas.
+
+    Args:
+        url: ``redis://host:port/db`` (may hold a password: never logged).
+        capacity_bytes: the budget of this deployment's blobs in Redis (every replica should
+            give the same; the last writer's applies to its own writes).
+        namespace: the deployment's key prefix (``--redis-namespace``).
+        layout: the cache layout (``BlockCipher.layout``): blobs of another layout are
+            another key space.
+        retry_after_s: seconds the tier stays down after a failure.
+        client: a ``redis.Redis`` to use instead of connecting to ``url`` (tests).
+    """
+
+    name = "redis"
+    local = False
+
+    def __init__(self, url: str | None, capacity_bytes: int, namespace: str, layout: bytes,
+                 retry_after_s: float = 30.0, client=None) -> None:
+        if client is None:
+            import redis  # the optional extra: saltserve[redis]
+
+            client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                          health_check_interval=30)
+        self._redis = client
+        self.capacity_bytes = capacity_bytes
+        digest = hashlib.sha256(layout).hexdigest()[:16]
+        self._prefix = f"{namespace}:kv:{digest}:"
+        self._tag_key = hashlib.sha256(b"saltserve/kv-owner/" + namespace.encode()).digest()
+        self._scripts = {name: client.register_script(src) for name, src in (
+            ("put", _PUT), ("get", _GET), ("delete", _DELETE), ("delete_owners", _DELETE_OWNERS))}
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._last_warning = 0.0
+        self.evicted = 0
+        self.errors = 0
+        self._weights: dict[str, int] = {}
+
+    # -- helpers ------------------------------------------------------------------------------
+    def tag(self, owner: str) -> str:
+        """The opaque tag stored for ``owner`` (the same on every replica)."""
+        return hashlib.blake2b(owner.encode(), key=self._tag_key, digest_size=12).hexdigest()
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, script: str, *args, default=None):
+        """Runs a script; a failure marks the tier down and returns ``default``."""
+        if not self.up:
+            return default
+        try:
+            return self._scripts[script](args=[self._prefix, *args])
+        except Exception as e:  # noqa: BLE001 - redis.RedisError, OSError: the tier is down
+            self._failed(e)
+            return default
+
+    def _failed(self, error: Exception) -> None:
+        with self._lock:
+            self.errors += 1
+            self._down_until = time.monotonic() + self._retry_after_s
+            now = time.monotonic()
+            if now - self._last_warning >= _WARN_EVERY_S:
+                self._last_warning = now
+                logger.warning("KV redis tier: unreachable (%s); off for %.0f s, serving goes on",
+                               type(error).__name__, self._retry_after_s)
+
+    def _remember(self, key: bytes, present: bool) -> None:
+        with self._lock:
+            if present:
+                self._known[key] = None
+                self._known.move_to_end(key)
+                if len(self._known) > _KNOWN_KEYS:
+                    self._known.popitem(last=False)
+            else:
+                self._known.pop(key, None)
+
+    # -- OffloadTier --------------------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._known
+
+    def query(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys or not self.up:
+            return [False] * len(keys)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._prefix + "b:" + k.hex())
+            found = [bool(n) for n in pipe.execute()]
+        except Exception as e:  # noqa: BLE001 - the tier is down, a miss
+            self._failed(e)
+            return [False] * len(keys)
+        for k, present in zip(keys, found, strict=True):
+            self._remember(k, present)
+        return found
+
+    def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
+                  max_fraction: float | None = None) -> None:
+        """The owner's weight (stored with its next write; floors and caps apply to the local
+        tiers only)."""
+        self._weights[owner] = weight
+
+    def put(self, key: bytes, blob: bytes, owner: str) -> bool:
+        evicted = self._call("put", key.hex(), self.tag(owner), self.capacity_bytes, blob,
+                             self._weights.get(owner, 1))
+        if evicted is None or evicted < 0:
+            return False
+        self.evicted += evicted
+        self._remember(key, True)
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        blob = self._call("get", key.hex())
+        self._remember(key, blob is not None)
+        return blob
+
+    def claim(self, key: bytes, owner: str) -> None:
+        """Owners are stored with every blob: nothing to record."""
+
+    def delete(self, key: bytes) -> None:
+        self._call("delete", key.hex())
+        self._remember(key, False)
+
+    def delete_owner(self, owner: str) -> int:
+        n = self._call("delete_owners", self.tag(owner), default=0)
+        with self._lock:
+            self._known.clear()  # which of them were the owner's is not known here
+        return n
+
+    def delete_all(self) -> int:
+        n = self._call("delete_owners", default=0)
+        with self._lock:
+            self._known.clear()
+        return n
+
+    def usage(self) -> TierUsage:
+        """Occupancy read from Redis (owners are tags); zeros while the tier is down."""
+        if not self.up:
+            return TierUsage(self.capacity_bytes, 0, 0, self.evicted, {}, up=False)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.get(self._prefix + "used")
+            pipe.hlen(self._prefix + "own")
+            pipe.hgetall(self._prefix + "bytes")
+            used, blobs, owners = pipe.execute()
+        except Exception as e:  # noqa: BLE001 - the tier is down
+            self._failed(e)
+            return TierUsage(self.capacity_bytes, 0, 0, self.evicted, {}, up=False)
+        return TierUsage(self.capacity_bytes, int(used or 0), int(blobs), self.evicted,
+                         {k.decode(): int(v) for k, v in owners.items()})

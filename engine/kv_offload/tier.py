@@ -1,0 +1,75 @@
+"""What a store behind the block pool provides (``DiskStore``, ``RedisStore``; an object store
+or LMCache would be one more class with these methods).
+
+A tier stores opaque sealed blobs (``engine.kv_offload.cipher``) under a block's chained hash,
+for an owner (the tenant, or an opaque tag of it), under a byte budget it shares fairly between
+owners. It never sees plaintext KV, salts or tenant names it does not need; every method is
+safe to call from any thread, and no method raises on a store failure: a read that fails is a
+miss (None), a write that fails returns False, and the tier says whether it is ``up``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """A tier's occupancy now (bytes and blobs are gauges; ``evicted`` counts blobs evicted to
+    stay in the budget since start; ``owner_bytes`` maps owner -> bytes)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    blobs: int
+    evicted: int
+    owner_bytes: dict[str, int]
+    up: bool = True
+
+
+class OffloadTier(Protocol):
+    """One store behind the pool (see the module docstring)."""
+
+    name: str  # "disk", "redis": the ``tier`` label of its metrics
+    local: bool  # True: ``__contains__`` is exact; False: it knows only what this process saw
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether the tier holds ``key``, from a local index (no I/O; the engine thread calls
+        it while it plans a step). A remote tier may answer False for a blob another replica
+        wrote: ``query`` asks the store."""
+        ...
+
+    def query(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of ``keys`` (one round trip at most)."""
+        ...
+
+    def put(self, key: bytes, blob: bytes, owner: str) -> bool:
+        """Stores ``blob`` under ``key`` for ``owner``, evicting by the fair budget; True when
+        stored (or already there)."""
+        ...
+
+    def get(self, key: bytes) -> bytes | None:
+        """The blob under ``key`` (now the most recently used), or None."""
+        ...
+
+    def claim(self, key: bytes, owner: str) -> None:
+        """Records ``owner`` for a blob whose owner was unknown (its tenant opened it)."""
+        ...
+
+    def delete(self, key: bytes) -> None: ...
+
+    def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
+                  max_fraction: float | None = None) -> None:
+        """The owner's weight, floor and cap (fractions of the budget) in the fair rule."""
+        ...
+
+    def delete_owner(self, owner: str) -> int:
+        """Deletes every blob of ``owner``; returns how many."""
+        ...
+
+    def delete_all(self) -> int:
+        """Deletes every blob; returns how many."""
+        ...
+
+    def usage(self) -> TierUsage: ...

@@ -1,0 +1,145 @@
+"""The shared tier in Redis (``engine.kv_offload.RedisStore``), against the Redis every
+deployment runs: its fair budget across replicas, owners stored as opaque tags, a tenant's
+prefix written by one engine and loaded by another (a replica move, bit for bit), and Redis
+going away: every call misses or drops, nothing raises, serving goes on."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import pytest
+import redis
+
+from engine.kv_offload import RedisStore
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+LAYOUT = b"model|float32|2x2x16x2x16"
+
+
+@pytest.fixture
+def store():
+    namespace = f"test-{secrets.token_hex(6)}"
+    s = RedisStore(REDIS_URL, 1_000, namespace, LAYOUT)
+    yield s
+    s.delete_all()
+    client = redis.Redis.from_url(REDIS_URL)
+    assert not list(client.scan_iter(f"{namespace}:kv:*:b:*"))  # every blob deleted
+    for key in client.scan_iter(f"{namespace}:*"):
+        client.delete(key)
+
+
+def _key(owner: int, i: int) -> bytes:
+    return bytes([owner, i]) * 16
+
+
+def test_blobs_round_trip_under_opaque_owner_tags(store):
+    assert store.put(_key(1, 0), b"x" * 100, "tenant-a") and _key(1, 0) in store
+    assert store.get(_key(1, 0)) == b"x" * 100 and store.get(_key(1, 1)) is None
+    assert store.query([_key(1, 0), _key(1, 1)]) == [True, False]
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = b" ".join(client.scan_iter(store._prefix + "*"))
+    assert b"tenant-a" not in keys and store.tag("tenant-a").encode() in keys
+    assert store.usage().owner_bytes == {store.tag("tenant-a"): 100}
+    # Another replica (another client, same namespace and layout) sees it; another layout not.
+    other = RedisStore(REDIS_URL, 1_000, store._prefix.split(":kv:")[0], LAYOUT)
+    assert _key(1, 0) not in other and other.query([_key(1, 0)]) == [True]
+    assert _key(1, 0) in other and other.get(_key(1, 0)) == b"x" * 100
+    elsewhere = RedisStore(REDIS_URL, 1_000, store._prefix.split(":kv:")[0], b"other")
+    assert elsewhere.query([_key(1, 0)]) == [False]
+    assert store.delete_owner("tenant-a") == 1 and other.get(_key(1, 0)) is None
+    assert store.usage().used_bytes == 0 and store.usage().blobs == 0
+
+
+def test_a_flooding_tenant_evicts_its_own_blobs_and_weights_count(store):
+    for i in range(3):
+        store.put(_key(1, i), b"a" * 100, "A")
+    for i in range(50):  # B floods far past the 1,000-byte budget
+        store.put(_key(2, i), b"b" * 100, "B")
+    assert store.query([_key(1, i) for i in range(3)]) == [True] * 3
+    u = store.usage()
+    assert u.used_bytes == 1_000 and u.owner_bytes == {store.tag("A"): 300,
+                                                       store.tag("B"): 700}
+    assert store.evicted == 50 - 7
+    assert store.put(_key(3, 0), b"c" * 2_000, "C") is False  # larger than the budget
+    store.delete_all()
+    store.set_share("A", 3)  # weight 3 against 1: A keeps three quarters (of 10 blobs, 8)
+    for i in range(40):
+        store.put(_key(1, i), b"a" * 100, "A")
+        store.put(_key(2, i), b"b" * 100, "B")
+    assert store.usage().owner_bytes == {store.tag("A"): 800, store.tag("B"): 200}
+
+
+def test_redis_going_away_is_a_miss_never_an_error(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.kv_offload.redis_store"):
+        down = RedisStore("redis://127.0.0.1:1/0", 1_000, "test-down", LAYOUT,
+                          retry_after_s=60)
+        assert down.put(_key(1, 0), b"x" * 10, "A") is False
+        assert down.get(_key(1, 0)) is None and down.query([_key(1, 0)]) == [False]
+        assert down.delete_owner("A") == 0 and not down.up
+        assert down.usage().up is False
+    assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+    assert down.errors == 1  # the first failure turned it off: no more connection attempts
+
+
+# -- through two engines: a replica move ------------------------------------------------------
+def test_a_prefix_written_by_one_engine_is_loaded_by_another(tmp_path):
+    """Engine 1 (a replica) computes a tenant's prompt and evicts it into Redis; engine 2, on
+    the same namespace with a pool that never saw it, loads the whole prefix and answers bit
+    for bit as engine 1 does warm. Another tenant sending the same prompt gets nothing."""
+    import torch
+    from tiny_checkpoints import VOCAB, StubTokenizer, build_checkpoint
+
+    from engine.config import EngineConfig
+    from engine.llm import run_to_completion
+    from engine.llm_engine import LLMEngine
+    from engine.request import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    model_dir = build_checkpoint("llama", tmp_path / "model")
+    namespace = f"test-{secrets.token_hex(6)}"
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                      max_model_len=256, num_gpu_blocks_override=16,
+                                      kv_offload_size=0, kv_offload_redis_url=REDIS_URL,
+                                      kv_offload_redis_size=64 << 20,
+                                      kv_offload_redis_namespace=namespace),
+                         tokenizer=StubTokenizer())
+
+    def prompt(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(1, VOCAB, (150,), generator=g).tolist()
+
+    def run(e, p, tag, tenant="A", salt=b"a" * 32):
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+        (out,) = run_to_completion(e, [EngineRequest(tag, tuple(p), params, tenant_id=tenant,
+                                                     cache_salt=salt)])
+        e.offloader.flush()
+        return out.num_cached_tokens, out.token_ids, [lp.logprob for lp in out.logprobs]
+
+    first = engine()
+    try:
+        assert [t.name for t in first.offloader.tiers] == ["redis"]
+        run(first, prompt(0), "cold")
+        _, *warm = run(first, prompt(0), "warm")
+        for i in range(3):
+            run(first, prompt(100 + i), f"evict{i}")  # prompt 0's blocks go to Redis
+        assert first.offloader.stats.tiers["redis"].written >= 9
+        second = engine()
+        cached, *answer = run(second, prompt(0), "moved")
+        assert cached == 144 and answer == warm
+        assert second.offloader.stats.tiers["redis"].loaded == 9
+        other, *_ = run(second, prompt(0), "other", tenant="B", salt=b"b" * 32)
+        assert other == 0
+        snap = second.stats_snapshot()
+        (redis_tier,) = snap.offload.tiers
+        assert redis_tier.name == "redis" and redis_tier.up and redis_tier.used_bytes > 0
+        assert snap.tenants["A"].offload_bytes["redis"] > 0  # its tag, named again
+        # A reset on one replica empties the tenant in the shared tier for both.
+        tier = first.offloader.tiers[0]
+        assert tier.tag("A") in tier.usage().owner_bytes
+        second.evict_tenant_cache("A", "reset")
+        assert tier.tag("A") not in tier.usage().owner_bytes
+    finally:
+        first.offloader.drop_all()
