@@ -38,6 +38,9 @@ class KVCacheManager:
         self.hash_fn = hash_fn
         self.enable_caching = enable_caching
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks cached in this step's allocations (written once the step runs), for the
+        # offloader's write-through tiers; ``written_through`` hands them over.
+        self._cached_this_step: list[tuple[KVCacheBlock, bytes]] = []
         # Number of a request's leading blocks already hashed + cached.
         self.num_cached_block: dict[str, int] = {}
 
@@ -172,8 +175,21 @@ class KVCacheManager:
                                                  private=request.private_cache,
                                                  salt=request.cache_salt,
                                                  generation=request.cache_generation)
+                if self.offloader is not None and self.offloader.write_through:
+                    self._cached_this_step.append((blocks[i], request.block_hashes[i]))
             self.num_cached_block[request.request_id] = max(start, num_full)
         return new_blocks
+
+    def step_done(self, ok: bool) -> None:
+        """After a step: the blocks its allocations cached (and it wrote, if ``ok``) go to the
+        offloader's write-through tiers, those still cached under the same hash (not a
+        preempted request's, nor a reused one)."""
+        cached, self._cached_this_step = self._cached_this_step, []
+        if not ok:
+            return
+        for block, block_hash in cached:
+            if block.block_hash == block_hash:
+                self.offloader.on_cached(block)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail block first (evicted before the shared head)."""

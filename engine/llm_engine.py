@@ -307,6 +307,7 @@ class LLMEngine:
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self.kv_cache_manager.step_done(ok=False)
             if self.scheduler.loading:  # only loads in flight: wait for one, do not spin
                 self.offloader.wait_loads(0.05)
             return self._failed_outputs()
@@ -314,7 +315,9 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - the whole step failed; maybe only this once
+            self.kv_cache_manager.step_done(ok=False)
             return self._fail_step(sched, e)
+        self.kv_cache_manager.step_done(ok=True)
         self.consecutive_step_failures = 0
         self.step_costs.observe(sched.total_num_scheduled_tokens, time.perf_counter() - t0,
                                 capped=sched.capped)

@@ -166,6 +166,7 @@ class MemoryStore(FairBudget):
 
     name = "host"
     local = True
+    write_through = False
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
@@ -209,6 +210,7 @@ class DiskStore(FairBudget):
 
     name = "disk"
     local = True
+    write_through = False
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)

@@ -3,15 +3,16 @@ every tier off the engine step; a later request whose prefix runs past the pool'
 the rest in a tier and waits in a loading state while a loader thread brings it back into
 fresh pool blocks, bit for bit.
 
-Write: when the pool reuses a cached block (eviction reason ``capacity``), its KV is copied out
-of the cache at once (the step about to run overwrites it) and handed to a writer thread, which
-seals it for its tenant (``engine.kv_offload.cipher``) and writes it to each tier that does not
-hold it yet (local disk first, then the shared Redis tier). A full queue drops the write
-(counted): the step never waits for a tier. Private blocks, blocks of a failed step and blocks
-dropped by a reset or a rotation are never written. A clean shutdown also writes the cached
-blocks still in the pool (``save_pool``), so a restart finds them. (Writing at eviction rather
-than when a block is cached writes each block once, and only blocks the pool could not keep:
-docs/prefix-caching.md has the measurement.)
+Write: local tiers are write-back (SGLang HiCache's ``write_back``): when the pool reuses a
+cached block (eviction reason ``capacity``), its KV is copied out of the cache at once (the
+step about to run overwrites it) and handed to a writer thread, which seals it for its tenant
+(``engine.kv_offload.cipher``) and writes it to each tier that does not hold it yet. The shared
+tier is write-through: a block goes to it as soon as the step that computed it is done
+(``on_cached``), so a replica killed with a tenant's prefix in its pool leaves it to the
+replica that serves the tenant next. A full queue drops the write (counted): the step never
+waits for a tier. Private blocks, blocks of a failed step and blocks dropped by a reset or a
+rotation are never written. A clean shutdown also writes the cached blocks still in the pool
+(``save_pool``), so a restart finds them. (docs/prefix-caching.md measures both policies.)
 
 Lookup: ``lookup`` counts the leading block hashes some tier holds: local indexes first (no
 I/O), then, where asked (``remote=True``, at admission only), one round trip to a remote tier
@@ -128,6 +129,11 @@ class KVOffloader:
             t.start()
 
     @property
+    def write_through(self) -> bool:
+        """Whether a tier takes blocks as soon as a step writes them (``on_cached``)."""
+        return any(t.write_through for t in self.tiers)
+
+    @property
     def store(self) -> OffloadTier:
         """The nearest tier."""
         return self.tiers[0]
@@ -170,9 +176,21 @@ class KVOffloader:
         except queue.Full:
             self.stats.write_dropped += 1
 
-    def _item(self, block) -> tuple:
+    def on_cached(self, block) -> None:
+        """A block a step just wrote (its hash cached at allocation) is queued for the
+        write-through tiers (the shared one: a replica killed with it in its pool leaves it
+        to the others)."""
+        if block.private or block.salt is None \
+                or all(block.block_hash in t for t in self.tiers if t.write_through):
+            return
+        try:
+            self._queue.put_nowait(self._item(block, through=True))
+        except queue.Full:
+            self.stats.write_dropped += 1
+
+    def _item(self, block, through: bool = False) -> tuple:
         return (block.block_hash, block.owner, block.salt, block.generation,
-                self.io.read_block(block.block_id))
+                self.io.read_block(block.block_id), through)
 
     def save_pool(self, blocks: Iterable) -> int:
         """Queues every cached block of ``blocks`` not in every tier yet (a clean shutdown:
@@ -195,11 +213,11 @@ class KVOffloader:
             try:
                 if item is None:
                     return
-                block_hash, owner, salt, generation, data = item
+                block_hash, owner, salt, generation, data, through = item
                 blob = self.cipher.seal(salt, generation, block_hash, data)
                 self.tenants.add(owner)
                 for tier in self.tiers:
-                    if block_hash in tier:
+                    if block_hash in tier or (through and not tier.write_through):
                         continue
                     s = self.stats.tiers[tier.name]
                     if tier.put(block_hash, blob, owner if owner is not None else ""):

@@ -157,6 +157,7 @@ class RedisStore:
 
     name = "redis"
     local = False
+    write_through = True  # a replica may die with the block in its pool
 
     def __init__(self, url: str | None, capacity_bytes: int, namespace: str, layout: bytes,
                  retry_after_s: float = 30.0, client=None) -> None:

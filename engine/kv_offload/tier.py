@@ -33,6 +33,7 @@ class OffloadTier(Protocol):
 
     name: str  # "disk", "redis": the ``tier`` label of its metrics
     local: bool  # True: ``__contains__`` is exact; False: it knows only what this process saw
+    write_through: bool  # True: written as soon as a step computes a block, not at eviction
 
     def __contains__(self, key: bytes) -> bool:
         """Whether the tier holds ``key``, from a local index (no I/O; the engine thread calls

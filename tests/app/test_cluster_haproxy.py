@@ -281,8 +281,10 @@ def test_kill_9_under_load_fails_only_that_replicas_in_flight_requests(cluster):
         client = openai.OpenAI(base_url=cluster.lb + "/v1", api_key=cluster.keys[tenant],
                                max_retries=0, timeout=120)
         try:
+            # 96 tokens whatever the model says (no early eos): still running at the kill.
             r = client.chat.completions.create(model=MODEL, messages=messages(tenant),
-                                               max_tokens=24, temperature=0)
+                                               max_tokens=96, temperature=0,
+                                               extra_body={"ignore_eos": True})
             outcome = ("ok", r.id)
         except openai.OpenAIError as e:
             outcome = (type(e).__name__, None)
@@ -325,3 +327,32 @@ def test_kill_9_under_load_fails_only_that_replicas_in_flight_requests(cluster):
 
     within(10, stored)
 
+
+
+def test_a_killed_replicas_tenant_finds_its_prefix_in_the_shared_tier(cluster):
+    """The shared KV tier (Redis) is written through: a prefix r2 computed is in Redis while
+    it is still in r2's pool. Kill -9 r2: HAProxy moves the tenant to r1, whose pool never
+    saw it, and its first request there reports the whole prefix as cached."""
+    on_r2 = [t for t, home in cluster.homes.items() if home == "r2"]
+    tenant = on_r2[0]
+    within(20, lambda: _served_by(cluster, tenant, "r2"))  # r2 is back in HAProxy's ring
+    r = httpx.post(cluster.replicas["r1"].base + f"/admin/tenants/{cluster.ids[tenant]}"
+                   "/cache/reset", headers=cluster.admin)  # nothing of it anywhere, Redis too
+    assert r.status_code == 200
+    within(1.0, lambda: cluster.resident("r1", tenant) == cluster.resident("r2", tenant) == 0)
+    assert cluster.chat(tenant) == 0
+    warm = cluster.chat(tenant)  # r2's pool hit: the prefix's full blocks
+    assert warm > 0 and cluster.home(tenant) == "r2"
+    r2 = cluster.replicas.pop("r2")
+    r2.process.kill()  # SIGKILL: no shutdown, nothing saved on the way out
+    r2.process.wait(30)
+    assert cluster.chat(tenant) == warm  # on r1, loaded from Redis
+    assert cluster.resident("r1", tenant) > 0
+    metrics = httpx.get(cluster.replicas["r1"].base + "/metrics", headers=cluster.admin,
+                        timeout=10).text
+    loaded = [line for line in metrics.splitlines()
+              if line.startswith('saltserve:kv_offload_loaded_blocks_total{') and 'tier="redis"'
+              in line]
+    assert loaded and float(loaded[0].rsplit(" ", 1)[1]) >= warm // 16
+    cluster.start_replica("r2", port=r2.port)
+    within(10, lambda: _served_by(cluster, tenant, "r2"))
