@@ -35,6 +35,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: ``logprobs`` <= 5
 MAX_PROMPTS = 32  # prompts in one /v1/completions call
 MAX_CHOICES = 64  # prompts x n in one call
 MAX_USER_CHARS = 256  # ``user`` / ``safety_identifier``, stored in the usage row
+MAX_CACHE_KEY_CHARS = 1024  # ``prompt_cache_key``, stored in the usage row
 EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
@@ -98,6 +99,13 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
+    # OpenAI's prompt-cache grouping key: here it narrows sharing inside the tenant like
+    # cache_salt (client_cache_salt); requests with the same key share cached prefixes. Stored
+    # with the call's usage row.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
+    # OpenAI's retention: "in_memory" keeps the prefix in the KV pool only; "24h" also in the
+    # offload tiers (app.services.completions.prompt_cache_retention has the rules).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -280,8 +288,6 @@ class ResponseFormat(_Strict):
         return None
 
 
-MAX_CACHE_KEY_CHARS = 1024
-
 
 def client_cache_salt(cache_salt: str | None, prompt_cache_key: str | None) -> str | None:
     """The client part of a request's effective salt: ``cache_salt`` alone (vLLM), or, with
@@ -317,9 +323,6 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: unsupported("verbosity is not supported")
     web_search_options: unsupported("web search is not supported")
     metadata: unsupported("metadata needs stored completions, which are not supported")
-    # OpenAI's prompt-cache grouping key: here it narrows sharing inside the tenant like
-    # cache_salt (client_cache_salt); requests with the same key share cached prefixes.
-    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
 
     @field_validator("tools")
     @classmethod
@@ -457,7 +460,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from the prefix cache (pool and offload tiers);
+    ``cache_write_tokens``: prompt tokens this call added to it (OpenAI's field)."""
+
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class UsageInfo(BaseModel):

@@ -243,17 +243,18 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
                          owner: str | None, private: bool = False,
-                         salt: bytes | None = None, generation: int = 0) -> None:
-        """Makes ``block`` hittable under ``block_hash``.
+                         salt: bytes | None = None, generation: int = 0) -> bool:
+        """Makes ``block`` hittable under ``block_hash``; True when it did (False: caching
+        is off, the block is cached already, or another block holds the hash).
 
         If another block already holds this hash (two requests computed the same block
         concurrently), the first stays cached and ``block`` stays unhashed. A ``private`` block
         (``EngineRequest.private_cache``) loses its hash as soon as no request holds it.
         """
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         assert block.ref_cnt > 0, "only blocks being computed are cached"
         block.block_hash = block_hash
         block.owner = owner
@@ -262,6 +263,7 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         self.stats.record_cached(owner)
         self._resident_changed(owner)
+        return True
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Unpins blocks in the given order (callers pass a request's blocks tail first).

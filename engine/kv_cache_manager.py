@@ -126,7 +126,8 @@ class KVCacheManager:
         if self.uses_prefix_cache(request):  # (not after a rotation during the load)
             for i in range(first, first + job.loaded):
                 self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
-                                                 request.tenant_id, salt=request.cache_salt,
+                                                 request.tenant_id,
+                                                 salt=self._offload_salt(request),
                                                  generation=request.cache_generation)
         self.free(request)
         return job.loaded
@@ -158,6 +159,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
+            if request.offload:  # hits cached by an "in_memory" request may now be offloaded
+                for b in new_computed_blocks:
+                    if b.salt is None and not b.private:
+                        b.salt, b.generation = request.cache_salt, request.cache_generation
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new, request.tenant_id)
@@ -169,16 +174,26 @@ class KVCacheManager:
             self.update_block_hashes(request)
             num_full = min(num_total // self.block_size, len(request.block_hashes))
             start = self.num_cached_block.get(request.request_id, 0)
+            prompt_blocks = request.num_prompt_tokens // self.block_size
             for i in range(start, num_full):
-                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
-                                                 request.tenant_id,
-                                                 private=request.private_cache,
-                                                 salt=request.cache_salt,
-                                                 generation=request.cache_generation)
+                if not self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
+                                                        request.tenant_id,
+                                                        private=request.private_cache,
+                                                        salt=self._offload_salt(request),
+                                                        generation=request.cache_generation):
+                    continue
+                if i < prompt_blocks and not request.private_cache:
+                    request.num_cache_write_tokens += self.block_size  # OpenAI's cache_write
                 if self.offloader is not None and self.offloader.write_through:
                     self._cached_this_step.append((blocks[i], request.block_hashes[i]))
             self.num_cached_block[request.request_id] = max(start, num_full)
         return new_blocks
+
+    @staticmethod
+    def _offload_salt(request: Request) -> bytes | None:
+        """The salt a block of ``request`` is cached with: the key of its offloaded copy, or
+        None (never offloaded) for a request that keeps its prefix in memory."""
+        return request.cache_salt if request.offload else None
 
     def step_done(self, ok: bool) -> None:
         """After a step: the blocks its allocations cached (and it wrote, if ``ok``) go to the

@@ -165,6 +165,8 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(eos)), tokenizer=tokenizer,
             device=str(executor.device), enable_prefix_caching=config.enable_prefix_caching,
             cache_dtype=self.cache_info.kv_cache_dtype,
+            kv_offload_tiers=tuple(t.name for t in self.offloader.tiers) if self.offloader
+            else (),
             default_sampling=sampling_defaults(config, model_dir),
             grammar_compiler=GrammarCompiler(tokenizer, model_cfg.vocab_size))
         if self.model_info.default_sampling:
@@ -408,4 +410,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, stop_reason=req.stop_reason, error=error,
-            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs)
+            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
+            num_tier_tokens=req.num_tier_tokens if req.num_cached_tokens > 0 else 0,
+            num_cache_write_tokens=min(req.num_cache_write_tokens, req.num_prompt_tokens
+                                       - max(req.num_cached_tokens, 0)))

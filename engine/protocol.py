@@ -55,6 +55,8 @@ class ModelInfo:
         tokenizer: the Hugging Face tokenizer (chat template, encode); read-only use only.
         default_sampling: temperature / top_p / top_k / repetition_penalty defaults from the
             model's generation config (``--generation-config``), for requests that omit them.
+        kv_offload_tiers: the offload tiers behind the pool, nearest first (``host``, ``disk``,
+            ``redis``); empty: cached prefixes live in the pool only.
     """
 
     served_model_name: str
@@ -66,6 +68,7 @@ class ModelInfo:
     device: str = "cpu"
     enable_prefix_caching: bool = True
     cache_dtype: str = "float32"
+    kv_offload_tiers: tuple[str, ...] = ()
     tokenizer: Any = field(default=None, repr=False, compare=False)
     # Sampling defaults for fields a request omits (``engine.config.sampling_defaults``).
     default_sampling: dict[str, float] = field(default_factory=dict, compare=False)

@@ -85,6 +85,9 @@ class EngineRequest:
     # the key of its offloaded blocks, so a reset or rotation leaves none of the older one
     # readable (engine.kv_offload.cipher).
     cache_generation: int = 0
+    # False: its blocks stay in the pool only, never written to an offload tier (OpenAI's
+    # prompt_cache_retention "in_memory"); it may still load what the tiers hold.
+    offload: bool = True
     enable_prefix_caching: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     tenant_share: TenantShare = field(default_factory=TenantShare)
@@ -118,6 +121,7 @@ class Request:
         self.tenant_id = req.tenant_id
         self.cache_salt = req.cache_salt
         self.cache_generation = req.cache_generation
+        self.offload = req.offload
         self.enable_prefix_caching = req.enable_prefix_caching
         self.private_cache = req.private_cache
         self.tenant_share = req.tenant_share
@@ -136,6 +140,9 @@ class Request:
         # load ran since the request last waited (one load per wait).
         self.num_tier_tokens = 0
         self.kv_load_tried = False
+        # Prompt tokens of full blocks this request added to the prefix cache (OpenAI's
+        # prompt_tokens_details.cache_write_tokens).
+        self.num_cache_write_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
@@ -190,3 +197,8 @@ class RequestOutput:
     # With ``prompt_logprobs``: every prompt token's (None for the first), in the output that
     # carries the first generated token.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # Of ``num_cached_tokens``, tokens loaded from the offload tiers (the rest hit the pool).
+    num_tier_tokens: int = 0
+    # Prompt tokens this request added to the prefix cache (full blocks; OpenAI's
+    # ``cache_write_tokens``); at most the prompt's uncached tokens.
+    num_cache_write_tokens: int = 0

@@ -136,6 +136,10 @@ class Tenant(Base):
     # Bumped by every reset of the tenant's prefix cache (migration 0009): replicas that missed
     # the broadcast drop their blocks on the tenant's next request (app.services.cache_generations).
     cache_epoch: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
+    # OpenAI prompt_cache_retention for calls that ask none, and the longest a call may ask
+    # ("in_memory" | "24h"; None: "24h"; migration 0010).
+    prompt_cache_retention: Mapped[str | None] = mapped_column(String(16))
+    max_prompt_cache_retention: Mapped[str | None] = mapped_column(String(16))
 
 
 class ApiKey(Base):
@@ -196,6 +200,11 @@ class UsageRecordRow(Base):
     latency_s: Mapped[float | None] = mapped_column(Float())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     end_user: Mapped[str | None] = mapped_column(String(256))  # OpenAI user (0007)
+    # Of cached_tokens, those loaded from an offload tier; prompt tokens the call added to the
+    # cache; OpenAI prompt_cache_key as sent (0010).
+    tier_cached_tokens: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
+    cache_write_tokens: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
+    prompt_cache_key: Mapped[str | None] = mapped_column(String(1024))
 
 
 class AuditLogRow(Base):

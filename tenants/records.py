@@ -45,6 +45,10 @@ class TenantQuota:
         min_cache_blocks: cached blocks (KV blocks) never taken from this tenant by another's
             eviction while it holds no more than this many.
         max_cache_blocks: cached blocks above which this tenant's are evicted first.
+        prompt_cache_retention: the retention of a call that asks none (OpenAI
+            ``prompt_cache_retention``: ``"in_memory"`` or ``"24h"``; None: ``"24h"``).
+        max_prompt_cache_retention: the longest a call may ask (None: ``"24h"``);
+            ``"in_memory"``: nothing of the tenant's is written to an offload tier.
     """
 
     rpm_limit: int | None = None
@@ -53,6 +57,8 @@ class TenantQuota:
     weight: int = 1
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
+    prompt_cache_retention: str | None = None
+    max_prompt_cache_retention: str | None = None
 
     @property
     def any_limit(self) -> bool:
@@ -80,6 +86,8 @@ class TenantInfo:
     min_cache_blocks: int | None = None
     max_cache_blocks: int | None = None
     cache_epoch: int = 0  # bumped by every reset of its prefix cache
+    prompt_cache_retention: str | None = None  # TenantQuota's
+    max_prompt_cache_retention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,12 @@ class UsageRecord:
     created_at: datetime | None = None
     # OpenAI ``safety_identifier`` / ``user``: the tenant's own end user, for per-user reports.
     end_user: str | None = None
+    # Of ``cached_tokens``, tokens loaded from the offload tiers (the rest hit the KV pool).
+    tier_cached_tokens: int = 0
+    # Prompt tokens the call added to the prefix cache (OpenAI ``cache_write_tokens``).
+    cache_write_tokens: int = 0
+    # OpenAI ``prompt_cache_key``, as the client sent it.
+    prompt_cache_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ class _Unchanged:
 UNCHANGED = _Unchanged()
 MAX_WEIGHT = 1000
 _LIMIT_NAMES = ("rpm_limit", "tpm_limit", "max_concurrent")
+# OpenAI's prompt_cache_retention values, shortest first.
+RETENTIONS = ("in_memory", "24h")
 
 
 def tenant_info(row: Tenant) -> TenantInfo:
@@ -239,6 +241,8 @@ class TenantStore:
         weight: int | None = None,
         min_cache_blocks: int | None | _Unchanged = UNCHANGED,
         max_cache_blocks: int | None | _Unchanged = UNCHANGED,
+        prompt_cache_retention: str | None | _Unchanged = UNCHANGED,
+        max_prompt_cache_retention: str | None | _Unchanged = UNCHANGED,
         actor: str = "system",
     ) -> TenantInfo:
         """Changes a tenant's flags; None leaves a flag as it is.
@@ -257,11 +261,16 @@ class TenantStore:
         ``weight`` an int >= 1 (None keeps it); ``min_cache_blocks`` / ``max_cache_blocks``
         ``UNCHANGED``, None (no bound) or an int >= 0.
 
+        Prompt-cache retention (OpenAI ``prompt_cache_retention``; ``TenantQuota``): the
+        default of calls that ask none and the longest a call may ask, ``UNCHANGED``, None
+        (``"24h"``), ``"in_memory"`` or ``"24h"``; the default must not exceed the maximum.
+
         Raises:
             TenantNotFound: if there is no such tenant.
             ValueError: if a flag is not a bool; a limit is not None, UNCHANGED or an int in
                 [1, ``MAX_LIMIT``]; a bad weight or cache bound (an int in [0, ``MAX_LIMIT``]);
-                or min_cache_blocks > max_cache_blocks after the change. Strict: a bool or a
+                or min_cache_blocks > max_cache_blocks after the change; a retention that is
+                not one of ``RETENTIONS``, or a default above the maximum. Strict: a bool or a
                 string is never taken for a number, nor a string for a bool.
         """
         for flag, value in (("disabled", disabled),
@@ -279,6 +288,12 @@ class TenantStore:
             if value is not UNCHANGED:
                 _check_int(name, value, 0, MAX_LIMIT, "no bound")
         limits.update(bounds)
+        retention = {"prompt_cache_retention": prompt_cache_retention,
+                     "max_prompt_cache_retention": max_prompt_cache_retention}
+        for name, value in retention.items():
+            if value is not UNCHANGED and value is not None and value not in RETENTIONS:
+                raise ValueError(f"{name} must be one of {', '.join(RETENTIONS)} (or null)")
+        limits.update(retention)
         with self._session_factory.begin() as session:
             row = session.get(Tenant, tenant_id, with_for_update=True)
             if row is None:
@@ -305,6 +320,10 @@ class TenantStore:
             if (row.min_cache_blocks is not None and row.max_cache_blocks is not None
                     and row.min_cache_blocks > row.max_cache_blocks):
                 raise ValueError("min_cache_blocks must not exceed max_cache_blocks")
+            if RETENTIONS.index(row.prompt_cache_retention or "24h") \
+                    > RETENTIONS.index(row.max_prompt_cache_retention or "24h"):
+                raise ValueError("prompt_cache_retention must not exceed "
+                                 "max_prompt_cache_retention")
             if changes:
                 add_audit(session, actor, "tenant.update", tenant_id, " ".join(changes))
             return tenant_info(row)

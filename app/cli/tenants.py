@@ -135,6 +135,39 @@ def tenants_rotate_salt(tenant: str, **opts: Any) -> None:
                + (f" (replicas told: {told})" if settings.redis_url else ""))
 
 
+def _retention(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    from tenants.tenant_store import UNCHANGED
+
+    if value is None:
+        return UNCHANGED
+    return None if value == "default" else value
+
+
+@tenants.command("set-retention")
+@click.argument("tenant")
+@click.option("--default", "default_", type=click.Choice(["in_memory", "24h", "default"]),
+              callback=_retention, default=None,
+              help="Retention of calls that ask none (OpenAI prompt_cache_retention); "
+                   "'default' resets it to 24h. [unchanged]")
+@click.option("--max", "maximum", type=click.Choice(["in_memory", "24h", "default"]),
+              callback=_retention, default=None,
+              help="The longest a call may ask; in_memory: nothing of the tenant's is written "
+                   "to an offload tier (disk, Redis). 'default' resets it to 24h. [unchanged]")
+@common_options
+def tenants_set_retention(tenant: str, default_: Any, maximum: Any, **opts: Any) -> None:
+    """Set TENANT's prompt-cache retention default and maximum (name or id); apply from its
+    next request. Blobs it already has in the tiers stay until its cache is reset."""
+    repo = open_repository(settings_from_options(**opts))
+    try:
+        t = repo.tenants.update(tenant_id_of(repo, tenant), prompt_cache_retention=default_,
+                                max_prompt_cache_retention=maximum, actor=cli_actor())
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"tenant {t.name} id={t.id} prompt_cache_retention="
+               f"{t.prompt_cache_retention or '24h'} max_prompt_cache_retention="
+               f"{t.max_prompt_cache_retention or '24h'}")
+
+
 @tenants.command("set-limits")
 @click.argument("tenant")
 @click.option("--rpm", callback=_cache_bound, default=None, metavar="N|none",

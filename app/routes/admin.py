@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.auth import AdminPrincipal
 from app.deps import AdminServiceDep, RepoDep
 from app.errors import APIError
-from app.services.admin import NULLABLE_LIMITS, AdminService, in_thread
+from app.services.admin import NULLABLE_LIMITS, RETENTION_SETTINGS, AdminService, in_thread
 from tenants.api_key_store import MAX_KEY_NAME_CHARS
 from tenants.records import ApiKeyInfo, TenantInfo, UsageRecord
 from tenants.tenant_store import MAX_LIMIT, MAX_TENANT_NAME_CHARS
@@ -53,6 +53,12 @@ class TenantPatch(BaseModel):
     weight: int | None = Field(None, ge=1, le=1000)
     min_cache_blocks: int | None = Field(None, ge=0, le=MAX_LIMIT)
     max_cache_blocks: int | None = Field(None, ge=0, le=MAX_LIMIT)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="retention of calls that ask none (OpenAI prompt_cache_retention); "
+                          "null: 24h")
+    max_prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="the longest a call may ask; in_memory: nothing of the tenant's is "
+                          "written to an offload tier; null: 24h")
 
 
 class KeyCreate(BaseModel):
@@ -102,7 +108,8 @@ async def update_tenant(tenant: str, body: TenantPatch, admin: AdminPrincipal,
                         svc: AdminServiceDep) -> dict:
     """Changes flags and limits (tenant by id or name). Turning prefix caching off also drops
     the tenant's cached blocks (reason ``reset``), so nothing of theirs stays cached."""
-    limits = {k: getattr(body, k) for k in NULLABLE_LIMITS if k in body.model_fields_set}
+    limits = {k: getattr(body, k) for k in (*NULLABLE_LIMITS, *RETENTION_SETTINGS)
+              if k in body.model_fields_set}
     return _tenant_out(await svc.update_tenant(
         tenant, admin.subject, disabled=body.disabled,
         enable_prefix_caching=body.enable_prefix_caching, weight=body.weight, **limits))

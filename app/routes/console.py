@@ -37,7 +37,12 @@ from app.console import views
 from app.console.sessions import COOKIE, LOGIN_COOKIE, ConsoleSession, ConsoleSessions
 from app.deps import get_parts
 from app.errors import client_error
-from app.services.admin import NULLABLE_LIMITS, AdminService, usage_report
+from app.services.admin import (
+    NULLABLE_LIMITS,
+    RETENTION_SETTINGS,
+    AdminService,
+    usage_report,
+)
 from tenants.api_keys import looks_like_api_key
 from tenants.errors import InvalidToken, TenantDisabled, TenantNotFound
 from tenants.records import TenantInfo
@@ -445,6 +450,12 @@ def _changes(form: FormData) -> dict[str, Any]:
             label = name.replace("_", " ")
             raise ValueError(f"{label} must be a whole number"
                              + ("" if name == "weight" else ", or empty for no limit"))
+    for name in RETENTION_SETTINGS:
+        if name in form:
+            value = _text(form, name)
+            if value not in ("in_memory", "24h"):
+                raise ValueError(f"{name.replace('_', ' ')} must be in_memory or 24h")
+            changes[name] = value
     return changes
 
 

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 # "not sent"): passed to the store only when present.
 NULLABLE_LIMITS = ("rpm_limit", "tpm_limit", "max_concurrent", "min_cache_blocks",
                    "max_cache_blocks")
+# TenantPatch fields of OpenAI's prompt_cache_retention ("in_memory" | "24h"; None: "24h").
+RETENTION_SETTINGS = ("prompt_cache_retention", "max_prompt_cache_retention")
 
 
 async def in_thread(fn: Any, *args: Any, _param: str | None = None, **kwargs: Any) -> Any:

@@ -38,6 +38,8 @@ class ChoiceState:
     num_tokens: int = 0
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    num_tier_tokens: int = 0  # of the cached tokens, loaded from the offload tiers
+    num_cache_write_tokens: int = 0
     token_ids: list[int] = field(default_factory=list, repr=False)
     logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = field(default=None, repr=False)
@@ -69,6 +71,8 @@ class CompletionCall:
     submitted: bool = False  # the engine has the call's requests
     finalized: bool = False
     end_user: str | None = field(default=None, repr=False)
+    prompt_cache_key: str | None = field(default=None, repr=False)
+    offload: bool = True  # prompt_cache_retention "24h" (False: "in_memory")
     echo: bool = False  # completions: the prompt text is returned before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: no generated token
     wants_prompt_logprobs: bool = False  # vLLM ``prompt_logprobs`` asked for by name
@@ -122,6 +126,7 @@ class CompletionCall:
                     cache_salt=salt, private_cache=private,
                     # salt version and cache epoch: the key of offloaded blocks moves with both
                     cache_generation=(self.auth.salt_version << 32) | self.auth.cache_epoch,
+                    offload=self.offload,
                     grammar=None if self.grammar is None else self.grammar.deep_copy(),
                     enable_prefix_caching=self.auth.enable_prefix_caching,
                     tenant_share=share))
@@ -133,6 +138,8 @@ class CompletionCall:
             self.first_token_time = time.monotonic()
         c = self.choices[i]
         c.num_cached_tokens = out.num_cached_tokens
+        c.num_tier_tokens = out.num_tier_tokens
+        c.num_cache_write_tokens = out.num_cache_write_tokens
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs
         if not self.score_only:
@@ -152,15 +159,18 @@ class CompletionCall:
         prompt = self.num_prompt_tokens
         n = self.params.n if self.params is not None else 1
         cached = sum(c.num_cached_tokens for c in self.choices[::n])
+        written = sum(c.num_cache_write_tokens for c in self.choices)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached,
+                                                                   cache_write_tokens=written))
 
     def usage_record(self) -> UsageRecord:
         """The call's usage row. A call refused before it reached the engine (400, 429)
         processed nothing and records 0 tokens, whatever its prompt: usage sums then equal the
         Prometheus token counters (``ServerMetrics.observe_request``)."""
         u = self.usage() if self.submitted else UsageInfo()
+        n = self.params.n if self.params is not None else 1
         return UsageRecord(
             request_id=self.request_id, tenant_id=self.auth.tenant_id, key_id=self.auth.key_id,
             model=self.model, endpoint=self.endpoint, status=self.status or "error",
@@ -168,4 +178,8 @@ class CompletionCall:
             cached_tokens=u.prompt_tokens_details.cached_tokens,
             completion_tokens=u.completion_tokens,
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.start,
-            latency_s=time.monotonic() - self.start, end_user=self.end_user)
+            latency_s=time.monotonic() - self.start, end_user=self.end_user,
+            tier_cached_tokens=sum(c.num_tier_tokens for c in self.choices[::n])
+            if self.submitted else 0,
+            cache_write_tokens=u.prompt_tokens_details.cache_write_tokens,
+            prompt_cache_key=self.prompt_cache_key)

@@ -55,7 +55,8 @@ from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedErr
 from engine.protocol import EngineClient, RequestStreamLike, validate_request
 from engine.request import RequestOutput
 from engine.structured_output import StructuredOutput
-from tenants.records import AuthContext, UsageRecord
+from tenants.records import AuthContext, TenantQuota, UsageRecord
+from tenants.tenant_store import RETENTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,34 @@ async def merge_streams(streams: Sequence[RequestStreamLike]
             t.cancel()
         for s in streams:
             s.close()
+
+
+def prompt_cache_retention(requested: str | None, quota: TenantQuota, has_tier: bool) -> str:
+    """The retention a call gets: what it asks (OpenAI ``prompt_cache_retention``), else the
+    tenant's default (``TenantQuota.prompt_cache_retention``; unset: ``"24h"``), capped by the
+    tenant's maximum. ``"in_memory"``: its blocks stay in the KV pool only; ``"24h"``: they
+    also go to the offload tiers, where the tenant's tier quota or a reset may still remove
+    them earlier. A server without a tier gives ``"in_memory"``.
+
+    Raises:
+        APIError: 400 when the call asks for ``"24h"`` from a server without an offload tier,
+            or above the tenant's maximum (``max_prompt_cache_retention``, set by the
+            operator).
+    """
+    ceiling = quota.max_prompt_cache_retention or "24h"
+    if requested is None:
+        chosen = quota.prompt_cache_retention or "24h"
+        if not has_tier or RETENTIONS.index(chosen) > RETENTIONS.index(ceiling):
+            return "in_memory"
+        return chosen
+    if requested == "24h" and not has_tier:
+        raise APIError(400, "prompt_cache_retention '24h' needs an offload tier, and this "
+                       "server keeps cached prefixes in memory only; use 'in_memory'",
+                       "prompt_cache_retention", "invalid_value")
+    if RETENTIONS.index(requested) > RETENTIONS.index(ceiling):
+        raise APIError(400, f"prompt_cache_retention '{requested}' is above this tenant's "
+                       f"maximum, '{ceiling}'", "prompt_cache_retention", "invalid_value")
+    return requested
 
 
 class _FinalizingStreamingResponse(StreamingResponse):
@@ -237,6 +266,7 @@ class CompletionsService:
             APIError: 400 for ``prompt_logprobs`` with a streamed chat completion.
         """
         call.end_user = body.end_user()
+        call.prompt_cache_key = body.prompt_cache_key
         call.wants_prompt_logprobs = body.prompt_logprobs is not None
         call.as_token_ids = body.return_tokens_as_token_ids
         if isinstance(body, CompletionRequest):
@@ -295,9 +325,11 @@ class CompletionsService:
             call.params = dataclasses.replace(call.params, skip_special_tokens=False)
         try:
             call.cache_salt = call.auth.effective_salt(
-                client_cache_salt(body.cache_salt, getattr(body, "prompt_cache_key", None)))
+                client_cache_salt(body.cache_salt, body.prompt_cache_key))
         except ValueError as e:
             raise APIError(400, str(e), "cache_salt", "invalid_value") from None
+        call.offload = prompt_cache_retention(body.prompt_cache_retention, call.auth.quota,
+                                              bool(self.info.kv_offload_tiers)) == "24h"
         limit, max_tokens = self.info.max_model_len, call.params.max_tokens
         for prompt in call.prompts:
             n = len(prompt.token_ids)

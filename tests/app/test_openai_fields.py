@@ -23,7 +23,7 @@ OPENAI_CHAT_FIELDS = {
     "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
     "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities",
     "n", "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
-    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop",
+    "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop",
     "store", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
     "top_p", "user", "verbosity", "web_search_options"}
 OPENAI_COMPLETION_FIELDS = {
@@ -74,14 +74,18 @@ def send(app_env, monkeypatch) -> Callable[..., Seen]:
     return post
 
 
-def _stored_end_user(env, request_id: str) -> str | None:
+def _stored(env, request_id: str):
     deadline = time.time() + 5
     while time.time() < deadline:
         rows = [u for u in env.repo.usage.list_usage(env.tenant_a) if u.request_id == request_id]
         if rows:
-            return rows[0].end_user
+            return rows[0]
         time.sleep(0.05)
     raise AssertionError("usage row not stored")
+
+
+def _stored_end_user(env, request_id: str) -> str | None:
+    return _stored(env, request_id).end_user
 
 
 CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4}
@@ -143,7 +147,12 @@ CHAT_ACCEPTED: dict[str, tuple[dict, Callable]] = {
     "parallel_tool_calls": ({"tools": [WEATHER], "parallel_tool_calls": False},
                             lambda s, e: "Call at most one function." in _prompt_text(s, e)),
     "prompt_cache_key": ({"prompt_cache_key": "team-1"}, lambda s, e: s.requests[0].cache_salt
-                         not in (None, _tenant_salt(e))),
+                         not in (None, _tenant_salt(e))
+                         and _stored(e, s.body["id"]).prompt_cache_key == "team-1"),
+    # The fake engine has no offload tier: "in_memory" is what any call gets ("24h" is a 400,
+    # tests/app/test_prompt_cache_retention.py).
+    "prompt_cache_retention": ({"prompt_cache_retention": "in_memory"},
+                               lambda s, e: not s.requests[0].offload),
 }
 # Refused whatever their value (a value equal to the default is accepted: store false,
 # modalities ["text"]; those refusals are the values below).
@@ -184,6 +193,14 @@ COMPLETION_ACCEPTED: dict[str, tuple[dict, Callable]] = {
     "temperature": ({"temperature": 0.0}, lambda s, e: s.params.greedy),
     "top_p": ({"top_p": 0.25}, lambda s, e: s.params.top_p == 0.25),
     "user": ({"user": "u-1"}, lambda s, e: _stored_end_user(e, s.body["id"]) == "u-1"),
+}
+# OpenAI documents these on chat completions; legacy completions take them too (a prompt
+# cache is not a chat feature).
+COMPLETION_EXTRAS: dict[str, tuple[dict, Callable]] = {
+    "prompt_cache_key": ({"prompt_cache_key": "team-1"},
+                         lambda s, e: _stored(e, s.body["id"]).prompt_cache_key == "team-1"),
+    "prompt_cache_retention": ({"prompt_cache_retention": "in_memory"},
+                               lambda s, e: not s.requests[0].offload),
 }
 COMPLETION_REFUSED: dict[str, object] = {"suffix": "!", "best_of": 3}
 
@@ -230,12 +247,15 @@ def test_every_reference_field_is_classified():
     # Every field our request models declare is an OpenAI field or a listed vLLM extension: a
     # field added later without an entry here fails.
     assert set(ChatCompletionRequest.model_fields) <= OPENAI_CHAT_FIELDS | VLLM_FIELDS
-    assert set(CompletionRequest.model_fields) <= OPENAI_COMPLETION_FIELDS | VLLM_FIELDS
+    assert set(CompletionRequest.model_fields) <= (OPENAI_COMPLETION_FIELDS | VLLM_FIELDS
+                                                   | set(COMPLETION_EXTRAS))
 
 
 ACCEPTED = ([("/v1/chat/completions", CHAT, CHAT_ACCEPTED, f) for f in sorted(CHAT_ACCEPTED)]
             + [("/v1/completions", PROMPT, COMPLETION_ACCEPTED, f)
                for f in sorted(COMPLETION_ACCEPTED)]
+            + [("/v1/completions", PROMPT, COMPLETION_EXTRAS, f)
+               for f in sorted(COMPLETION_EXTRAS)]
             + [("/v1/completions", PROMPT, VLLM_ACCEPTED, f) for f in sorted(VLLM_ACCEPTED)])
 
 

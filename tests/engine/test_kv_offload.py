@@ -374,3 +374,32 @@ def test_a_weighted_tenant_keeps_its_share_of_a_tier(tmp_path):
     assert capped.owner_bytes() == {"A": 1_000, "B": 3_000}
     assert capped.get(bytes([2, 39]) * 16) == b"b" * 100 and capped.get(bytes([2, 0]) * 16) \
         is None
+
+
+def test_an_in_memory_request_leaves_nothing_in_the_tier(model_dir, tmp_path):
+    """OpenAI's ``prompt_cache_retention: "in_memory"`` (``EngineRequest.offload`` False): its
+    blocks are never written to a tier, evicted or not; the same prefix sent by a "24h" call
+    of the tenant (a hit on those blocks) may go there from then on."""
+    engine = _engine(model_dir, tmp_path / "tier")
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def run(tag, offload):
+        run_to_completion(engine, [EngineRequest(tag, tuple(PROMPT), params, tenant_id="A",
+                                                 cache_salt=SALT_A, offload=offload)])
+        engine.offloader.flush()
+
+    store = engine.offloader.store
+    run("memory", offload=False)
+    _evict(engine, "B", SALT_B)  # B's prompts push A's blocks out of the pool
+    assert store.owner_bytes().get("A", 0) == 0 and store.owner_bytes()["B"] > 0
+    run("memory-again", offload=False)  # a pool miss, computed again, still not written
+    _evict(engine, "B", SALT_B, tag="evict-again")
+    assert store.owner_bytes().get("A", 0) == 0
+    run("24h", offload=True)  # a "24h" call (hits included): its blocks may go to the tier
+    _evict(engine, "B", SALT_B, tag="evict-more")
+    # A's 9 blocks: those evicted are on disk now, and the head its cache share kept in the
+    # pool carries the key it will be written under.
+    pool = engine.block_pool.cached_block_hash_to_block.values()
+    kept = [b for b in pool if b.owner == "A"]
+    assert all(b.salt == SALT_A for b in kept)
+    assert store.owner_bytes()["A"] == (9 - len(kept)) * engine.offloader.cipher.blob_bytes > 0

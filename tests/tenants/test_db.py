@@ -34,7 +34,7 @@ def test_migrations_create_all_tables(database_url: str) -> None:
         run_migrations(engine)
         assert EXPECTED_TABLES | {"alembic_version"} <= _tables(engine)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0009"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0010"
     finally:
         engine.dispose()
 

@@ -369,6 +369,9 @@ def test_usage_record_round_trip(repo: TenantRepository) -> None:
         latency_s=1.5,
         created_at=when,
         end_user="user-7",
+        tier_cached_tokens=32,
+        cache_write_tokens=16,
+        prompt_cache_key="team-1",
     )
     # Every field is set to a non-default value, so a field the row copies drop fails equality.
     assert all(getattr(record, f.name) != f.default for f in fields(UsageRecord))
