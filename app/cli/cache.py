@@ -52,15 +52,25 @@ def cache() -> None:
 @_server_url
 @common_options
 def cache_stats(url: str, **opts: Any) -> None:
-    """Pool blocks and each tenant's resident blocks, hit rate and evictions."""
+    """Pool blocks, each offload tier, and each tenant's resident blocks, hit rate, tier hits
+    and evictions."""
     s = _server_call("GET", "/admin/cache", url, opts)
     click.echo(f"blocks: {s['num_blocks_total']} total, {s['num_blocks_free']} free, "
                f"{s['num_blocks_used']} used, {s['num_blocks_cached']} cached")
+    for tier in s.get("tiers", []):
+        click.echo(f"tier {tier['name']}{'' if tier['up'] else ' (unreachable)'}: "
+                   f"{tier['used_bytes'] / 2**20:.1f} of {tier['capacity_bytes'] / 2**20:.0f} MiB, "
+                   f"{tier['blobs']} blocks; written {tier['written_blocks']}, loaded "
+                   f"{tier['loaded_blocks']}, evicted {tier['evicted_blobs']}, failed loads "
+                   f"{tier['load_failed']}")
     for t in s["tenants"]:
         rate = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
         evictions = " ".join(f"{k}={v}" for k, v in sorted(t["evictions"].items()))
+        tiers = "".join(f" {name}={n / 2**20:.1f}MiB" for name, n in
+                        sorted(t.get("tier_bytes", {}).items()))
         click.echo(f"{t['tenant_name'] or t['tenant_id']}: resident={t['resident_blocks']} "
-                   f"hit_rate={rate} queried={t['queried_tokens']} evictions: {evictions}")
+                   f"hit_rate={rate} queried={t['queried_tokens']} "
+                   f"tier_hits={t.get('tier_hit_tokens', 0)}{tiers} evictions: {evictions}")
 
 
 @cache.command("reset")

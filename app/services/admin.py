@@ -109,35 +109,57 @@ class AdminService:
         ``salt_rotation``). Running requests finish unharmed. Returns ``tenant_id``,
         ``salt_version`` and ``blocks_dropped``, never the salt."""
         t = await self.resolve_tenant(tenant)
+        tier = await self._tier_bytes(t.id)
         version = await in_thread(self.repo.tenants.rotate_salt, t.id, actor=actor)
         dropped = await self.generations.applied(
             dataclasses.replace(t, current_salt_version=version), "salt_rotation")
-        return {"tenant_id": t.id, "salt_version": version, "blocks_dropped": dropped}
+        return {"tenant_id": t.id, "salt_version": version, "blocks_dropped": dropped,
+                "tier_bytes_dropped": tier}
+
+    async def _tier_bytes(self, tenant_id: str | None) -> dict[str, int]:
+        """``tier -> bytes`` the tenant (every tenant for None) has in the offload tiers now:
+        what a reset or rotation about to run makes unreadable and deletes."""
+        snap = await self.engine.stats()
+        out: dict[str, int] = {}
+        for t, st in snap.tenants.items():
+            if tenant_id is None or t == tenant_id:
+                for name, n in st.offload_bytes.items():
+                    out[name] = out.get(name, 0) + n
+        return out
+
+    @staticmethod
+    def _tier_detail(tier: dict[str, int]) -> str:
+        return "".join(f" {name}_bytes={n}" for name, n in sorted(tier.items()))
 
     # -- caches -----------------------------------------------------------------------------
     async def reset_tenant_cache(self, tenant: str, actor: str) -> dict:
         """Drops every cached block of one tenant (reason ``reset``, audited); running requests
         unharmed. Returns ``tenant_id`` and ``blocks_dropped``."""
-        [t] = await in_thread(self.repo.tenants.bump_cache_epoch,
-                              (await self.resolve_tenant(tenant)).id)
+        tenant_id = (await self.resolve_tenant(tenant)).id
+        tier = await self._tier_bytes(tenant_id)
+        [t] = await in_thread(self.repo.tenants.bump_cache_epoch, tenant_id)
         dropped = await self.generations.applied(t, "reset")
         await in_thread(self.repo.usage.audit, actor, "cache.reset", t.id,
-                        f"blocks={dropped} salt_version={t.current_salt_version}")
-        return {"tenant_id": t.id, "blocks_dropped": dropped}
+                        f"blocks={dropped} salt_version={t.current_salt_version}"
+                        + self._tier_detail(tier))
+        return {"tenant_id": t.id, "blocks_dropped": dropped, "tier_bytes_dropped": tier}
 
     async def reset_cache(self, actor: str) -> dict:
         """Drops every cached block of every tenant (audited); running requests unharmed."""
+        tier = await self._tier_bytes(None)
         tenants = await in_thread(self.repo.tenants.bump_cache_epoch, None)
         dropped = await self.generations.applied_to_all(tenants)
         await in_thread(self.repo.usage.audit, actor, "cache.reset_all", None,
-                        f"blocks={dropped}")
-        return {"blocks_dropped": dropped}
+                        f"blocks={dropped}" + self._tier_detail(tier))
+        return {"blocks_dropped": dropped, "tier_bytes_dropped": tier}
 
     async def cache_stats(self) -> dict:
         """The KV block pool and each tenant's prefix-cache accounting: blocks (total, free,
         used, cached), and per tenant resident blocks, queried and hit prompt tokens
         (cumulative since start), hit rate and evicted blocks by reason. Tenant names beside
-        ids (None for a tenant deleted since, or tenantless requests)."""
+        ids (None for a tenant deleted since, or tenantless requests). With offload tiers:
+        ``tiers`` (each tier's budget, occupancy and traffic), ``offload`` (loads), and per
+        tenant its tier hits and bytes in each tier."""
         snap = await self.engine.stats()
         names = {t.id: t.name for t in await self.list_tenants()}
         tenants = []
@@ -149,13 +171,21 @@ class AdminService:
                 "cache_share_blocks": st.cache_share_blocks,
                 "queried_tokens": q, "hit_tokens": st.prefix_cache_hits,
                 "hit_rate": st.prefix_cache_hits / q if q else None,
+                "tier_hit_tokens": st.prefix_cache_tier_hits,
+                "tier_bytes": dict(st.offload_bytes),
                 "evictions": dict(st.evictions)})
+        o = snap.offload
         return {"num_blocks_total": snap.num_blocks_total,
                 "num_blocks_free": snap.num_blocks_free,
                 "num_blocks_used": snap.num_blocks_used,
                 "num_blocks_cached": snap.num_blocks_cached,
                 "kv_cache_usage": snap.kv_cache_usage, "hit_rate": snap.hit_rate,
-                "evictions": dict(snap.evictions), "tenants": tenants}
+                "evictions": dict(snap.evictions), "tenants": tenants,
+                "tiers": [] if o is None else [dataclasses.asdict(t) for t in o.tiers],
+                "offload": None if o is None else {
+                    "loads": o.load_jobs, "loaded_blocks": o.loaded_blocks,
+                    "load_seconds": o.load_seconds, "loads_in_flight": o.loads_in_flight,
+                    "load_misses": o.load_missing, "write_dropped_blocks": o.write_dropped}}
 
     # -- API keys ---------------------------------------------------------------------------
     async def list_keys(self, tenant: str) -> list[ApiKeyInfo]:

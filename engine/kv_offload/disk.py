@@ -129,19 +129,29 @@ class FairBudget:
 
     def delete_owner(self, owner: str) -> int:
         """Deletes every blob of ``owner``; returns how many."""
+        keys = self.forget_owner(owner)
+        self.drop_blobs(keys)
+        return len(keys)
+
+    def forget_owner(self, owner: str | None) -> list[bytes]:
+        """Drops ``owner``'s blobs (every owner's for None) from the index at once (no I/O:
+        unreachable from now on) and returns their keys for ``drop_blobs``."""
         with self._lock:
-            keys = list(self._lru.get(owner, ()))
+            keys = list(self._size) if owner is None else list(self._lru.get(owner, ()))
             for key in keys:
-                self._remove(key)
-            return len(keys)
+                self._remove_index_only(key)
+            return keys
+
+    def drop_blobs(self, keys: list[bytes]) -> None:
+        """Deletes the stored blobs of keys ``forget_owner`` returned (a background job)."""
+        for key in keys:
+            self._drop_blob(key)
 
     def delete_all(self) -> int:
         """Deletes every blob; returns how many."""
-        with self._lock:
-            keys = list(self._size)
-            for key in keys:
-                self._remove(key)
-            return len(keys)
+        keys = self.forget_owner(None)
+        self.drop_blobs(keys)
+        return len(keys)
 
     def owner_bytes(self) -> dict[str, int]:
         with self._lock:
@@ -171,9 +181,11 @@ class MemoryStore(FairBudget):
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
         self._blobs: dict[bytes, bytes] = {}
+        self._blob_lock = threading.Lock()  # (_drop_blob runs with and without the index lock)
 
     def _drop_blob(self, key: bytes) -> None:
-        self._blobs.pop(key, None)
+        with self._blob_lock:
+            self._blobs.pop(key, None)
 
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         with self._lock:
@@ -182,7 +194,8 @@ class MemoryStore(FairBudget):
             if len(blob) > self.capacity_bytes:
                 return False
             self._fit(len(blob), owner)
-            self._blobs[key] = blob
+            with self._blob_lock:
+                self._blobs[key] = blob
             self._add(key, len(blob), owner)
         return True
 
@@ -191,7 +204,8 @@ class MemoryStore(FairBudget):
             if key not in self._size:
                 return None
             self._lru[self._owner[key]].move_to_end(key)
-            return self._blobs[key]
+            with self._blob_lock:
+                return self._blobs.get(key)
 
 
 class DiskStore(FairBudget):

@@ -213,6 +213,9 @@ class KVOffloader:
             try:
                 if item is None:
                     return
+                if item[0] == "drop":
+                    self._drop_job(*item[1:])
+                    continue
                 block_hash, owner, salt, generation, data, through = item
                 blob = self.cipher.seal(salt, generation, block_hash, data)
                 self.tenants.add(owner)
@@ -340,16 +343,31 @@ class KVOffloader:
         return None
 
     def drop_tenant(self, tenant: str | None) -> int:
-        """Deletes the tenant's blobs from every tier (a reset or salt rotation); returns how
-        many."""
-        self.flush()  # a queued write of the old generation lands before the delete
-        owner = tenant if tenant is not None else ""
-        return sum(t.delete_owner(owner) for t in self.tiers)
+        """Drops the tenant's blobs from every tier (a reset or salt rotation): gone from the
+        local indexes at once (and unreadable anywhere: their key moved with the generation),
+        deleted from disk and Redis by the writer thread after the writes queued before.
+        Returns how many the local tiers held."""
+        return self._drop(tenant if tenant is not None else "")
 
     def drop_all(self) -> int:
-        """Deletes every blob of every tier (the global reset); returns how many."""
-        self.flush()
-        return sum(t.delete_all() for t in self.tiers)
+        """``drop_tenant`` for every tenant (the global reset)."""
+        return self._drop(None)
+
+    def _drop(self, owner: str | None) -> int:
+        forgotten = [t.forget_owner(owner) if t.local else None for t in self.tiers]
+        self._queue.put(("drop", owner, forgotten))
+        return sum(len(keys) for keys in forgotten if keys is not None)
+
+    def _drop_job(self, owner: str | None, forgotten: list) -> None:
+        """The writer thread's part of ``_drop``: the stored blobs go, and any the writes
+        queued before the drop added meanwhile."""
+        for tier, keys in zip(self.tiers, forgotten, strict=True):
+            if keys is not None:
+                tier.drop_blobs(keys)
+            if owner is None:
+                tier.delete_all()
+            else:
+                tier.delete_owner(owner)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -467,7 +470,14 @@ def test_serve_finds_evicted_and_pre_restart_prefixes_on_disk(model_dir, tmp_pat
         return r.choices[0].message.content, r.usage.prompt_tokens, \
             r.usage.prompt_tokens_details.cached_tokens
 
-    flags = ("--kv-offload-size", str(256 << 20))
+    def cli(proc, *args):
+        out = subprocess.run([sys.executable, "-m", "app.cli", "cache", *args, "--url",
+                              proc.base, "--data-dir", str(tmp_path)], capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    flags = ("--kv-offload-size", "256MiB")
     with serve(model_dir, tmp_path, *flags) as proc:
         key = (tmp_path / "demo-api-key").read_text().strip()
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
@@ -476,9 +486,30 @@ def test_serve_finds_evicted_and_pre_restart_prefixes_on_disk(model_dir, tmp_pat
         assert all(400 < n < 500 and cached <= 16 for _, n, cached in first), first
         text, n, cached = ask(client, docs[0])
         assert text == first[0][0] and cached == n // 16 * 16, (n, cached)
+        stats = cli(proc, "stats")  # the operator's view: the tier, the tenant's tier hits
+        assert "tier disk: " in stats and "of 256 MiB" in stats, stats
+        loaded = int(re.search(r"loaded (\d+)", stats).group(1))
+        assert loaded > 0 and f"tier_hits={16 * loaded} disk=" in stats, stats
     assert (tmp_path / "kv-offload").is_dir()
-    assert "KV offload tier" in proc.output
+    assert "KV offload disk tier" in proc.output
     with serve(model_dir, tmp_path, *flags) as proc:
         client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
         text, n, cached = ask(client, docs[1])
         assert text == first[1][0] and cached == n // 16 * 16, (n, cached)
+        proc.process.kill()  # kill -9: the writer thread may be mid-write
+        proc.process.wait(30)
+    # What a write cut short can leave: a temporary file, and (on a file system without an
+    # atomic rename) a truncated blob under a block's name. Neither is ever loaded.
+    blobs = sorted((tmp_path / "kv-offload").rglob("*.kv"))
+    assert blobs
+    for blob in blobs:
+        blob.with_name(blob.name + ".tmp").write_bytes(blob.read_bytes()[:100])
+        blob.write_bytes(blob.read_bytes()[:-1])
+    with serve(model_dir, tmp_path, *flags) as proc:
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key=key)
+        text, n, cached = ask(client, docs[2])  # computed again, never a 500
+        assert text == first[2][0] and cached <= 16, (n, cached)
+        reset = cli(proc, "reset")
+        assert "blocks dropped" in reset
+    assert not list((tmp_path / "kv-offload").rglob("*.tmp"))
+    assert "Traceback" not in proc.output

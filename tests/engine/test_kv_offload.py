@@ -220,7 +220,9 @@ def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_
     _evict(engine, tag="evict2")
     assert engine.offloader.store.owner_bytes().get("A", 0) > 0
     engine.evict_tenant_cache("A", "reset")
-    assert engine.offloader.store.owner_bytes().get("A", 0) == 0
+    assert engine.offloader.store.owner_bytes().get("A", 0) == 0  # unreachable at once
+    engine.offloader.flush()  # and its files gone once the writer thread got to them
+    assert len(list(tier.rglob("*.kv"))) == len(engine.offloader.store) == 0
     # Blobs of generation 0 never open under generation 1 (a reset or rotation elsewhere).
     _run(engine, [PROMPT], tag="gen0")
     _evict(engine, tag="evict3")

@@ -141,6 +141,7 @@ def test_a_prefix_written_by_one_engine_is_loaded_by_another(tmp_path):
         tier = first.offloader.tiers[0]
         assert tier.tag("A") in tier.usage().owner_bytes
         second.evict_tenant_cache("A", "reset")
+        second.offloader.flush()  # the deletion runs on the writer thread
         assert tier.tag("A") not in tier.usage().owner_bytes
     finally:
         first.offloader.drop_all()
