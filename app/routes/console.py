@@ -500,7 +500,7 @@ def _tenant_cache(stats: dict, tenant_id: str) -> dict:
         if t["tenant_id"] == tenant_id:
             return t
     return {"resident_blocks": 0, "queried_tokens": 0, "hit_tokens": 0, "hit_rate": None,
-            "evictions": {}}
+            "tier_hit_tokens": 0, "tier_bytes": {}, "evictions": {}}
 
 
 async def _tenant_page(request: Request, session: ConsoleSession, t: TenantInfo,

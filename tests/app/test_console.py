@@ -614,3 +614,27 @@ def test_hostile_names_are_escaped_and_huge_forms_refused(env, console):
     assert ok.status_code == 200
     free, total, busy = env.engine_state()
     assert not busy and free == total  # no leaked block
+
+
+def test_the_overview_lists_each_offload_tier(env, console, monkeypatch):
+    """With offload tiers (the fake model has none: its stats get one here), the overview
+    shows each tier's occupancy and traffic, and a tier that is down says so."""
+    from app.services.admin import AdminService
+
+    real = AdminService.cache_stats
+
+    async def with_tiers(self):
+        stats = await real(self)
+        tier = {"name": "disk", "up": True, "capacity_bytes": 256 << 20,
+                "used_bytes": 3 << 20, "blobs": 4, "unclaimed_bytes": 0, "evicted_blobs": 2,
+                "written_blocks": 6, "written_bytes": 6 << 20, "write_failed": 0,
+                "loaded_blocks": 5, "loaded_bytes": 5 << 20, "load_failed": 1}
+        return {**stats, "tiers": [tier, {**tier, "name": "redis", "up": False}]}
+
+    monkeypatch.setattr(AdminService, "cache_stats", with_tiers)
+    assert console.login().status_code == 303
+    live = console.get("/console/overview/live").text
+    table = live[live.index('id="offload-tiers"'):live.index("</table>", live.index(
+        'id="offload-tiers"'))]
+    assert "disk</th>" in table and "3.0 MiB" in table and "256 MiB" in table
+    assert "redis (unreachable)</th>" in table
