@@ -1,13 +1,19 @@
-"""A working set larger than the pool, with and without the disk offload tier, in one run.
+"""A working set larger than the pool, with and without offload tiers, in one run.
 
 The bundled model in process (fp32, the default 1 GiB pool: 1,456 blocks of 16 tokens), 24
 distinct system prompts of about 1,500 tokens (36k tokens in all), three rounds; each round sends
-one request per prompt with a new question (8 output tokens, greedy), two in flight. Printed per
-round and setting: the hit rate (cached prompt tokens / prompt tokens), the round's wall time
-and the median time to first token; then the tier's blocks written and loaded, its load time
-per block and AES-GCM's sealing speed on this CPU.
+one request per prompt with a new question (8 output tokens, greedy), two in flight. Settings:
+the pool alone, the disk tier (write-back: blocks go to disk when the pool evicts them), and
+the disk tier with the shared Redis tier (write-through: every computed block also goes to
+Redis as soon as its step is done). Printed per round and setting: the hit rate (cached prompt
+tokens / prompt tokens), the round's wall time and the median time to first token, and for
+round 1 (every prompt new: unique-prompt throughput) its wall time over the pool-only one's.
+Then each tier's blocks written and loaded and the load time per block; a restart on the disk
+tier (the first request on a prefix cached before it: cached tokens and TTFT over cold); and
+AES-GCM's speed on this CPU beside the load time of one prompt's blocks.
 
-Usage: ``python benchmarks/bench_kv_offload.py [--prompts 24] [--rounds 3]``. Numbers in
+Usage: ``python benchmarks/bench_kv_offload.py [--prompts 24] [--rounds 3] [--redis-url
+redis://127.0.0.1:6379/0]`` (``--redis-url ''``: no Redis setting). Numbers in
 docs/benchmarks.md with the CPU they were measured on.
 """
 
@@ -65,35 +71,77 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1500)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=2)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--data-dir", type=Path, default=Path(".saltserve"))
     args = parser.parse_args()
     model = ensure_default_model(args.data_dir)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; bundled "
           f"model fp32, default pool; {args.prompts} prompts x {args.tokens} tokens, "
           f"{args.rounds} rounds, {args.in_flight} in flight")
-    print("| setting | round | hit rate | wall s | TTFT p50 s |")
-    print("| --- | --- | --- | --- | --- |")
-    for setting in ("pool only", "disk tier"):
+    print("| setting | round | hit rate | wall s | TTFT p50 s | round 1 / pool only |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    settings = ["pool only", "disk tier"] + (["disk + redis tiers"] if args.redis_url else [])
+    cold_wall: dict[str, float] = {}
+    notes: list[str] = []
+    namespace = f"bench-{os.getpid()}"
+    for setting in settings:
         with tempfile.TemporaryDirectory(prefix="kv-offload-") as tier:
-            cfg = EngineConfig(model=str(model), max_model_len=2048,
-                               kv_offload_size=(8 << 30) if setting == "disk tier" else 0,
-                               kv_offload_dir=tier if setting == "disk tier" else None)
-            engine = LLMEngine(cfg)
+            def engine_for(setting: str = setting, tier: str = tier) -> LLMEngine:
+                redis = setting == "disk + redis tiers"
+                return LLMEngine(EngineConfig(
+                    model=str(model), max_model_len=2048,
+                    kv_offload_size=0 if setting == "pool only" else 8 << 30,
+                    kv_offload_dir=None if setting == "pool only" else tier,
+                    kv_offload_redis_url=args.redis_url if redis else None,
+                    kv_offload_redis_namespace=namespace))
+
+            engine = engine_for()
             prompts = [_system_prompt(engine.tokenizer, i, args.tokens)
                        for i in range(args.prompts)]
             for r in range(args.rounds):
                 question = engine.tokenizer.encode(f" Question {r}: what applies?")
                 rate, wall, ttft = _round(engine, prompts, question, f"r{r}", args.in_flight)
-                print(f"| {setting} | {r + 1} | {rate:.2f} | {wall:.1f} | {ttft:.2f} |",
+                if r == 0:
+                    cold_wall[setting] = wall
+                ratio = f"{wall / cold_wall['pool only']:.2f}" if r == 0 else ""
+                print(f"| {setting} | {r + 1} | {rate:.2f} | {wall:.1f} | {ttft:.2f} | {ratio} |",
                       flush=True)
-            if engine.offloader is not None:
-                engine.offloader.flush()
-                s = engine.offloader.stats
-                per = s.load_seconds / s.loaded * 1e3 if s.loaded else 0.0
-                print(f"\ntier: {s.written} blocks written ({s.written_bytes / 2**20:.0f} MiB), "
-                      f"{s.write_dropped} dropped, {s.loaded} loaded ({per:.2f} ms a block, "
-                      f"read + open + copy), {s.load_failed} failed\n")
-                engine.offloader.close()
+            if engine.offloader is None:
+                continue
+            off = engine.offloader
+            off.flush()
+            for name, t in off.stats.tiers.items():
+                notes.append(f"{setting}, {name}: {t.written} blocks written "
+                             f"({t.written_bytes / 2**20:.0f} MiB), {t.write_failed} failed, "
+                             f"{t.loaded} loaded, {t.load_failed} failed to open")
+            s = off.stats
+            per = s.load_seconds / s.loaded * 1e3 if s.loaded else 0.0
+            notes.append(f"{setting}: {s.write_dropped} writes dropped (queue full); "
+                         f"{s.load_jobs} loads, {per:.2f} ms a block (read + open + copy, on "
+                         f"the loader thread)")
+            if setting == "disk tier":  # a restart: the pool's blocks saved, found again
+                off.save_pool(engine.block_pool.cached_block_hash_to_block.values())
+                off.close()
+                again = engine_for()
+                question = again.tokenizer.encode(" After the restart: what applies?")
+                cold_q = again.tokenizer.encode(" A new prompt: what applies?")
+                _, _, warm_ttft = _round(again, prompts[:3], question, "restart", 1)
+                fresh = [_system_prompt(again.tokenizer, 1000 + i, args.tokens)
+                         for i in range(3)]
+                _, _, cold_ttft = _round(again, fresh, cold_q, "fresh", 1)
+                hit, _, _ = _round(again, prompts[3:6], question, "restart-hit", 1)
+                notes.append(f"restart: hit rate {hit:.2f} on prefixes cached before it; "
+                             f"TTFT p50 {warm_ttft:.2f} s vs {cold_ttft:.2f} s cold "
+                             f"({warm_ttft / cold_ttft:.2f}x)")
+                again.offloader.close()
+            else:
+                for t in off.tiers:
+                    if t.name == "redis":
+                        t.delete_all()
+                off.close()
+    print()
+    for note in notes:
+        print(f"- {note}")
     cipher = BlockCipher(b"bench", engine.cache_info.bytes_per_block)
     data = os.urandom(cipher.block_bytes)
     t0, n = time.perf_counter(), 200
@@ -104,8 +152,10 @@ def main() -> None:
     for _ in range(n):
         cipher.open(b"k" * 32, 0, b"h" * 32, blob)
     opened = n * len(data) / (time.perf_counter() - t0) / 1e9
-    print(f"AES-256-GCM on this CPU: seal {seal:.2f} GB/s, open {opened:.2f} GB/s "
-          f"({cipher.block_bytes / 1024:.0f} KiB blocks)")
+    blocks = args.tokens // 16
+    print(f"- AES-256-GCM on this CPU: seal {seal:.2f} GB/s, open {opened:.2f} GB/s "
+          f"({cipher.block_bytes / 1024:.0f} KiB blocks): opening one {args.tokens}-token "
+          f"prefix ({blocks} blocks) takes {blocks * cipher.block_bytes / opened / 1e6:.1f} ms")
 
 
 if __name__ == "__main__":

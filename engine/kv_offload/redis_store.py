@@ -15,8 +15,9 @@ tenant's salt. Writes, reads (which refresh the use order) and the fair eviction
 run as Lua scripts, atomic across replicas.
 
 Redis going away never fails a request: every call has a short timeout, and after a failure
-the tier is down for ``retry_after_s`` (reads miss, writes are dropped, logged once a minute),
-then tried again. One Redis (or a primary with replicas) serves a deployment whose offloaded
+the tier is down (reads miss, writes are dropped, logged once a minute); the engine thread's
+lookups do not try it again, the writer and loader threads do every ``retry_after_s``, and the
+first success brings it back. One Redis (or a primary with replicas) serves a deployment whose offloaded
 working set fits its memory; past tens of GiB, or for retention longer than its memory holds,
 an object-store tier is the next backend (docs/prefix-caching.md).
 """
@@ -176,6 +177,9 @@ class RedisStore:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self._retry_after_s = retry_after_s
+        # Down: the engine thread's calls (query, usage) never try; the writer and loader
+        # threads retry after ``retry_after_s`` and bring the tier back.
+        self._down = False
         self._down_until = 0.0
         self._last_warning = 0.0
         self.evicted = 0
@@ -189,21 +193,28 @@ class RedisStore:
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._down
 
     def _call(self, script: str, *args, default=None):
-        """Runs a script; a failure marks the tier down and returns ``default``."""
-        if not self.up:
+        """Runs a script (the writer and loader threads): while the tier is down, only once
+        ``retry_after_s`` has passed since the last failure; a success brings it back, a
+        failure marks it down and returns ``default``."""
+        if self._down and time.monotonic() < self._down_until:
             return default
         try:
-            return self._scripts[script](args=[self._prefix, *args])
+            result = self._scripts[script](args=[self._prefix, *args])
         except Exception as e:  # noqa: BLE001 - redis.RedisError, OSError: the tier is down
             self._failed(e)
             return default
+        if self._down:
+            self._down = False
+            logger.warning("KV redis tier: reachable again")
+        return result
 
     def _failed(self, error: Exception) -> None:
         with self._lock:
             self.errors += 1
+            self._down = True
             self._down_until = time.monotonic() + self._retry_after_s
             now = time.monotonic()
             if now - self._last_warning >= _WARN_EVERY_S:

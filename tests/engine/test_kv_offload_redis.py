@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 
 import pytest
 import redis
@@ -121,10 +122,19 @@ def test_a_prefix_written_by_one_engine_is_loaded_by_another(tmp_path):
         return out.num_cached_tokens, out.token_ids, [lp.logprob for lp in out.logprobs]
 
     first = engine()
+    down = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                  max_model_len=256, num_gpu_blocks_override=16,
+                                  kv_offload_size=0, kv_offload_redis_url="redis://127.0.0.1:1/0",
+                                  kv_offload_redis_namespace=namespace),
+                     tokenizer=StubTokenizer())
     try:
         assert [t.name for t in first.offloader.tiers] == ["redis"]
-        run(first, prompt(0), "cold")
+        cold = run(first, prompt(0), "cold")
         assert first.offloader.stats.tiers["redis"].written == 9  # still in the pool, too
+        # With Redis unreachable the same request is served the same; the tier is off.
+        assert run(down, prompt(0), "down") == cold
+        assert run(down, prompt(0), "down-again")[0] == 144  # its own pool still hits
+        assert down.stats_snapshot().offload.tiers[0].up is False
         assert first.kv_cache_manager.block_pool.get_num_cached_blocks() >= 9
         _, *warm = run(first, prompt(0), "warm")
         second = engine()
@@ -145,3 +155,21 @@ def test_a_prefix_written_by_one_engine_is_loaded_by_another(tmp_path):
         assert tier.tag("A") not in tier.usage().owner_bytes
     finally:
         first.offloader.drop_all()
+
+
+def test_the_tier_comes_back_through_the_writer_never_through_a_lookup(store, monkeypatch):
+    """Down after a failure: lookups (the engine thread) do not try Redis at all; the first
+    write after ``retry_after_s`` does, and its success brings the tier back."""
+    store._retry_after_s = 0.05
+    real = store._scripts["put"]
+    monkeypatch.setitem(store._scripts, "put", lambda **kw: (_ for _ in ()).throw(
+        redis.ConnectionError("gone")))
+    assert store.put(_key(1, 0), b"x" * 10, "A") is False and not store.up
+    calls = []
+    monkeypatch.setattr(store._redis, "pipeline", lambda **kw: calls.append(kw))
+    assert store.query([_key(1, 0)]) == [False] and calls == []  # no attempt while down
+    assert store.usage().up is False and calls == []
+    monkeypatch.setitem(store._scripts, "put", real)
+    assert store.put(_key(1, 0), b"x" * 10, "A") is False  # within retry_after_s: not tried
+    time.sleep(0.06)
+    assert store.put(_key(1, 0), b"x" * 10, "A") is True and store.up
