@@ -108,6 +108,7 @@ class Endpoint:
         start = time.perf_counter()
         first = None
         usage: dict[str, Any] = {}
+        timings: dict[str, Any] = {}
         with self.client.stream("POST", self.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -120,10 +121,13 @@ class Endpoint:
                     first = time.perf_counter() - start
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("timings"):  # llama.cpp's server: its prompt-cache reuse
+                    timings = chunk["timings"]
         total = time.perf_counter() - start
         details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") or timings.get("cache_n") or 0
         return Sample(first if first is not None else total, total,
-                      int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0),
+                      int(usage.get("prompt_tokens", 0)), int(cached),
                       int(usage.get("completion_tokens", 0)))
 
     def cache_config(self) -> dict[str, str]:

@@ -263,6 +263,48 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
                   plot_profiles)
 
 
+@bench.command("working-set")
+@_bench_target
+@click.option("--api-key", envvar="SALTSERVE_API_KEY", required=True,
+              help="A tenant's key. [$SALTSERVE_API_KEY]")
+@click.option("--model", default=None, help="[the server's first model]")
+@click.option("--prompts", type=click.IntRange(min=1), default=24, show_default=True,
+              help="Distinct system prompts (the working set).")
+@click.option("--tokens", type=click.IntRange(min=16), default=1500, show_default=True,
+              help="Tokens of each system prompt (about).")
+@click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
+@_bench_seeded
+@click.option("--peer", "peer_specs", multiple=True, metavar="NAME=URL[,KEY,MODEL]",
+              help="Also run it against this OpenAI-compatible server (llama.cpp's "
+                   "llama-server, vLLM), after ours; repeatable.")
+def bench_working_set(url: str, api_key: str, model: str | None, prompts: int, tokens: int,
+                      rounds: int, concurrency: int, max_tokens: int, seed: int,
+                      run_nonce: str | None, peer_specs: tuple[str, ...],
+                      out: Path | None) -> None:
+    """A working set larger than the KV pool (distinct long system prompts, several rounds):
+    hit rate, wall time and TTFT per round, ours beside any peers (the offload tiers'
+    workload, docs/prefix-caching.md)."""
+    from app.bench.baselines import parse_peer
+    from app.bench.validate import Endpoint
+    from app.bench.working_set import format_working_set, run_working_set
+
+    try:
+        peers = [parse_peer(spec) for spec in peer_specs]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--peer") from None
+
+    def run() -> dict:
+        endpoints = {"saltserve": Endpoint(url, api_key, model)}
+        for p in peers:
+            endpoints[p.name] = Endpoint(p.url, p.api_key, p.model)
+        return run_working_set(endpoints, prompts, tokens, rounds, concurrency, max_tokens,
+                               seed, run_nonce, progress=lambda s: click.echo(s, err=True))
+
+    _bench_report(url, out, run, format_working_set)
+
+
 @bench.command("tenants")
 @_bench_target
 @click.option("--admin-token", envvar="SALTSERVE_ADMIN_TOKEN", required=True,

@@ -306,3 +306,40 @@ def test_every_plot_is_drawn(tmp_path):
                  "tenants"):
         png = tmp_path / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000, name
+
+
+class LRUServer(FakeServer):
+    """A ``FakeServer`` whose cache holds the blocks of at most ``capacity`` prompts (least
+    recently used out first): a pool too small for the working set."""
+
+    def __init__(self, capacity: int, **kw):
+        super().__init__(**kw)
+        self.capacity, self.order = capacity, []
+
+    def complete(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Sample:
+        head = prompt.split("\n\n")[0]
+        sample = super().complete(prompt, max_tokens, ignore_eos)
+        with self.lock:
+            if head in self.order:
+                self.order.remove(head)
+            self.order.append(head)
+            if len(self.order) > self.capacity:
+                gone = tuple(self.order.pop(0).split()[:7])  # the prompt's own opening
+                self.blocks = {b for b in self.blocks if b[:7] != gone}
+        return sample
+
+
+def test_working_set_rounds_show_a_cache_that_holds_it_and_one_that_does_not():
+    from app.bench.working_set import format_working_set, run_working_set
+
+    whole, small = FakeServer(url="http://whole"), LRUServer(4, url="http://small")
+    report = run_working_set({"whole": whole, "small": small}, prompts=8, tokens=200,
+                             rounds=3, concurrency=1, max_tokens=2, seed=1, nonce="n")
+    rates = {name: [r["hit_rate"] for r in s["rounds"]]
+             for name, s in report["servers"].items()}
+    assert rates["whole"][0] < 0.1 and min(rates["whole"][1:]) > 0.9
+    assert max(rates["small"]) < 0.1  # LRU: each prompt evicted just before it comes back
+    assert report["servers"]["whole"]["warm_wall_ratio"] == 1.0
+    assert all(ignore_eos and n == 2 for n, ignore_eos in whole.asked)
+    text = format_working_set(report)
+    assert "| small | 3 | 0.0" in text and "small: warm rounds' wall time" in text
