@@ -214,8 +214,11 @@ class LLMEngine:
             return None
         for tier in tiers:
             u = tier.usage()
-            logger.info("KV offload %s tier: %.2f GiB, %d blocks found%s", tier.name,
-                        u.capacity_bytes / 2**30, u.blobs, "" if u.up else " (unreachable now)")
+            scan = getattr(tier, "scan_seconds", None)
+            logger.info("KV offload %s tier: %.2f GiB, %d blocks found (%.2f GiB)%s%s",
+                        tier.name, u.capacity_bytes / 2**30, u.blobs, u.used_bytes / 2**30,
+                        "" if scan is None else f" in {scan:.2f} s",
+                        "" if u.up else " (unreachable now)")
         return KVOffloader(tiers, BlockCipher(layout, per_block), executor)
 
     # -- requests ------------------------------------------------------------------------------

@@ -248,8 +248,9 @@ class TenantStore:
         """Changes a tenant's flags; None leaves a flag as it is.
 
         A disabled tenant's keys are refused (``TenantDisabled``) until it is enabled again.
-        Turning prefix caching off bumps ``cache_epoch`` in the same transaction (the caller
-        evicts; replicas that miss its broadcast evict on the tenant's next request).
+        Disabling a tenant or turning its prefix caching off bumps ``cache_epoch`` in the same
+        transaction (the caller evicts, from the pool and the offload tiers; replicas that miss
+        its broadcast evict on the tenant's next request).
         Limits (requests / tokens per minute, concurrent requests; enforced by ``app.limits``)
         take ``UNCHANGED`` (the default) to keep, None for unlimited, or an int >= 1; they apply
         from the tenant's next authenticated request. Changes are audited (only real changes).
@@ -302,6 +303,8 @@ class TenantStore:
             if disabled is not None and disabled != row.disabled:
                 row.disabled = disabled
                 changes.append(f"disabled={disabled}")
+                if disabled:  # nothing of a disabled tenant's stays cached, in any tier
+                    row.cache_epoch += 1
             if (
                 enable_prefix_caching is not None
                 and enable_prefix_caching != row.enable_prefix_caching

@@ -91,9 +91,15 @@ def tenants_set_share(tenant: str, weight: int | None, min_cache_blocks: Any,
 
 
 def _set_disabled(tenant: str, disabled: bool, opts: dict[str, Any]) -> None:
+    from app.cluster import ClusterConfig, publish_now
 
-    repo = open_repository(settings_from_options(**opts))
-    t = repo.tenants.update(tenant_id_of(repo, tenant), disabled=disabled, actor=cli_actor())
+    settings = settings_from_options(**opts)
+    repo = open_repository(settings)
+    before = repo.tenants.get(tenant_id_of(repo, tenant))
+    t = repo.tenants.update(before.id, disabled=disabled, actor=cli_actor())
+    if t.cache_epoch != before.cache_epoch:  # disabled: running servers drop its cache
+        publish_now(ClusterConfig(settings.redis_url, settings.redis_namespace, "cli"), t.id,
+                    "reset")
     click.echo(f"tenant {t.name} id={t.id} {'disabled' if t.disabled else 'active'}")
 
 

@@ -92,16 +92,21 @@ class AdminService:
 
     async def update_tenant(self, tenant: str, actor: str, **changes: Any) -> TenantInfo:
         """Changes flags, limits and share (``TenantStore.update`` keywords; limits in
-        ``NULLABLE_LIMITS`` only when given). Turning prefix caching off also drops the tenant's
-        cached blocks (reason ``reset``, audited ``cache.reset``), so nothing of theirs stays
-        cached."""
+        ``NULLABLE_LIMITS`` only when given). Disabling the tenant or turning its prefix caching
+        off also drops its cached blocks, in the pool and the offload tiers (reason ``reset``,
+        audited ``cache.reset`` with the tier bytes), so nothing of theirs stays cached."""
         before = await self.resolve_tenant(tenant)
+        if drops_cache := (before.enable_prefix_caching and changes.get(
+                "enable_prefix_caching") is False) or (not before.disabled and changes.get(
+                "disabled") is True):
+            tier = await self._tier_bytes(before.id)
         after = await in_thread(self.repo.tenants.update, before.id, actor=actor, **changes)
-        if before.enable_prefix_caching and not after.enable_prefix_caching:
+        if drops_cache and after.cache_epoch != before.cache_epoch:
             dropped = await self.generations.applied(after, "reset")  # the update bumped the epoch
+            cause = "disabled" if after.disabled and not before.disabled else "prefix_caching_off"
             await in_thread(self.repo.usage.audit, actor, "cache.reset", before.id,
                             f"blocks={dropped} salt_version={after.current_salt_version} "
-                            "cause=prefix_caching_off")
+                            f"cause={cause}" + self._tier_detail(tier))
         return after
 
     async def rotate_salt(self, tenant: str, actor: str) -> dict:

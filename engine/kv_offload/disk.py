@@ -232,7 +232,9 @@ class DiskStore(FairBudget):
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.write_errors = 0
         self._last_warning = 0.0
+        start = time.perf_counter()
         self._scan()
+        self.scan_seconds = time.perf_counter() - start  # the start-up index rebuild
 
     # -- index --------------------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:

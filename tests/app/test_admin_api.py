@@ -306,6 +306,24 @@ def test_per_tenant_caching_switch(env):
                  json={"disabled": "maybe"}).status_code == 400
 
 
+def test_disabling_a_tenant_drops_its_cache(env):
+    """Nothing of a disabled tenant's stays cached (the pool here; the offload tiers too,
+    docs/prefix-caching.md): re-enabled, it starts cold; the other tenant keeps its blocks."""
+    reset_all(env)
+    p = prompt_of(8)
+    for key in (env.key_a, env.key_b):
+        assert [cached(env, key, p), cached(env, key, p)] == [0, FULL]
+    r = admin(env, "PATCH", f"/admin/tenants/{env.tenant_a}", json={"disabled": True})
+    assert r.status_code == 200 and r.json()["disabled"] is True
+    assert metric(env, "prefix_cache_resident_blocks", tenant=env.tenant_a) == 0
+    rows = admin(env, "GET", "/admin/audit", params={"tenant": env.tenant_a,
+                                                     "action": "cache.reset"}).json()["data"]
+    assert rows and "cause=disabled" in rows[0]["detail"]
+    r = admin(env, "PATCH", f"/admin/tenants/{env.tenant_a}", json={"disabled": False})
+    assert r.status_code == 200
+    assert [cached(env, env.key_a, p), cached(env, env.key_b, p)] == [0, FULL]
+
+
 # -- audit and usage ------------------------------------------------------------------------------
 def test_audit_rows_record_versions_never_salts(env):
     t = admin(env, "POST", "/admin/tenants", json={"name": "audited"}).json()

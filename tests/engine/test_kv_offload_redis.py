@@ -161,15 +161,16 @@ def test_the_tier_comes_back_through_the_writer_never_through_a_lookup(store, mo
     """Down after a failure: lookups (the engine thread) do not try Redis at all; the first
     write after ``retry_after_s`` does, and its success brings the tier back."""
     store._retry_after_s = 0.05
-    real = store._scripts["put"]
-    monkeypatch.setitem(store._scripts, "put", lambda **kw: (_ for _ in ()).throw(
+    real = store._scripts["put_index"]
+    monkeypatch.setitem(store._scripts, "put_index", lambda **kw: (_ for _ in ()).throw(
         redis.ConnectionError("gone")))
     assert store.put(_key(1, 0), b"x" * 10, "A") is False and not store.up
     calls = []
-    monkeypatch.setattr(store._redis, "pipeline", lambda **kw: calls.append(kw))
-    assert store.query([_key(1, 0)]) == [False] and calls == []  # no attempt while down
-    assert store.usage().up is False and calls == []
-    monkeypatch.setitem(store._scripts, "put", real)
+    with monkeypatch.context() as m:
+        m.setattr(store._redis, "pipeline", lambda **kw: calls.append(kw))
+        assert store.query([_key(1, 0)]) == [False] and calls == []  # no attempt while down
+        assert store.usage().up is False and calls == []
+    monkeypatch.setitem(store._scripts, "put_index", real)
     assert store.put(_key(1, 0), b"x" * 10, "A") is False  # within retry_after_s: not tried
     time.sleep(0.06)
     assert store.put(_key(1, 0), b"x" * 10, "A") is True and store.up
