@@ -12,6 +12,11 @@ Then each tier's blocks written and loaded and the load time per block; a restar
 tier (the first request on a prefix cached before it: cached tokens and TTFT over cold); and
 AES-GCM's speed on this CPU beside the load time of one prompt's blocks.
 
+``--unique-passes N`` measures what the tiers cost on unique prompts alone, where they can
+only add work: the three settings' engines are built once, and each pass sends every setting
+``--unique-prompts`` new prompts (the order alternating, A B C then C B A, so a 2-vCPU VM's
+drift hits all three); printed: each setting's median wall time over the pool-only one's.
+
 Usage: ``python benchmarks/bench_kv_offload.py [--prompts 24] [--rounds 3] [--redis-url
 redis://127.0.0.1:6379/0]`` (``--redis-url ''``: no Redis setting). Numbers in
 docs/benchmarks.md with the CPU they were measured on.
@@ -73,7 +78,12 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=2)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--data-dir", type=Path, default=Path(".saltserve"))
+    parser.add_argument("--unique-passes", type=int, default=0)
+    parser.add_argument("--unique-prompts", type=int, default=8)
     args = parser.parse_args()
+    if args.unique_passes:
+        _unique(args, ensure_default_model(args.data_dir))
+        return
     model = ensure_default_model(args.data_dir)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; bundled "
           f"model fp32, default pool; {args.prompts} prompts x {args.tokens} tokens, "
@@ -156,6 +166,48 @@ def main() -> None:
     print(f"- AES-256-GCM on this CPU: seal {seal:.2f} GB/s, open {opened:.2f} GB/s "
           f"({cipher.block_bytes / 1024:.0f} KiB blocks): opening one {args.tokens}-token "
           f"prefix ({blocks} blocks) takes {blocks * cipher.block_bytes / opened / 1e6:.1f} ms")
+
+
+def _unique(args: argparse.Namespace, model: Path) -> None:
+    """Unique prompts only, the settings alternating (module docstring)."""
+    namespace = f"bench-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_a, \
+            tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_b:
+        settings = {
+            "pool only": {"kv_offload_size": 0},
+            "disk tier": {"kv_offload_size": 8 << 30, "kv_offload_dir": tier_a},
+            "disk + redis tiers": {"kv_offload_size": 8 << 30, "kv_offload_dir": tier_b,
+                                   "kv_offload_redis_url": args.redis_url,
+                                   "kv_offload_redis_namespace": namespace}}
+        if not args.redis_url:
+            del settings["disk + redis tiers"]
+        engines = {name: LLMEngine(EngineConfig(model=str(model), max_model_len=2048, **kw))
+                   for name, kw in settings.items()}
+        walls: dict[str, list[float]] = {name: [] for name in engines}
+        order = list(engines)
+        tok = engines["pool only"].tokenizer
+        question = tok.encode(" Question: what applies?")
+        for p in range(args.unique_passes):
+            for name in order if p % 2 == 0 else order[::-1]:
+                prompts = [_system_prompt(tok, 10_000 * (p + 1) + 100 * order.index(name) + i,
+                                          args.tokens) for i in range(args.unique_prompts)]
+                _, wall, _ = _round(engines[name], prompts, question, f"u{p}", args.in_flight)
+                if engines[name].offloader is not None:
+                    engines[name].offloader.flush()  # its writes land within its own pass
+                walls[name].append(wall)
+        print(f"# unique prompts: {args.unique_passes} passes x {args.unique_prompts} prompts x "
+              f"{args.tokens} tokens, {args.in_flight} in flight, settings alternating")
+        base = statistics.median(walls["pool only"])
+        for name, w in walls.items():
+            print(f"- {name}: wall {statistics.median(w):.1f} s (median; passes "
+                  f"{', '.join(f'{x:.1f}' for x in w)}), {statistics.median(w) / base:.3f}x "
+                  "pool only")
+        for engine in engines.values():
+            if engine.offloader is not None:
+                for t in engine.offloader.tiers:
+                    if t.name == "redis":
+                        t.delete_all()
+                engine.offloader.close()
 
 
 if __name__ == "__main__":

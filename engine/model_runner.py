@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend
@@ -167,16 +168,23 @@ class ModelRunner:
         return block.view(torch.uint8).numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes) -> None:
-        """Writes ``read_block``'s bytes back into block ``block_id``, bit for bit.
+        """Writes ``read_block``'s bytes back into block ``block_id``, bit for bit. Called on
+        the offload loader thread while steps run: on CPU the copy is one numpy copy on that
+        thread (a torch copy there would start a second OpenMP team beside the step's and
+        slow both on a small machine).
 
         Raises:
             ValueError: ``data`` is not one block's bytes.
         """
-        shape = self.kv_caches[:, :, block_id].shape
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if src.numel() != self.kv_caches[:, :, block_id].numel() * self.kv_caches.element_size():
+        dst = self.kv_caches[:, :, block_id]
+        if len(data) != dst.numel() * dst.element_size():
             raise ValueError("not one KV block's bytes")
-        self.kv_caches[:, :, block_id].copy_(src.view(self.kv_dtype).view(shape))
+        if dst.device.type == "cpu":
+            view = dst.view(torch.uint8).numpy()  # a strided view of the cache, no copy
+            np.copyto(view, np.frombuffer(data, dtype=np.uint8).reshape(view.shape))
+            return
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dst.copy_(src.view(self.kv_dtype).view(dst.shape))
 
     def release(self, request_id: str) -> None:
         """Drops per-request state (the seeded RNG) when a request finishes."""

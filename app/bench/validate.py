@@ -100,7 +100,15 @@ class Endpoint:
 
     def complete(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Sample:
         """One streamed completion at temperature 0 (usage from the last chunk);
-        ``ignore_eos`` (vLLM's extension) makes it generate all ``max_tokens``."""
+        ``ignore_eos`` (vLLM's extension) makes it generate all ``max_tokens``. A kept-alive
+        connection the server closed before answering (llama.cpp's server closes idle ones
+        after 5 s) is retried once on a new one."""
+        try:
+            return self._complete(prompt, max_tokens, ignore_eos)
+        except httpx.RemoteProtocolError:
+            return self._complete(prompt, max_tokens, ignore_eos)
+
+    def _complete(self, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         if ignore_eos:

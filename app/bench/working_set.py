@@ -28,8 +28,9 @@ from app.bench.validate import WORDS, Endpoint, Sample
 
 
 def system_prompt(rng: random.Random, tokens: int, opening: str) -> str:
-    """About ``tokens`` tokens of instructions (1.3 tokens a word), unique per ``opening``."""
-    body = " ".join(rng.choice(WORDS) for _ in range(int(tokens / 1.3)))
+    """About ``tokens`` tokens of instructions (1.1 tokens a word with SmolLM2's tokenizer),
+    unique per ``opening``."""
+    body = " ".join(rng.choice(WORDS) for _ in range(int(tokens / 1.1)))
     return f"{opening} Rules: {body}"
 
 
@@ -69,7 +70,9 @@ def run_working_set(endpoints: dict[str, Endpoint], prompts: int, tokens: int, r
             results.append(_round(endpoint, texts, f"Question {r}: which rule applies to "
                                   f"{rng.choice(WORDS)}?", concurrency, max_tokens))
             if progress is not None:
-                progress(f"{name} round {r + 1}")
+                last = results[-1]
+                progress(f"{name} round {r + 1}: hit rate {last['hit_rate']:.2f}, wall "
+                         f"{last['wall_s']:.1f} s, TTFT p50 {last['ttft_p50_s']:.2f} s")
         report["servers"][name] = {"rounds": results}
     first = next(iter(report["servers"].values()))["rounds"]
     for server in report["servers"].values():

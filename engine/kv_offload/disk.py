@@ -232,6 +232,7 @@ class DiskStore(FairBudget):
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.write_errors = 0
         self._last_warning = 0.0
+        self._dirs: set[str] = set()  # subdirectories known to exist
         start = time.perf_counter()
         self._scan()
         self.scan_seconds = time.perf_counter() - start  # the start-up index rebuild
@@ -279,7 +280,9 @@ class DiskStore(FairBudget):
         path = self._path(key)
         tmp = path.with_name(path.name + _TMP)
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            if path.parent.name not in self._dirs:  # (each syscall gives up the GIL once)
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                self._dirs.add(path.parent.name)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(blob)

@@ -47,7 +47,11 @@ from engine.stats import LOAD_SECONDS_BUCKETS
 
 logger = logging.getLogger(__name__)
 
-_WRITE_QUEUE_BLOCKS = 256
+# Blocks copied out and waiting for the writer thread, at most (bounded by bytes: 512 MiB is
+# 700 blocks of the bundled model in fp32). Evictions come in bursts (a long prompt admitted
+# evicts a hundred blocks in one step) that a writer sharing 2 cores with the step drains
+# between them.
+_WRITE_QUEUE_BYTES = 512 << 20
 _WARN_EVERY_S = 60.0
 
 
@@ -115,7 +119,8 @@ class KVOffloader:
             raise ValueError("at least one tier")
         self.tiers, self.cipher, self.io = list(tiers), cipher, io
         self.stats = OffloadStats(tiers={t.name: TierStats() for t in self.tiers})
-        self._queue: queue.Queue = queue.Queue(maxsize=_WRITE_QUEUE_BLOCKS)
+        self._queue: queue.Queue = queue.Queue(
+            maxsize=max(16, _WRITE_QUEUE_BYTES // max(cipher.block_bytes, 1)))
         self._loads: queue.Queue = queue.Queue()
         self._done: deque[LoadJob] = deque()
         self._load_done = threading.Event()

@@ -337,7 +337,7 @@ def test_working_set_rounds_show_a_cache_that_holds_it_and_one_that_does_not():
                              rounds=3, concurrency=1, max_tokens=2, seed=1, nonce="n")
     rates = {name: [r["hit_rate"] for r in s["rounds"]]
              for name, s in report["servers"].items()}
-    assert rates["whole"][0] < 0.1 and min(rates["whole"][1:]) > 0.9
+    assert rates["whole"][0] < 0.1 and min(rates["whole"][1:]) > 0.85  # all but the tail
     assert max(rates["small"]) < 0.1  # LRU: each prompt evicted just before it comes back
     assert report["servers"]["whole"]["warm_wall_ratio"] == 1.0
     assert all(ignore_eos and n == 2 for n, ignore_eos in whole.asked)
