@@ -313,7 +313,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             self.kv_cache_manager.step_done(ok=False)
-            if self.scheduler.loading:  # only loads in flight: wait for one, do not spin
+            if self.scheduler.loads_pending:  # only loads in flight: wait, do not spin
                 self.offloader.wait_loads(0.05)
             return self._failed_outputs()
         t0 = time.perf_counter()

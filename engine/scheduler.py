@@ -180,7 +180,14 @@ class Scheduler:
             self.failed.append((req, reason))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        """Also True while an aborted request's load is in flight (its blocks are freed when
+        the loader is done: the engine steps until then)."""
+        return bool(self.waiting or self.running or self.loading or self._abandoned_loads)
+
+    @property
+    def loads_pending(self) -> bool:
+        """A tier load is in flight (for a waiting request, or an aborted one)."""
+        return bool(self.loading or self._abandoned_loads)
 
     def _finish_loads(self) -> None:
         """Collects finished tier loads: the loaded blocks join the pool's cache and the

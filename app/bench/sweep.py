@@ -15,7 +15,8 @@ Axes (values are comma-separated on the command line):
   and off, each request generating exactly that many tokens (``ignore_eos``); output tokens/s
   and inter-token latency.
 - ``pool_size`` (KV blocks): for each size, a server of our own (``saltserve serve
-  --num-gpu-blocks-override``, on a free loopback port, in a temporary data dir) runs
+  --num-gpu-blocks-override``, no offload tier, on a free loopback port, in a temporary data
+  dir) runs
   ``requests`` questions over ``documents`` documents taken in turn, one at a time; hit rate
   against pool size. It needs no ``--url``.
 
@@ -161,7 +162,8 @@ def local_server(model_dir: Path, num_blocks: int, max_model_len: int = 2048,
         cmd = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port",
                str(port), "--model", str(model_dir), "--block-size", "16", "--max-model-len",
                str(min(max_model_len, 16 * num_blocks)),
-               "--num-gpu-blocks-override", str(num_blocks)]
+               "--num-gpu-blocks-override", str(num_blocks),
+               "--kv-offload-size", "0"]  # the pool alone: a disk tier would hide its size
         # Embedded defaults only: none of the operator's SALTSERVE_* settings (a real database,
         # Redis, no demo tenant) may reach this throwaway server.
         env = {k: v for k, v in os.environ.items() if not k.startswith("SALTSERVE_")}

@@ -187,7 +187,7 @@ def test_operator_flow_in_a_real_browser(server, browser):
     assert live.value.status == 200
     acme_row = page.locator("#tenant-cache tbody tr", has_text="acme")
     expect(acme_row).to_have_count(1)
-    assert float(acme_row.locator("td").nth(3).inner_text()[:-1]) > 0
+    assert float(acme_row.locator("td").nth(4).inner_text()[:-1]) > 0  # its hit rate
     # Redrawn from the refreshed fragment's data (htmx swaps it in, console.js draws).
     page.wait_for_function("() => !!Chart.getChart(document.querySelector('[data-chart-id=chart-hit-rate]'))",
                            timeout=5_000)

@@ -57,9 +57,11 @@ def _tame(body, model: str):
     if "model" in body or "prompt" in body or "messages" in body:
         if zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % 2:
             body = {k: v for k, v in body.items() if k in CORE}
-            if isinstance(body.get("messages"), list):
-                body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content")}
-                                    if isinstance(m, dict) else m for m in body["messages"]]
+            if isinstance(body.get("messages"), list):  # plain turns (a tool turn needs its
+                body["messages"] = [                    # call: a 400 every time)
+                    {"role": m.get("role") if m.get("role") in ("system", "user") else "user",
+                     **{k: v for k, v in m.items() if k == "content"}}
+                    if isinstance(m, dict) else m for m in body["messages"]]
         body["model"] = model
         for name in ("max_tokens", "max_completion_tokens"):
             v = body.get(name)
@@ -69,8 +71,13 @@ def _tame(body, model: str):
             body["max_tokens"] = 2
         if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
             body["n"] = 2
+        if body.get("prompt_cache_retention") == "24h":  # the fake model has no tier: a 400
+            body["prompt_cache_retention"] = "in_memory"
         if "prompt" in body:
             body["prompt"] = _cut(body["prompt"])
+            prompt = body["prompt"]
+            if not prompt or (isinstance(prompt, list) and not all(prompt)):
+                body["prompt"] = "Hello"  # empty prompts are a 400 every time
         if isinstance(body.get("messages"), list):
             body["messages"] = [
                 {**m, "content": _cut(m.get("content"))} if isinstance(m, dict) else m
