@@ -31,6 +31,16 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
   stretch another tenant's inter-token latency or first token by more than that many tokens'
   work.
 - ``policy="fcfs"``: none of the above; running requests then waiting ones, in order (vLLM).
+
+Both policies:
+
+- With offload tiers (``engine.kv_offload``): a waiting request whose prefix goes on in a tier
+  past its pool hits gets fresh blocks and waits in ``WAITING_FOR_KV_LOAD`` (out of the queues
+  and the plans) while the loader fills them; once loaded, the blocks are cached and the request
+  waits again, right after the preempted requests, to be admitted with them as hits (vLLM's
+  ``WAITING_FOR_REMOTE_KVS``). Its plan this step goes to the requests after it.
+- A request preempted in the step that allocated its new blocks leaves none of them cached:
+  the step never writes them.
 """
 
 from __future__ import annotations
