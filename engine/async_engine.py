@@ -195,9 +195,11 @@ class AsyncLLM(EngineClient):
             thread.join(timeout=30)
             self._thread = None
         offloader = getattr(self.engine, "offloader", None)
-        if offloader is not None and (thread is None or not thread.is_alive()):
-            # The engine is stopped: the pool's cached blocks join the disk tier too, and every
-            # queued write lands before the exit (a restart finds them).
+        if offloader is not None and (thread is None or not thread.is_alive()) \
+                and self._dead_error is None:
+            # The engine is stopped (cleanly: a dead engine's pool is not trusted): the pool's
+            # cached blocks join the tiers too, and every queued write lands before the exit
+            # (a restart finds them).
             saved = offloader.save_pool(self.engine.block_pool.cached_block_hash_to_block.values())
             offloader.flush()
             logger.info("KV offload tier: %d cached blocks written at shutdown", saved)

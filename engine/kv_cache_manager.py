@@ -213,9 +213,10 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
 
     def uncache_uncomputed(self, request: Request) -> int:
-        """Before a preemption frees ``request``'s blocks: the blocks past its computed tokens
-        were cached when this step allocated them (full once the step writes them), but the
-        step will not run for it now; no one may hit them. Returns blocks dropped."""
+        """Before a preemption or a scheduling failure frees ``request``'s blocks: the blocks
+        past its computed tokens were cached when this step allocated them (full once the step
+        writes them), but the step will not run for it now; no one may hit them, and no tier
+        may take them. Returns blocks dropped."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         start = request.num_computed_tokens // self.block_size
         return self.block_pool.uncache_unwritten(blocks[start:])

@@ -379,13 +379,15 @@ class LLMEngine:
         n, limit = self.consecutive_step_failures, self.config.max_consecutive_step_failures
         logger.error("engine step failed (%d in a row, limit %d): %s", n, limit,
                      type(error).__name__)
+        for s in sched.scheduled:  # (also when the engine dies: nothing saves them later)
+            if s.request.status == RequestStatus.RUNNING:
+                # The KV this step was writing is not trustworthy: no one may hit those blocks.
+                self.kv_cache_manager.drop_hashes_from(s.request, s.num_computed_tokens)
         if n >= limit:
             raise EngineDeadError(f"{n} engine steps failed in a row") from error
         for s in sched.scheduled:
             req = s.request
             if req.status == RequestStatus.RUNNING:
-                # The KV this step was writing is not trustworthy: no one may hit those blocks.
-                self.kv_cache_manager.drop_hashes_from(req, s.num_computed_tokens)
                 self.scheduler.fail_request(req, "the engine step computing this request "
                                                  "failed")
         try:

@@ -142,7 +142,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request validated by ``engine.protocol.validate_request`` (prompt length and
         vocabulary are not re-checked here). Raises ValueError for a duplicate id."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._abandoned_loads:
+            # (an aborted request whose tier load is in flight still holds its id's blocks)
             raise ValueError(f"duplicate request id {request.request_id!r}")
         assert request.num_tokens < self.max_model_len, "unvalidated request (validate_request)"
         t = request.tenant_id
@@ -209,7 +210,9 @@ class Scheduler:
                 self.kv.free(req)
                 continue
             req = self.loading.pop(job.request_id)
-            req.num_tier_tokens = self.kv.finish_load(req, job) * self.kv.block_size
+            loaded = self.kv.finish_load(req, job) * self.kv.block_size
+            if req.num_cached_tokens < 0:  # hits count at the first admission only
+                req.num_tier_tokens = loaded
             if req.num_preemptions:
                 req.status = RequestStatus.PREEMPTED
                 self.waiting.appendleft(req)
@@ -530,6 +533,7 @@ class Scheduler:
         """Fails ``req`` after a fault in its own scheduling (e.g. its block allocation)."""
         logger.error("request %s failed while scheduling: %s", req.request_id,
                      type(error).__name__)
+        self.kv.uncache_uncomputed(req)  # blocks cached this step that no step will write
         if req.status != RequestStatus.RUNNING:
             req.num_computed_tokens = 0
         self.fail_request(req, "the request failed while its KV blocks were allocated")

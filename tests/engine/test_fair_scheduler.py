@@ -956,3 +956,37 @@ def test_a_victim_granted_earlier_in_its_step_leaves_no_unwritten_block_cached()
         preemptions = sched.stats.num_preemptions
         run_to_idle(sched)
         assert sched.stats.num_preemptions > preemptions
+
+
+def test_a_request_failing_in_its_step_leaves_no_unwritten_block_cached() -> None:
+    """The same for a request that fails in scheduling (a fault in a later allocation of the
+    step that cached its blocks): ``step`` checks every block a step caches was written.
+    Workloads and the allocation that faults (the k-th) found by a random search; each failed
+    before the rule."""
+    import random
+
+    for seed, k in ((171, 3), (359, 12)):
+        rng = random.Random(seed)
+        sched = make_scheduler(num_blocks=rng.randint(6, 12),
+                               max_num_batched_tokens=rng.choice([16, 32, 48, 64]),
+                               max_num_seqs=rng.randint(2, 6))
+        for i in range(rng.randint(2, 5)):
+            n, base = rng.randint(5, 60), rng.choice([0, 1000])
+            sched.add_request(make_request(
+                f"r{i}", range(base, base + n), tenant=f"t{rng.randint(0, 2)}",
+                max_tokens=rng.randint(1, 30), ignore_eos=True))
+        assert rng.randint(1, 12) == k
+        calls = [0]
+
+        def fault(point, rid, calls=calls, k=k):
+            if point == "allocate":
+                calls[0] += 1
+                if calls[0] == k:
+                    raise RuntimeError("injected")
+
+        with engine.faults.inject(fault):
+            for _ in range(200):
+                if not sched.has_unfinished_requests():
+                    break
+                step(sched)
+        assert calls[0] >= k and not sched.has_unfinished_requests()

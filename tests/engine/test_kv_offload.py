@@ -323,6 +323,9 @@ def test_an_aborted_load_frees_its_blocks_only_when_the_loader_is_done(model_dir
     # the engine keeps stepping until it is done.
     assert engine.block_pool.get_num_free_blocks() == free_before
     assert engine.has_unfinished_requests() and "gone" not in engine.scheduler.requests
+    with pytest.raises(ValueError, match="duplicate request id"):  # its blocks are still held
+        engine.add_request(EngineRequest("gone", tuple(PROMPT), params, tenant_id="A",
+                                         cache_salt=SALT_A))
     gate.open()
     deadline = time.monotonic() + 30
     while engine.has_unfinished_requests():
