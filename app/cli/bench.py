@@ -115,6 +115,21 @@ def _ours(stack: Any, in_process: bool, model_dir: Path | None, data_dir: Path |
     return on, off, MetricsProbe(url, metrics_token) if metrics_token else None
 
 
+def _peers(specs: tuple[str, ...], taken: tuple[str, ...] = ()) -> list:
+    """The ``--peer`` options as ``Peer`` records; a bad spec, or names that repeat (or are
+    in ``taken``), is a usage error."""
+    from app.bench.baselines import parse_peer
+
+    try:
+        peers = [parse_peer(spec) for spec in specs]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--peer") from None
+    names = [p.name for p in peers] + list(taken)
+    if len(set(names)) != len(names):
+        raise click.BadParameter("peer names must differ", param_hint="--peer")
+    return peers
+
+
 def _need_keys(in_process: bool, **keys: str | None) -> None:
     missing = [name for name, value in keys.items() if not value]
     if not in_process and missing:
@@ -221,19 +236,14 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
 
     import httpx
 
-    from app.bench.baselines import HFGenerate, parse_peer
+    from app.bench.baselines import HFGenerate
     from app.bench.plots import plot_profiles
     from app.bench.profiles import format_profiles, run_profiles
     from app.bench.validate import Endpoint
 
     _need_keys(in_process, api_key=api_key, api_key_no_cache=api_key_no_cache)
     chosen = profiles or PROFILES
-    try:
-        peers = [parse_peer(spec) for spec in peer_specs]
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--peer") from None
-    if len({p.name for p in peers}) != len(peers):
-        raise click.BadParameter("peer names must differ", param_hint="--peer")
+    peers = _peers(peer_specs)
 
     def run() -> dict:
         with contextlib.ExitStack() as stack:  # an in-process engine is closed at the end
@@ -286,14 +296,10 @@ def bench_working_set(url: str, api_key: str, model: str | None, prompts: int, t
     """A working set larger than the KV pool (distinct long system prompts, several rounds):
     hit rate, wall time and TTFT per round, ours beside any peers (the offload tiers'
     workload, docs/prefix-caching.md)."""
-    from app.bench.baselines import parse_peer
     from app.bench.validate import Endpoint
     from app.bench.working_set import format_working_set, run_working_set
 
-    try:
-        peers = [parse_peer(spec) for spec in peer_specs]
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--peer") from None
+    peers = _peers(peer_specs, taken=("saltserve",))
 
     def run() -> dict:
         endpoints = {"saltserve": Endpoint(url, api_key, model)}

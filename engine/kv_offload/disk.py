@@ -28,14 +28,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.kv_offload.tier import TierUsage
+from engine.kv_offload.tier import ThrottledWarning, TierUsage
 
 logger = logging.getLogger(__name__)
 
 UNCLAIMED = "\x00unclaimed"  # the owner of blobs found at start (no tenant id is this string)
 _SUFFIX = ".kv"
 _TMP = ".tmp"
-_WARN_EVERY_S = 60.0
 
 
 class FairBudget:
@@ -100,6 +99,23 @@ class FairBudget:
             above_floor = low is None or held > low * self.capacity_bytes
             return over_cap, above_floor, held / weight
         return max(self._lru, key=rank)
+
+    def _reserve(self, key: bytes, size: int, owner: str) -> bool | None:
+        """Under the lock: True when ``key`` is stored already, False when ``size`` exceeds the
+        whole budget, else None after evicting until ``size`` more bytes fit."""
+        if key in self._size:
+            return True
+        if size > self.capacity_bytes:
+            return False
+        self._fit(size, owner)
+        return None
+
+    def _touch(self, key: bytes) -> bool:
+        """Under the lock: marks ``key`` most recently used; False when it is not stored."""
+        if key not in self._size:
+            return False
+        self._lru[self._owner[key]].move_to_end(key)
+        return True
 
     def _fit(self, incoming: int, owner: str | None) -> None:
         """Evicts until ``incoming`` more bytes fit."""
@@ -189,11 +205,9 @@ class MemoryStore(FairBudget):
 
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         with self._lock:
-            if key in self._size:
-                return True
-            if len(blob) > self.capacity_bytes:
-                return False
-            self._fit(len(blob), owner)
+            done = self._reserve(key, len(blob), owner)
+            if done is not None:
+                return done
             with self._blob_lock:
                 self._blobs[key] = blob
             self._add(key, len(blob), owner)
@@ -201,9 +215,8 @@ class MemoryStore(FairBudget):
 
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
-            if key not in self._size:
+            if not self._touch(key):
                 return None
-            self._lru[self._owner[key]].move_to_end(key)
             with self._blob_lock:
                 return self._blobs.get(key)
 
@@ -231,7 +244,7 @@ class DiskStore(FairBudget):
         self.root = Path(root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.write_errors = 0
-        self._last_warning = 0.0
+        self._warn = ThrottledWarning(logger, "KV disk tier: ")
         self._dirs: set[str] = set()  # subdirectories known to exist
         start = time.perf_counter()
         self._scan()
@@ -272,11 +285,9 @@ class DiskStore(FairBudget):
         False when it could not be written (the error is logged; nothing is indexed). The file
         is written outside the lock (one writer thread calls this)."""
         with self._lock:
-            if key in self._size:
-                return True
-            if len(blob) > self.capacity_bytes:
-                return False
-            self._fit(len(blob), owner)
+            done = self._reserve(key, len(blob), owner)
+            if done is not None:
+                return done
         path = self._path(key)
         tmp = path.with_name(path.name + _TMP)
         try:
@@ -312,17 +323,11 @@ class DiskStore(FairBudget):
     def get(self, key: bytes) -> bytes | None:
         """The blob under ``key`` (marked most recently used), or None."""
         with self._lock:
-            if key not in self._size:
+            if not self._touch(key):
                 return None
-            self._lru[self._owner[key]].move_to_end(key)
         try:
             return self._path(key).read_bytes()
         except OSError:
             self.delete(key)
             return None
 
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY_S:
-            self._last_warning = now
-            logger.warning("KV disk tier: %s", message)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv_offload.cipher import BlockCipher
-from engine.kv_offload.tier import OffloadTier
+from engine.kv_offload.tier import OffloadTier, ThrottledWarning
 from engine.stats import LOAD_SECONDS_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 # evicts a hundred blocks in one step) that a writer sharing 2 cores with the step drains
 # between them.
 _WRITE_QUEUE_BYTES = 512 << 20
-_WARN_EVERY_S = 60.0
 
 
 class BlockIO(Protocol):
@@ -124,7 +123,7 @@ class KVOffloader:
         self._loads: queue.Queue = queue.Queue()
         self._done: deque[LoadJob] = deque()
         self._load_done = threading.Event()
-        self._last_warning = 0.0
+        self._warn = ThrottledWarning(logger, "KV offload: ")
         self.tenants: set[str | None] = set()  # tenants seen (to name owners in reports)
         self._shares: dict[str | None, tuple] = {}
         self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name in
@@ -373,9 +372,3 @@ class KVOffloader:
                 tier.delete_all()
             else:
                 tier.delete_owner(owner)
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY_S:
-            self._last_warning = now
-            logger.warning("KV offload: %s", message)

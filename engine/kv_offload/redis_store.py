@@ -32,12 +32,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.kv_offload.tier import TierUsage
+from engine.kv_offload.tier import ThrottledWarning, TierUsage
 
 logger = logging.getLogger(__name__)
 
 _KNOWN_KEYS = 1 << 16  # block hashes this process saw in the store (its local index)
-_WARN_EVERY_S = 60.0
 
 # The index of one blob the same transaction SETs (the blob itself never passes through Lua:
 # a 700 KiB string copied into and out of Lua costs Redis 3x a plain SET). ARGV: prefix, hash
@@ -183,7 +182,7 @@ class RedisStore:
         # threads retry after ``retry_after_s`` and bring the tier back.
         self._down = False
         self._down_until = 0.0
-        self._last_warning = 0.0
+        self._warn = ThrottledWarning(logger, "KV redis tier: ")
         self.evicted = 0
         self.errors = 0
         self._weights: dict[str, int] = {}
@@ -227,11 +226,8 @@ class RedisStore:
             self.errors += 1
             self._down = True
             self._down_until = time.monotonic() + self._retry_after_s
-            now = time.monotonic()
-            if now - self._last_warning >= _WARN_EVERY_S:
-                self._last_warning = now
-                logger.warning("KV redis tier: unreachable (%s); off for %.0f s, serving goes on",
-                               type(error).__name__, self._retry_after_s)
+            self._warn("unreachable (%s); off for %.0f s, serving goes on",
+                       type(error).__name__, self._retry_after_s)
 
     def _remember(self, key: bytes, present: bool) -> None:
         with self._lock:

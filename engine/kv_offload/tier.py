@@ -10,9 +10,26 @@ miss (None), a write that fails returns False, and the tier says whether it is `
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+
+class ThrottledWarning:
+    """Logs a warning at most once every ``every_s`` seconds (a failing tier would otherwise
+    log once a block); the rest are dropped (their counters say how many)."""
+
+    def __init__(self, logger: logging.Logger, prefix: str, every_s: float = 60.0) -> None:
+        self._logger, self._prefix, self._every_s = logger, prefix, every_s
+        self._last = -every_s
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self._every_s:
+            self._last = now
+            self._logger.warning(self._prefix + message, *args)
 
 
 @dataclass(frozen=True)

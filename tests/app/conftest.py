@@ -5,6 +5,7 @@ model (``tests/fake_engine.py``: default, no weights, no torch forward) or the r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,17 @@ class AppEnv:
 
     def headers(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
+
+    def usage_row(self, tenant_id: str, request_id: str, timeout_s: float = 5.0):
+        """The usage row of call ``request_id`` once the journal has stored it."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            rows = [u for u in self.repo.usage.list_usage(tenant_id)
+                    if u.request_id == request_id]
+            if rows:
+                return rows[0]
+            time.sleep(0.05)
+        raise AssertionError("usage row not stored")
 
     def issue(self, role: str = "tenant", tenant_id: str | None = None, ttl_s: int = 3600,
               subject: str = "test", **kw) -> str:

@@ -78,6 +78,9 @@ def test_peer_specs_parse_and_bad_ones_are_refused():
                                   "--api-key", "k", "--api-key-no-cache", "k2",
                                   "--peer", "a=http://h", "--peer", "a=http://g"])
     assert r.exit_code == 2 and "peer names must differ" in r.output
+    r = CliRunner().invoke(main, ["bench", "working-set", "--url", "http://127.0.0.1:9",
+                                  "--api-key", "k", "--peer", "saltserve=http://h"])
+    assert r.exit_code == 2 and "peer names must differ" in r.output  # ours is "saltserve"
 
 
 def test_profiles_run_peers_and_the_generate_baseline_on_the_same_prompts():

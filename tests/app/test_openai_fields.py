@@ -10,7 +10,6 @@ usage row. Runs on the fake model.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,13 +74,7 @@ def send(app_env, monkeypatch) -> Callable[..., Seen]:
 
 
 def _stored(env, request_id: str):
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        rows = [u for u in env.repo.usage.list_usage(env.tenant_a) if u.request_id == request_id]
-        if rows:
-            return rows[0]
-        time.sleep(0.05)
-    raise AssertionError("usage row not stored")
+    return env.usage_row(env.tenant_a, request_id)
 
 
 def _stored_end_user(env, request_id: str) -> str | None:

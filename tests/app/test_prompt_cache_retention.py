@@ -5,8 +5,6 @@ fields: a first call writes its prompt's full blocks to the cache, its repeat re
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from app.errors import APIError
@@ -21,13 +19,7 @@ def admin(env, method: str, path: str, **kw):
 
 
 def _stored(env, request_id: str):
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        rows = [u for u in env.repo.usage.list_usage(env.tenant_b) if u.request_id == request_id]
-        if rows:
-            return rows[0]
-        time.sleep(0.05)
-    raise AssertionError("usage row not stored")
+    return env.usage_row(env.tenant_b, request_id)
 
 
 @pytest.mark.parametrize(("requested", "default", "ceiling", "has_tier", "expected"), [

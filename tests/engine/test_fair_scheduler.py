@@ -9,6 +9,8 @@ expected numbers are derived by hand from ``Scheduler._plan`` (see the comments 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import engine.faults
@@ -935,24 +937,31 @@ def test_siblings_of_a_caching_off_tenant_share_one_prefill_and_leave_nothing_ca
     assert sched.stats.prefix_cache_queries == 40 and sched.stats.prefix_cache_hits == 0
 
 
+def _random_workload(rng: random.Random, max_requests: int, weights: bool) -> Scheduler:
+    """A small pool shared by 2 to ``max_requests`` requests of up to 3 tenants (prompts that
+    may share a prefix), drawn from ``rng`` in a fixed order, so a seed found by a random
+    search replays."""
+    sched = make_scheduler(num_blocks=rng.randint(6, 12),
+                           max_num_batched_tokens=rng.choice([16, 32, 48, 64]),
+                           max_num_seqs=rng.randint(2, 6))
+    for i in range(rng.randint(2, max_requests)):
+        n, base = rng.randint(5, 60), rng.choice([0, 1000])
+        tenant = f"t{rng.randint(0, 2)}"
+        weight = rng.randint(1, 3) if weights else 1
+        sched.add_request(make_request(f"r{i}", range(base, base + n), tenant=tenant,
+                                       weight=weight, max_tokens=rng.randint(1, 30),
+                                       ignore_eos=True))
+    return sched
+
+
 def test_a_victim_granted_earlier_in_its_step_leaves_no_unwritten_block_cached() -> None:
     """A running request granted tokens in phase 2 (its new blocks cached, full once the step
     writes them) and then preempted by a later request's growth in the same step: the step
     never writes those blocks, so they must leave the prefix cache (``step`` checks that every
     block a step caches was written). Workloads found by a random search; each failed before
     the rule."""
-    import random
-
     for seed in (35, 55):
-        rng = random.Random(seed)
-        sched = make_scheduler(num_blocks=rng.randint(6, 12),
-                               max_num_batched_tokens=rng.choice([16, 32, 48, 64]),
-                               max_num_seqs=rng.randint(2, 6))
-        for i in range(rng.randint(2, 6)):
-            n, base = rng.randint(5, 60), rng.choice([0, 1000])
-            sched.add_request(make_request(
-                f"r{i}", range(base, base + n), tenant=f"t{rng.randint(0, 2)}",
-                weight=rng.randint(1, 3), max_tokens=rng.randint(1, 30), ignore_eos=True))
+        sched = _random_workload(random.Random(seed), max_requests=6, weights=True)
         preemptions = sched.stats.num_preemptions
         run_to_idle(sched)
         assert sched.stats.num_preemptions > preemptions
@@ -963,18 +972,9 @@ def test_a_request_failing_in_its_step_leaves_no_unwritten_block_cached() -> Non
     step that cached its blocks): ``step`` checks every block a step caches was written.
     Workloads and the allocation that faults (the k-th) found by a random search; each failed
     before the rule."""
-    import random
-
     for seed, k in ((171, 3), (359, 12)):
         rng = random.Random(seed)
-        sched = make_scheduler(num_blocks=rng.randint(6, 12),
-                               max_num_batched_tokens=rng.choice([16, 32, 48, 64]),
-                               max_num_seqs=rng.randint(2, 6))
-        for i in range(rng.randint(2, 5)):
-            n, base = rng.randint(5, 60), rng.choice([0, 1000])
-            sched.add_request(make_request(
-                f"r{i}", range(base, base + n), tenant=f"t{rng.randint(0, 2)}",
-                max_tokens=rng.randint(1, 30), ignore_eos=True))
+        sched = _random_workload(rng, max_requests=5, weights=False)
         assert rng.randint(1, 12) == k
         calls = [0]
 
