@@ -110,6 +110,10 @@ class EngineCollector(Collector):
                             [*tl, "source"])
         tier_bytes = gauge("kv_offload_tenant_bytes", "The tenant's bytes in each offload tier "
                            "now (a shared tier: written by every replica).", [*tl, "tier"])
+        tier_share = gauge("kv_offload_tenant_share_bytes", "The bytes the tenant's fair share "
+                           "of each offload tier guarantees now (by weight among the tenants "
+                           "holding blobs there, within its cache bounds): its occupancy "
+                           "against its quota.", [*tl, "tier"])
         for tenant, t in s.tenants.items():
             labels = [m, tenant_label(tenant)]
             tier_hits.add_metric(labels, t.prefix_cache_tier_hits)
@@ -119,6 +123,8 @@ class EngineCollector(Collector):
                 by_source.add_metric([*labels, source], n)
             for tier, n in t.offload_bytes.items():
                 tier_bytes.add_metric([*labels, tier], n)
+            for tier, n in t.offload_share_bytes.items():
+                tier_share.add_metric([*labels, tier], n)
             queries.add_metric(labels, t.prefix_cache_queries)
             hits.add_metric(labels, t.prefix_cache_hits)
             recomputed.add_metric(labels, t.prefix_cache_recomputed_tokens)
@@ -135,7 +141,7 @@ class EngineCollector(Collector):
                                   tenant_label(row.evicted_by)], row.num_blocks)
         yield from (queries, hits, recomputed, resident, share, over_share, evictions)
         if s.offload is not None:
-            yield from (tier_hits, by_source, tier_bytes)
+            yield from (tier_hits, by_source, tier_bytes, tier_share)
             yield from self._offload(s.offload, m)
 
         ml = ["model_name"]
@@ -171,8 +177,9 @@ class EngineCollector(Collector):
                  "capacity_bytes"),
                 ("gauge", "kv_offload_used_bytes", "Bytes of sealed blocks in the tier now.",
                  "used_bytes"),
-                ("gauge", "kv_offload_unclaimed_bytes", ("Of them, blocks found at start that "
-                 "their tenant has not opened yet."), "unclaimed_bytes"),
+                ("gauge", "kv_offload_unclaimed_bytes", ("Of them, bytes of tenants this process "
+                 "has not served since it started (blobs found at start, or another replica's "
+                 "tenants in a shared tier)."), "unclaimed_bytes"),
                 ("counter", "kv_offload_written_blocks", "Blocks written to the tier.",
                  "written_blocks"),
                 ("counter", "kv_offload_written_bytes", "Bytes written to the tier.",
@@ -184,14 +191,22 @@ class EngineCollector(Collector):
                 ("counter", "kv_offload_loaded_bytes", "Plaintext bytes loaded from the tier.",
                  "loaded_bytes"),
                 ("counter", "kv_offload_load_failures", ("Blobs tampered, truncated or of "
-                 "another generation (a miss; deleted, never loaded)."), "load_failed"),
-                ("counter", "kv_offload_evicted_blobs", ("Blobs evicted to stay in the tier's "
-                 "byte budget."), "evicted_blobs")):
+                 "another generation (a miss; deleted, never loaded)."), "load_failed")):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 PREFIX + name, doc, labels=tl)
             for t in o.tiers:
                 family.add_metric([m, t.name], float(getattr(t, attr)))
             yield family
+        evicted = CounterMetricFamily(
+            PREFIX + "kv_offload_evicted_blobs", "Blobs that left the tier, by reason: "
+            "capacity (evicted to stay in the fair byte budget), reset (a tenant's reset, salt "
+            "rotation or disable, or the global reset), invalid (failed authentication when "
+            "loaded: deleted).", labels=[*tl, "reason"])
+        for t in o.tiers:
+            for reason, n in (("capacity", t.evicted_blobs), ("reset", t.dropped_blobs),
+                              ("invalid", t.load_failed)):
+                evicted.add_metric([m, t.name, reason], n)
+        yield evicted
         ml = ["model_name"]
         for kind, name, doc, value in (
                 ("counter", "kv_offload_write_dropped_blocks", ("Evicted blocks not written "

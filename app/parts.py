@@ -266,7 +266,8 @@ def parts_from_settings(settings: Settings, replica_id: str,
     sessions = ConsoleSessions(settings.console_session_idle_s, settings.console_session_max_s,
                                secure_cookie=settings.console_secure_cookie)
     # Built and stepped on one thread: see AsyncLLM.from_config.
-    client = AsyncLLM.from_config(settings.engine_config(boot.model_dir))
+    client = AsyncLLM.from_config(settings.engine_config(
+        boot.model_dir, kv_owner_key=boot.repo.cipher.kv_owner_key))
     parts = build_parts(
         client, boot.repo, max_request_body_bytes=settings.max_request_body_bytes,
         metrics_token=settings.metrics_token, jwt_verifier=verifier,

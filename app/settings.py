@@ -134,8 +134,13 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
         return Path(self.data_dir) / (name + "-" + re.sub(r"[^A-Za-z0-9_.-]", "_",
                                                           self.replica_id)[:64])
 
-    def engine_config(self, model_dir: Path) -> EngineConfig:
-        """Raises ValueError (from EngineConfig) with a message naming the bad flag."""
+    def engine_config(self, model_dir: Path, kv_owner_key: bytes | None = None) -> EngineConfig:
+        """The engine's settings; ``kv_owner_key`` keys the offload tiers' owner tags
+        (``SaltCipher.kv_owner_key``: every replica of a deployment derives the same).
+
+        Raises:
+            ValueError: from EngineConfig, naming the bad flag.
+        """
         # Every EngineConfig field but ``model`` and those filled here ("flag": False) is a
         # same-named setting (engine_setting_fields).
         values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
@@ -147,4 +152,5 @@ class Settings(_EngineSettings, BaseSettings):  # type: ignore[misc,valid-type]
             values["kv_offload_size"] = default_disk_tier_bytes(values["kv_offload_dir"])
         values["kv_offload_redis_url"] = values["kv_offload_redis_url"] or self.redis_url
         values["kv_offload_redis_namespace"] = self.redis_namespace
+        values["kv_offload_owner_key"] = kv_owner_key
         return EngineConfig(model=str(model_dir), **values)

@@ -3,9 +3,8 @@
 The bundled model in process (fp32, the default 1 GiB pool: 1,456 blocks of 16 tokens), 24
 distinct system prompts of about 1,500 tokens (36k tokens in all), three rounds; each round sends
 one request per prompt with a new question (8 output tokens, greedy), two in flight. Settings:
-the pool alone, the disk tier (write-back: blocks go to disk when the pool evicts them), and
-the disk tier with the shared Redis tier (write-through: every computed block also goes to
-Redis as soon as its step is done). Printed per round and setting: the hit rate (cached prompt
+the pool alone, the disk tier (write-through, the default: a block goes to disk as soon as
+its step is done), and the disk tier with the shared Redis tier (always write-through). Printed per round and setting: the hit rate (cached prompt
 tokens / prompt tokens), the round's wall time and the median time to first token, and for
 round 1 (every prompt new: unique-prompt throughput) its wall time over the pool-only one's.
 Then each tier's blocks written and loaded and the load time per block; a restart on the disk
@@ -13,9 +12,11 @@ tier (the first request on a prefix cached before it: cached tokens and TTFT ove
 AES-GCM's speed on this CPU beside the load time of one prompt's blocks.
 
 ``--unique-passes N`` measures what the tiers cost on unique prompts alone, where they can
-only add work: the three settings' engines are built once, and each pass sends every setting
-``--unique-prompts`` new prompts (the order alternating, A B C then C B A, so a 2-vCPU VM's
-drift hits all three); printed: each setting's median wall time over the pool-only one's.
+only add work: the settings' engines (those above, and the disk tier with ``write_back``) are
+built once, and each pass sends every setting ``--unique-prompts`` new prompts (the order
+alternating, A B C D then D C B A, so a 2-vCPU VM's drift hits all of them), then one
+stream decoding 160 tokens alone per setting and pass; printed: each setting's median wall
+time and median inter-token latency over the pool-only one's.
 
 Usage: ``python benchmarks/bench_kv_offload.py [--prompts 24] [--rounds 3] [--redis-url
 redis://127.0.0.1:6379/0]`` (``--redis-url ''``: no Redis setting). Numbers in
@@ -25,6 +26,7 @@ docs/benchmarks.md with the CPU they were measured on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -68,6 +70,21 @@ def _round(engine: LLMEngine, prompts: list[list[int]], question: list[int], tag
                 hits += out.num_cached_tokens
                 total += out.num_prompt_tokens
     return hits / total, time.perf_counter() - start, statistics.median(first.values())
+
+
+def _decode_itl(engine: LLMEngine, prompt: list[int], tag: str,
+                max_tokens: int = 160) -> float:
+    """Median inter-token latency (s) of one stream decoding ``max_tokens`` tokens alone (its
+    output blocks are written to the tiers as they fill)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(EngineRequest(tag, tuple(prompt), params, tenant_id="t",
+                                     cache_salt=b"s" * 32))
+    times = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+    return statistics.median(b - a for a, b in itertools.pairwise(times[1:]))  # after TTFT
 
 
 def main() -> None:
@@ -172,10 +189,13 @@ def _unique(args: argparse.Namespace, model: Path) -> None:
     """Unique prompts only, the settings alternating (module docstring)."""
     namespace = f"bench-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_a, \
-            tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_b:
+            tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_b, \
+            tempfile.TemporaryDirectory(prefix="kv-offload-") as tier_c:
         settings = {
             "pool only": {"kv_offload_size": 0},
             "disk tier": {"kv_offload_size": 8 << 30, "kv_offload_dir": tier_a},
+            "disk tier, write_back": {"kv_offload_size": 8 << 30, "kv_offload_dir": tier_c,
+                                      "kv_offload_write_policy": "write_back"},
             "disk + redis tiers": {"kv_offload_size": 8 << 30, "kv_offload_dir": tier_b,
                                    "kv_offload_redis_url": args.redis_url,
                                    "kv_offload_redis_namespace": namespace}}
@@ -195,13 +215,21 @@ def _unique(args: argparse.Namespace, model: Path) -> None:
                 if engines[name].offloader is not None:
                     engines[name].offloader.flush()  # its writes land within its own pass
                 walls[name].append(wall)
+        itl: dict[str, list[float]] = {name: [] for name in engines}
+        for p in range(args.unique_passes):  # single-stream decode, the same alternation
+            for name in order if p % 2 == 0 else order[::-1]:
+                prompt = _system_prompt(tok, 90_000 + 100 * p + order.index(name), 200)
+                itl[name].append(_decode_itl(engines[name], prompt, f"d{p}"))
         print(f"# unique prompts: {args.unique_passes} passes x {args.unique_prompts} prompts x "
               f"{args.tokens} tokens, {args.in_flight} in flight, settings alternating")
         base = statistics.median(walls["pool only"])
+        base_itl = statistics.median(itl["pool only"])
         for name, w in walls.items():
             print(f"- {name}: wall {statistics.median(w):.1f} s (median; passes "
                   f"{', '.join(f'{x:.1f}' for x in w)}), {statistics.median(w) / base:.3f}x "
-                  "pool only")
+                  f"pool only; one stream decoding 160 tokens: inter-token latency "
+                  f"{statistics.median(itl[name]) * 1e3:.1f} ms (median of passes), "
+                  f"{statistics.median(itl[name]) / base_itl:.3f}x pool only")
         for engine in engines.values():
             if engine.offloader is not None:
                 for t in engine.offloader.tiers:

@@ -25,6 +25,9 @@ QUANTIZATIONS = ("int8", "gguf")
 # 16 = int8 plus an int8 residual in 1/256 steps; 8 = int8 alone (llama.cpp's Q8_1).
 ACTIVATION_BITS = (16, 8)
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine.scheduler.Scheduler(policy=...)
+# When the local offload tiers take a block (SGLang's --hicache-write-policy values):
+# engine.kv_offload.manager; the shared tier is always write-through.
+KV_OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")
 
 
 # Sampling defaults read from a generation config (vLLM reads the same keys; max_new_tokens
@@ -129,6 +132,17 @@ class EngineConfig:
     kv_offload_redis_namespace: str = field(default="saltserve", metadata={
         "help": "Key prefix of the shared tier in Redis.", "flag": False,
         "unset": "served: --redis-namespace"})
+    kv_offload_write_policy: str = field(default="write_through", metadata={
+        "help": "When the local tiers take a block: write_through (as soon as a step computes "
+                "it: the next round of a working set larger than the pool finds it, and a kill "
+                "-9 loses nothing) or write_back (only when the pool evicts it: fewer writes "
+                "when the working set fits the pool). SGLang's --hicache-write-policy; the "
+                "shared tier is always write-through.", "choices": KV_OFFLOAD_WRITE_POLICIES})
+    kv_offload_owner_key: bytes | None = field(default=None, repr=False, metadata={
+        "help": "Secret key of the owner tags the tiers store (a keyed digest of the tenant "
+                "id, so the blobs of one tenant are grouped without naming it).", "flag": False,
+        "unset": "served: derived from the master key; offline: a key file in the disk "
+                 "tier's directory, or for Redis one derived from the namespace"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "Fraction in (0, 1] of free GPU memory for the KV cache on CUDA "
                 "(vLLM --gpu-memory-utilization)."})
@@ -243,6 +257,11 @@ class EngineConfig:
         for name in ("kv_offload_size", "kv_offload_host_size", "kv_offload_redis_size"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0")
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ValueError(f"--kv-offload-write-policy must be one of "
+                             f"{KV_OFFLOAD_WRITE_POLICIES}")
+        if self.kv_offload_owner_key is not None and len(self.kv_offload_owner_key) < 16:
+            raise ValueError("kv_offload_owner_key must be at least 16 bytes")
         if self.kv_offload_size and not self.kv_offload_dir:
             raise ValueError("--kv-offload-size needs --kv-offload-dir")
         if self.max_consecutive_step_failures < 1:

@@ -43,6 +43,9 @@ class KVCacheManager:
         self._cached_this_step: list[tuple[KVCacheBlock, bytes]] = []
         # Number of a request's leading blocks already hashed + cached.
         self.num_cached_block: dict[str, int] = {}
+        # A finished load's blocks, held until the end of the step being scheduled
+        # (``release_pins``), so that the request's admission in that step finds them.
+        self._pinned: dict[str, list[KVCacheBlock]] = {}
 
     def uses_prefix_cache(self, request: Request) -> bool:
         """True when ``request`` is looked up in and adds to the prefix cache (its tenant's, or
@@ -117,20 +120,33 @@ class KVCacheManager:
             request.block_hashes[first:first + num_tier], [b.block_id for b in new_blocks]))
         return True
 
-    def finish_load(self, request: Request, job: LoadJob) -> int:
-        """Caches the blocks ``job`` loaded (pool hits from now on) and releases every block
-        the request held for the load: its admission then finds the loaded prefix in the
-        pool. Returns the blocks loaded."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
+    def finish_load(self, request: Request, job: LoadJob, cache: bool = True) -> int:
+        """Caches the blocks ``job`` loaded (pool hits from now on) and releases the rest of
+        what the request held for the load; its hits and loaded blocks stay held until
+        ``release_pins``, so that its admission in this step finds them (the step's other
+        allocations cannot evict them first). ``cache`` False (a reset during the load: the
+        blocks are of the old generation) caches nothing. Returns the blocks cached."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
         first = len(blocks) - len(job.block_ids)
-        if self.uses_prefix_cache(request):  # (not after a rotation during the load)
-            for i in range(first, first + job.loaded):
-                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
-                                                 request.tenant_id,
-                                                 salt=self._offload_salt(request),
-                                                 generation=request.cache_generation)
-        self.free(request)
-        return job.loaded
+        # (nothing after a rotation during the load: the request no longer caches)
+        loaded = job.loaded if cache and self.uses_prefix_cache(request) else 0
+        for i in range(first, first + loaded):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i],
+                                             request.tenant_id,
+                                             salt=self._offload_salt(request),
+                                             generation=request.cache_generation)
+        keep = first + loaded
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        if keep:
+            self._pinned[request.request_id] = blocks[:keep]
+        return loaded
+
+    def release_pins(self) -> None:
+        """Releases the blocks ``finish_load`` held (the end of a step's scheduling)."""
+        for blocks in self._pinned.values():
+            self.block_pool.free_blocks(reversed(blocks))
+        self._pinned.clear()
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None
@@ -211,6 +227,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        pinned = self._pinned.pop(request.request_id, None)
+        if pinned:
+            self.block_pool.free_blocks(reversed(pinned))
 
     def uncache_uncomputed(self, request: Request) -> int:
         """Before a preemption or a scheduling failure frees ``request``'s blocks: the blocks

@@ -195,21 +195,27 @@ class LLMEngine:
         if not hasattr(executor, "read_block"):
             logger.warning("--kv-offload-*: this executor cannot copy KV blocks; no tiers")
             return None
+        # Everything that changes the KV a prompt computes: a blob of another layout (another
+        # model, weights dtype, quantization or KV dtype) never opens (BlockCipher).
         layout = (f"{Path(config.model).name}|{getattr(executor, 'kv_cache_dtype', '')}|"
+                  f"{config.dtype}|{config.quantization}/{config.quantized_activation_bits}|"
                   f"{model_cfg.num_hidden_layers}x2x{config.block_size}x"
                   f"{model_cfg.num_key_value_heads}x{model_cfg.head_dim}").encode()
         tiers: list = []
+        through = config.kv_offload_write_policy == "write_through"
         if config.kv_offload_host_size:
             if str(executor.device).startswith("cpu"):
                 logger.info("--kv-offload-host-size: on CPU the pool already is host memory; "
                             "no host tier")
             else:
-                tiers.append(MemoryStore(config.kv_offload_host_size))
+                tiers.append(MemoryStore(config.kv_offload_host_size, write_through=through))
         if config.kv_offload_size:
-            tiers.append(DiskStore(config.kv_offload_dir, config.kv_offload_size))
+            tiers.append(DiskStore(config.kv_offload_dir, config.kv_offload_size,
+                                   owner_key=config.kv_offload_owner_key, write_through=through))
         if config.kv_offload_redis_url and config.kv_offload_redis_size:
             tiers.append(RedisStore(config.kv_offload_redis_url, config.kv_offload_redis_size,
-                                    config.kv_offload_redis_namespace, layout))
+                                    config.kv_offload_redis_namespace, layout,
+                                    owner_key=config.kv_offload_owner_key))
         if not tiers:
             return None
         for tier in tiers:
@@ -263,6 +269,7 @@ class LLMEngine:
         """
         if self.offloader is not None:
             self.offloader.drop_all()
+            self.scheduler.discard_loads(None, every=True)
         return self.block_pool.reset_prefix_cache()
 
     def evict_tenant_cache(self, tenant_id: str | None, reason: str) -> int:
@@ -287,6 +294,7 @@ class LLMEngine:
                     req.enable_prefix_caching = False
         if self.offloader is not None:
             self.offloader.drop_tenant(tenant_id)
+            self.scheduler.discard_loads(tenant_id)
         return self.block_pool.evict_cached_blocks(lambda b: b.owner == tenant_id, reason)
 
     def stats_snapshot(self) -> EngineStatsSnapshot:

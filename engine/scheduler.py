@@ -128,6 +128,8 @@ class Scheduler:
         # and aborted ones whose load still writes into their blocks (freed once it is done).
         self.loading: dict[str, Request] = {}
         self._abandoned_loads: dict[str, Request] = {}
+        # Loads in flight whose blocks are of a generation a reset dropped (``discard_loads``).
+        self._stale_loads: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         # Per tenant with unfinished requests (dropped with its last request):
@@ -207,10 +209,13 @@ class Scheduler:
         for job in self.kv.offloader.poll_loads():
             req = self._abandoned_loads.pop(job.request_id, None)
             if req is not None:
+                self._stale_loads.discard(job.request_id)
                 self.kv.free(req)
                 continue
             req = self.loading.pop(job.request_id)
-            loaded = self.kv.finish_load(req, job) * self.kv.block_size
+            stale = job.request_id in self._stale_loads
+            self._stale_loads.discard(job.request_id)
+            loaded = self.kv.finish_load(req, job, cache=not stale) * self.kv.block_size
             if req.num_cached_tokens < 0:  # hits count at the first admission only
                 req.num_tier_tokens = loaded
             if req.num_preemptions:
@@ -220,6 +225,14 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.insert(sum(1 for r in itertools.takewhile(
                     lambda r: r.status == RequestStatus.PREEMPTED, self.waiting)), req)
+
+    def discard_loads(self, tenant_id: TenantId, every: bool = False) -> None:
+        """The loads in flight of ``tenant_id`` (of every tenant with ``every``) will cache
+        nothing: a reset during the load dropped their generation (the request computes
+        what it would have loaded)."""
+        for rid, req in self.loading.items():
+            if every or req.tenant_id == tenant_id:
+                self._stale_loads.add(rid)
 
     def _start_load(self, req: Request) -> bool:
         """Starts loading the blocks of waiting ``req``'s prefix that the offload tiers hold
@@ -346,6 +359,7 @@ class Scheduler:
             ScheduledRequest(self.requests[rid], self.requests[rid].num_computed_tokens, n,
                              tuple(self.kv.get_block_ids(rid)))
             for rid, n in granted.items())
+        self.kv.release_pins()
         return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted),
                                capped=budget < self.max_num_batched_tokens)
 
@@ -402,7 +416,8 @@ class Scheduler:
         Returns:
             request id -> planned tokens (> 0), in grant order: phase 2 takes the running
             requests' plans by id, and waiting requests are admitted in this order. Waiting
-            requests are planned only while seats (``max_num_seqs``) remain.
+            requests are planned only while seats (``max_num_seqs``, requests whose tier load
+            is in flight counted) remain.
         """
         queues: dict[TenantId, deque[Request]] = {}
         for r in (*self.running, *self.waiting):
@@ -415,7 +430,7 @@ class Scheduler:
         vtime = {t: self.vtime[t] for t in queues}
         plan: dict[str, int] = {}
         left: dict[str, int] = {}  # request id -> tokens it may still be planned
-        seats = self.max_num_seqs - len(self.running)
+        seats = self.max_num_seqs - len(self.running) - len(self.loading)
         if self.policy == "fcfs":
             for r in (*self.running, *self.waiting):
                 if r.status != RequestStatus.RUNNING:

@@ -157,6 +157,9 @@ class TenantStats:
             (cumulative).
         offload_bytes: ``tier name -> the tenant's bytes in that tier now`` (gauge; a shared
             tier counts what every replica wrote for the tenant).
+        offload_share_bytes: ``tier name -> the bytes the tenant's fair share of that tier
+            guarantees now`` (gauge; the tier's ``prefix_cache_share_blocks``), for the tiers
+            that hold its blobs.
     """
 
     prefix_cache_queries: int = 0
@@ -171,6 +174,7 @@ class TenantStats:
     prefix_cache_tier_hits: int = 0
     offload_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     over_share_evictions: int = 0
+    offload_share_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def hit_rate(self) -> float | None:
@@ -194,14 +198,16 @@ class TierSnapshot:
     capacity_bytes: int  # gauge
     used_bytes: int  # gauge
     blobs: int  # gauge
-    unclaimed_bytes: int  # gauge: found at start, not opened by their tenant yet
-    evicted_blobs: int  # evicted to stay in the budget
+    unclaimed_bytes: int  # gauge: of tenants not served by this process since start
+    evicted_blobs: int  # evicted to stay in the budget (reason "capacity")
+    dropped_blobs: int  # deleted by a reset, rotation or disable (reason "reset")
     written_blocks: int
     written_bytes: int
     write_failed: int
     loaded_blocks: int
     loaded_bytes: int
-    load_failed: int  # stored but unopenable: tampered, truncated, another generation
+    load_failed: int  # stored but unopenable, then deleted (reason "invalid"): tampered,
+    # truncated, another generation
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from engine.kv_offload.disk import UNCLAIMED
 from engine.stats import (
     EVICTION_REASONS,
     EngineStatsSnapshot,
@@ -42,7 +41,8 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         if reason == "capacity":
             _add(caused.setdefault(by, {}), owner, n)
             ids.add(by)
-    offload, offload_bytes = _offload(scheduler.kv.offloader, len(scheduler.loading))
+    offload, offload_bytes, offload_share = _offload(scheduler.kv.offloader,
+                                                     len(scheduler.loading))
     ids |= set(sstats.per_tenant_tier_hits) | set(offload_bytes)
     tenants = {
         t: TenantStats(
@@ -55,7 +55,8 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
             cache_share_blocks=pool.cache_share(t),
             over_share_evictions=pstats.over_share_evictions.get(t, 0),
             prefix_cache_tier_hits=sstats.per_tenant_tier_hits.get(t, 0),
-            offload_bytes=MappingProxyType(offload_bytes.get(t, {})))
+            offload_bytes=MappingProxyType(offload_bytes.get(t, {})),
+            offload_share_bytes=MappingProxyType(offload_share.get(t, {})))
         for t in sorted(ids, key=lambda t: (t is not None, t or ""))}
     num_free = pool.get_num_free_blocks()
     return EngineStatsSnapshot(
@@ -74,23 +75,26 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         over_share_evictions=pstats.num_over_share_evictions, offload=offload)
 
 
-def _offload(offloader, loads_in_flight: int
-             ) -> tuple[OffloadSnapshot | None, dict[TenantId, dict[str, int]]]:
-    """The tiers' snapshot and each tenant's bytes per tier (blobs found at start and not
-    opened yet are ``unclaimed_bytes``, no tenant's)."""
+def _offload(offloader, loads_in_flight: int) -> tuple[
+        OffloadSnapshot | None, dict[TenantId, dict[str, int]], dict[TenantId, dict[str, int]]]:
+    """The tiers' snapshot, and each tenant's bytes and fair-share bytes per tier (bytes of
+    tenants this process has not served since start are the tier's ``unclaimed_bytes``)."""
     if offloader is None:
-        return None, {}
-    per_tenant: dict[TenantId, dict[str, int]] = {}
+        return None, {}, {}
+    held: dict[TenantId, dict[str, int]] = {}
+    shares: dict[TenantId, dict[str, int]] = {}
     tiers = []
     for tier in offloader.tiers:
         u, s = tier.usage(), offloader.stats.tiers[tier.name]
-        owners = offloader.owner_bytes(tier, u.owner_bytes)
-        unclaimed = owners.pop(UNCLAIMED, 0)
+        owners, unclaimed = offloader.by_tenant(tier, u.owner_bytes)
         for owner, n in owners.items():
-            per_tenant.setdefault(owner or None, {})[tier.name] = n
+            held.setdefault(owner or None, {})[tier.name] = n
+        for owner, n in offloader.by_tenant(tier, u.owner_share_bytes)[0].items():
+            shares.setdefault(owner or None, {})[tier.name] = n
         tiers.append(TierSnapshot(
             name=tier.name, up=u.up, capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes,
             blobs=u.blobs, unclaimed_bytes=unclaimed, evicted_blobs=u.evicted,
+            dropped_blobs=s.dropped,
             written_blocks=s.written, written_bytes=s.written_bytes, write_failed=s.write_failed,
             loaded_blocks=s.loaded, loaded_bytes=s.loaded_bytes, load_failed=s.load_failed))
     s = offloader.stats
@@ -98,7 +102,7 @@ def _offload(offloader, loads_in_flight: int
         tiers=tuple(tiers), write_dropped=s.write_dropped, loaded_blocks=s.loaded,
         loaded_bytes=s.loaded_bytes, load_missing=s.load_missing, load_jobs=s.load_jobs,
         load_seconds=s.load_seconds, load_seconds_buckets=tuple(s.load_seconds_buckets),
-        loads_in_flight=loads_in_flight), per_tenant
+        loads_in_flight=loads_in_flight), held, shares
 
 
 def _add(d: dict, key: object, n: int) -> None:

@@ -51,6 +51,7 @@ _FORMAT_V1 = 1
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
 _HKDF_INFO = b"saltserve/salt-encryption/v1"
+_KV_OWNER_INFO = b"saltserve/kv-owner-tag/v1"
 _AAD_DOMAIN = b"saltserve/tenant-salt/v1"
 
 
@@ -172,6 +173,10 @@ class SaltCipher:
             master_key
         )
         self._aead = AESGCM(aes_key)
+        # Keys the owner tags of the KV offload tiers (engine.kv_offload): a second HKDF output
+        # of the same master key, so every replica of a deployment tags a tenant alike.
+        self.kv_owner_key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                                 info=_KV_OWNER_INFO).derive(master_key)
 
     def __repr__(self) -> str:
         return "SaltCipher(<redacted>)"

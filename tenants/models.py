@@ -257,6 +257,8 @@ class UsageDailyRow(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger(), default=0)
+    tier_cached_tokens: Mapped[int] = mapped_column(BigInteger(), default=0, server_default="0")
+    cache_write_tokens: Mapped[int] = mapped_column(BigInteger(), default=0, server_default="0")
     ttft_bin_0: Mapped[int] = mapped_column(BigInteger(), default=0)
     ttft_bin_1: Mapped[int] = mapped_column(BigInteger(), default=0)
     ttft_bin_2: Mapped[int] = mapped_column(BigInteger(), default=0)

@@ -56,6 +56,7 @@ class TenantRepository:
     """
 
     def __init__(self, session_factory: sessionmaker[Session], cipher: SaltCipher) -> None:
+        self.cipher = cipher
         self.authenticator = Authenticator(session_factory, cipher)
         self.tenants = TenantStore(session_factory, cipher, observer=self.authenticator)
         self.keys = ApiKeyStore(session_factory)

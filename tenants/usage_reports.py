@@ -2,7 +2,9 @@
 user, aggregated in SQL.
 
 Each report row has requests, errors, prompt / cached / completion tokens, the prefix-cache hit
-rate (cached / prompt tokens) and TTFT p50 and p95. TTFT percentiles come from a fixed histogram
+rate (cached / prompt tokens), of the cached tokens those loaded from the offload tiers
+(``tier_cached_tokens``; the rest hit the pool), the prompt tokens added to the cache
+(``cache_write_tokens``), and TTFT p50 and p95. TTFT percentiles come from a fixed histogram
 (``TTFT_BINS_S``) summed in SQL and interpolated within a bin, as Prometheus'
 ``histogram_quantile`` does: exact enough for a report, and the same on SQLite (which has no
 percentile function) and PostgreSQL.
@@ -130,6 +132,8 @@ class UsageReportRow:
     cached_tokens: int
     completion_tokens: int
     hit_rate: float | None  # cached / prompt tokens; None without prompt tokens
+    tier_cached_tokens: int  # of the cached tokens, loaded from an offload tier
+    cache_write_tokens: int  # prompt tokens added to the prefix cache
     ttft_p50_s: float | None
     ttft_p95_s: float | None
     ttft_bins: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -170,7 +174,7 @@ def add_to_daily(session: Session, records: Iterable[tuple[UsageRecord, datetime
     multi-row upsert per call, keys in a fixed order (concurrent writers on PostgreSQL lock
     them in the same order, so they cannot deadlock); call in the transaction that adds them."""
     sums: dict[tuple[str, str, str, str], list[int]] = defaultdict(
-        lambda: [0] * (5 + len(TTFT_BIN_COLUMNS)))
+        lambda: [0] * (7 + len(TTFT_BIN_COLUMNS)))
     for r, created_at in records:
         acc = sums[(day_of(created_at), r.tenant_id, r.key_id or "", r.model)]
         acc[0] += 1
@@ -178,15 +182,17 @@ def add_to_daily(session: Session, records: Iterable[tuple[UsageRecord, datetime
         acc[2] += r.prompt_tokens
         acc[3] += r.cached_tokens
         acc[4] += r.completion_tokens
+        acc[5] += r.tier_cached_tokens
+        acc[6] += r.cache_write_tokens
         if r.ttft_s is not None:
-            acc[5 + ttft_bin(r.ttft_s)] += 1
+            acc[7 + ttft_bin(r.ttft_s)] += 1
     if not sums:
         return
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     table = UsageDailyRow.__table__
     counters = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
-                *TTFT_BIN_COLUMNS)
+                "tier_cached_tokens", "cache_write_tokens", *TTFT_BIN_COLUMNS)
     keys = ("day", "tenant_id", "key_id", "model")
     stmt = insert(table).values([{**dict(zip(keys, key)), **dict(zip(counters, sums[key]))}
                                  for key in sorted(sums)])
@@ -223,13 +229,15 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
     if daily:
         measures = [func.sum(src.requests), func.sum(src.errors), func.sum(src.prompt_tokens),
                     func.sum(src.cached_tokens), func.sum(src.completion_tokens),
+                    func.sum(src.tier_cached_tokens), func.sum(src.cache_write_tokens),
                     *[func.sum(getattr(src, c)) for c in TTFT_BIN_COLUMNS]]
     else:
         bin_index = case(*[(src.ttft_s <= edge, i) for i, edge in enumerate(TTFT_BINS_S)],
                          else_=len(TTFT_BINS_S))
         measures = [func.count(), func.sum(case((src.status != "ok", 1), else_=0)),
                     func.sum(src.prompt_tokens), func.sum(src.cached_tokens),
-                    func.sum(src.completion_tokens),
+                    func.sum(src.completion_tokens), func.sum(src.tier_cached_tokens),
+                    func.sum(src.cache_write_tokens),
                     *[func.sum(case((src.ttft_s.is_(None), 0), (bin_index == i, 1), else_=0))
                       for i in range(len(TTFT_BIN_COLUMNS))]]
     stmt = select(*cols, *measures)
@@ -252,7 +260,8 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
     for row in result:
         values = row._mapping
         n = 1 + len(chosen) + ("tenant" in chosen)
-        requests, errors, prompt, cached, completion, *bins = (int(v or 0) for v in row[n:])
+        requests, errors, prompt, cached, completion, tier, writes, *bins = (
+            int(v or 0) for v in row[n:])
         named = {g: values[g] for g in chosen}
         out.append(UsageReportRow(
             bucket_start=datetime.strptime(values["bucket"], _PY_FORMAT[q.bucket]).replace(
@@ -263,7 +272,7 @@ def usage_report(session: Session, q: UsageReportQuery) -> list[UsageReportRow]:
             end_user=named.get("end_user") or None,
             requests=requests, errors=errors, prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=completion, hit_rate=cached / prompt if prompt else None,
-            ttft_p50_s=quantile(bins, 0.5), ttft_p95_s=quantile(bins, 0.95),
+            tier_cached_tokens=tier, cache_write_tokens=writes, ttft_p50_s=quantile(bins, 0.5), ttft_p95_s=quantile(bins, 0.95),
             ttft_bins=tuple(bins)))
     return out
 

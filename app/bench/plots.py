@@ -1,6 +1,6 @@
 """The PNG plots of ``saltserve bench`` (matplotlib, the ``bench`` extra: ``pip install
 'saltserve[bench]'``): TTFT or throughput against a sweep's axis, hit rate against pool size,
-throughput per profile, and per-tenant hit rate beside a flood."""
+throughput per profile, per-tenant hit rate beside a flood, and a working set's rounds."""
 
 from __future__ import annotations
 
@@ -101,4 +101,29 @@ def plot_tenants(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), [n.rsplit("-", 1)[-1] for n in names])
     ax.set_title(f"Per-tenant hit rate beside a flood of {report['flood_requests']} unique "
                  "prompts")
+    _save(fig, ax, path)
+
+
+def plot_working_set(report: dict[str, Any], path: Path) -> None:
+    """``bench working-set``: each server's wall time per round (bars, log scale: the cold
+    round and the warm ones differ tenfold) with its hit rate written above each bar."""
+    names = list(report["servers"])
+    rounds = len(report["servers"][names[0]]["rounds"])
+    fig, ax = _figure()
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        rs = report["servers"][name]["rounds"]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(rounds)]
+        bars = ax.bar(xs, [r["wall_s"] for r in rs], width, label=name)
+        for bar, r in zip(bars, rs, strict=True):
+            if r["hit_rate"] is not None:
+                ax.annotate(f"{r['hit_rate']:.2f}", (bar.get_x() + bar.get_width() / 2,
+                                                     bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(rounds), [f"round {j + 1}" for j in range(rounds)])
+    ax.set_ylabel("wall time of the round (s, log scale)")
+    c = report["config"]
+    ax.set_title(f"A working set past the pool: {c['prompts']} prompts x ~{c['tokens']} "
+                 f"tokens, {c['concurrency']} in flight\n(hit rate above each bar)")
     _save(fig, ax, path)

@@ -289,13 +289,15 @@ def bench_profiles(url: str, api_key: str, api_key_no_cache: str, model: str | N
 @click.option("--peer", "peer_specs", multiple=True, metavar="NAME=URL[,KEY,MODEL]",
               help="Also run it against this OpenAI-compatible server (llama.cpp's "
                    "llama-server, vLLM), after ours; repeatable.")
+@_bench_plot
 def bench_working_set(url: str, api_key: str, model: str | None, prompts: int, tokens: int,
                       rounds: int, concurrency: int, max_tokens: int, seed: int,
                       run_nonce: str | None, peer_specs: tuple[str, ...],
-                      out: Path | None) -> None:
+                      out: Path | None, plot: Path | None) -> None:
     """A working set larger than the KV pool (distinct long system prompts, several rounds):
     hit rate, wall time and TTFT per round, ours beside any peers (the offload tiers'
     workload, docs/prefix-caching.md)."""
+    from app.bench.plots import plot_working_set
     from app.bench.validate import Endpoint
     from app.bench.working_set import format_working_set, run_working_set
 
@@ -308,7 +310,7 @@ def bench_working_set(url: str, api_key: str, model: str | None, prompts: int, t
         return run_working_set(endpoints, prompts, tokens, rounds, concurrency, max_tokens,
                                seed, run_nonce, progress=lambda s: click.echo(s, err=True))
 
-    _bench_report(url, out, run, format_working_set)
+    _bench_report(url, out, run, format_working_set, plot, plot_working_set)
 
 
 @bench.command("tenants")

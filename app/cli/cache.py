@@ -61,13 +61,14 @@ def cache_stats(url: str, **opts: Any) -> None:
         click.echo(f"tier {tier['name']}{'' if tier['up'] else ' (unreachable)'}: "
                    f"{tier['used_bytes'] / 2**20:.1f} of {tier['capacity_bytes'] / 2**20:.0f} MiB, "
                    f"{tier['blobs']} blocks; written {tier['written_blocks']}, loaded "
-                   f"{tier['loaded_blocks']}, evicted {tier['evicted_blobs']}, failed loads "
-                   f"{tier['load_failed']}")
+                   f"{tier['loaded_blocks']}; gone: capacity {tier['evicted_blobs']}, reset "
+                   f"{tier.get('dropped_blobs', 0)}, invalid {tier['load_failed']}")
     for t in s["tenants"]:
         rate = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
         evictions = " ".join(f"{k}={v}" for k, v in sorted(t["evictions"].items()))
-        tiers = "".join(f" {name}={n / 2**20:.1f}MiB" for name, n in
-                        sorted(t.get("tier_bytes", {}).items()))
+        shares = t.get("tier_share_bytes", {})
+        tiers = "".join(f" {name}={n / 2**20:.1f}/{shares.get(name, 0) / 2**20:.1f}MiB"
+                        for name, n in sorted(t.get("tier_bytes", {}).items()))
         click.echo(f"{t['tenant_name'] or t['tenant_id']}: resident={t['resident_blocks']} "
                    f"hit_rate={rate} queried={t['queried_tokens']} "
                    f"tier_hits={t.get('tier_hit_tokens', 0)}{tiers} evictions: {evictions}")

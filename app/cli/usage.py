@@ -64,8 +64,8 @@ def usage_report(tenant: str | None, since: str | None, until: str | None, bucke
         return
     shown = ["bucket_start", *[c for c in ("tenant_name", "key_id", "model", "end_user")
                                if any(row[c] for row in data)],
-             "requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
-             "hit_rate", "ttft_p50_s", "ttft_p95_s"]
+             "requests", "errors", "prompt_tokens", "cached_tokens", "tier_cached_tokens",
+             "completion_tokens", "hit_rate", "ttft_p50_s", "ttft_p95_s"]
 
     def cell(v: Any) -> str:
         if isinstance(v, datetime):

@@ -163,8 +163,9 @@ class AdminService:
         used, cached), and per tenant resident blocks, queried and hit prompt tokens
         (cumulative since start), hit rate and evicted blocks by reason. Tenant names beside
         ids (None for a tenant deleted since, or tenantless requests). With offload tiers:
-        ``tiers`` (each tier's budget, occupancy and traffic), ``offload`` (loads), and per
-        tenant its tier hits and bytes in each tier."""
+        ``tiers`` (each tier's budget, occupancy, traffic and blobs gone by reason),
+        ``offload`` (loads), and per tenant its tier hits, and its bytes and fair-share bytes
+        in each tier."""
         snap = await self.engine.stats()
         names = {t.id: t.name for t in await self.list_tenants()}
         tenants = []
@@ -178,6 +179,7 @@ class AdminService:
                 "hit_rate": st.prefix_cache_hits / q if q else None,
                 "tier_hit_tokens": st.prefix_cache_tier_hits,
                 "tier_bytes": dict(st.offload_bytes),
+                "tier_share_bytes": dict(st.offload_share_bytes),
                 "evictions": dict(st.evictions)})
         o = snap.offload
         return {"num_blocks_total": snap.num_blocks_total,

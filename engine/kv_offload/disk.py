@@ -1,16 +1,16 @@
-"""The local disk tier: one file per KV block, named by its chained block hash.
+"""The local tiers: blobs on local disk (``DiskStore``) or in host memory (``MemoryStore``)
+under a byte budget that tenants share like the pool (``FairBudget``).
 
-- Files are ``<root>/<hash[:2]>/<hash>.kv`` (hex), mode 0600, written to a temporary name and
-  renamed into place (``os.replace``), so a write cut short (kill -9, a full disk) never leaves a
-  file under a block's name; leftovers of such writes are removed at start. A name is the block
-  hash, which reveals nothing without the tenant's salt; the content is the sealed blob
+- Disk files are ``<root>/<owner tag>/<hash>.kv`` (hex), mode 0600 (directories 0700), written
+  to a temporary name and renamed into place (``os.replace``), so a write cut short (kill -9,
+  a full disk) never leaves a file under a block's name; leftovers of such writes are removed
+  at start. The owner tag is a keyed digest of the tenant id (``tier.owner_tag``; the key is
+  derived from the deployment's master key) and a name is the block hash: neither reveals
+  anything about the tenant without the key and its salt. The content is the sealed blob
   (``engine.kv_offload.cipher``).
-- Capacity (``capacity_bytes``) is shared by tenants as the pool shares its blocks
-  (``FairBudget``): a tenant flooding unique prompts pays with its own blobs while another
-  tenant is under its share. Blobs found at start have no known tenant until a request opens
-  one (they are ``UNCLAIMED``, a tenant of their own for that rule).
-- At start the index (hash -> size, owner, use order) is rebuilt from the directory listing in
-  file-modification order (no blob is read).
+- At start the index (hash -> size, owner tag, use order) is rebuilt from the directory
+  listing in file-modification order (no blob is read): every blob keeps its owner, so its
+  tenant's share, reset and deletion apply to it from the first moment.
 
 Thread safety: the index changes under the store's lock, and file reads and writes happen
 outside it, so the engine thread's lookups and loads never wait for the writer thread's disk
@@ -22,19 +22,22 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.kv_offload.tier import ThrottledWarning, TierUsage
+from engine.kv_offload.tier import ThrottledWarning, TierUsage, owner_tag
 
 logger = logging.getLogger(__name__)
 
-UNCLAIMED = "\x00unclaimed"  # the owner of blobs found at start (no tenant id is this string)
 _SUFFIX = ".kv"
 _TMP = ".tmp"
+_TAG_DIR = re.compile(r"[0-9a-f]{24}")
+_KEY_FILE = "owner.key"  # the owner-tag key of a tier used without one (the offline engine)
 
 
 class FairBudget:
@@ -67,8 +70,24 @@ class FairBudget:
         with self._lock:
             self._shares[owner] = (weight, min_fraction, max_fraction)
 
-    def _drop_blob(self, key: bytes) -> None:
+    def _drop_blob(self, key: bytes, owner: str) -> None:
         raise NotImplementedError
+
+    def _shares_now(self) -> dict[str, int]:
+        """Under the lock: each owner's guaranteed bytes now, the budget split by weight among
+        the owners holding blobs, clamped to its floor and cap (the pool's
+        ``prefix_cache_share_blocks``, in bytes)."""
+        total = sum(self._shares.get(o, (1, None, None))[0] for o in self._lru)
+        out = {}
+        for o in self._lru:
+            weight, low, high = self._shares.get(o, (1, None, None))
+            share = self.capacity_bytes * weight / total
+            if low is not None:
+                share = max(share, low * self.capacity_bytes)
+            if high is not None:
+                share = min(share, high * self.capacity_bytes)
+            out[o] = int(share)
+        return out
 
     def _add(self, key: bytes, size: int, owner: str) -> None:
         self._size[key] = size
@@ -78,10 +97,10 @@ class FairBudget:
         self.used_bytes += size
 
     def _remove(self, key: bytes) -> None:
-        self._remove_index_only(key)
-        self._drop_blob(key)
+        self._drop_blob(key, self._remove_index_only(key))
 
-    def _remove_index_only(self, key: bytes) -> None:
+    def _remove_index_only(self, key: bytes) -> str:
+        """Drops ``key`` from the index; returns its owner."""
         owner = self._owner.pop(key)
         size = self._size.pop(key)
         del self._lru[owner][key]
@@ -89,6 +108,7 @@ class FairBudget:
         if not self._lru[owner]:
             del self._lru[owner], self._bytes[owner]
         self.used_bytes -= size
+        return owner
 
     def _victim(self, incoming: int, owner: str | None) -> str:
         """The owner that gives a blob (``owner`` counted with ``incoming`` more bytes)."""
@@ -130,14 +150,6 @@ class FairBudget:
     def query(self, keys: Sequence[bytes]) -> list[bool]:
         return [k in self._size for k in keys]
 
-    def claim(self, key: bytes, owner: str) -> None:
-        """Records ``owner`` for a blob found at start (its tenant opened it)."""
-        with self._lock:
-            if self._owner.get(key) == UNCLAIMED:
-                size = self._size[key]
-                self._remove_index_only(key)
-                self._add(key, size, owner)
-
     def delete(self, key: bytes) -> None:
         with self._lock:
             if key in self._size:
@@ -149,19 +161,17 @@ class FairBudget:
         self.drop_blobs(keys)
         return len(keys)
 
-    def forget_owner(self, owner: str | None) -> list[bytes]:
+    def forget_owner(self, owner: str | None) -> list[tuple[bytes, str]]:
         """Drops ``owner``'s blobs (every owner's for None) from the index at once (no I/O:
-        unreachable from now on) and returns their keys for ``drop_blobs``."""
+        unreachable from now on) and returns them (key, stored owner) for ``drop_blobs``."""
         with self._lock:
             keys = list(self._size) if owner is None else list(self._lru.get(owner, ()))
-            for key in keys:
-                self._remove_index_only(key)
-            return keys
+            return [(key, self._remove_index_only(key)) for key in keys]
 
-    def drop_blobs(self, keys: list[bytes]) -> None:
-        """Deletes the stored blobs of keys ``forget_owner`` returned (a background job)."""
-        for key in keys:
-            self._drop_blob(key)
+    def drop_blobs(self, blobs: list[tuple[bytes, str]]) -> None:
+        """Deletes the stored blobs ``forget_owner`` returned (a background job)."""
+        for key, owner in blobs:
+            self._drop_blob(key, owner)
 
     def delete_all(self) -> int:
         """Deletes every blob; returns how many."""
@@ -176,7 +186,7 @@ class FairBudget:
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(self.capacity_bytes, self.used_bytes, len(self._size), self.evicted,
-                             dict(self._bytes))
+                             dict(self._bytes), owner_share_bytes=self._shares_now())
 
     def __len__(self) -> int:
         with self._lock:
@@ -188,18 +198,19 @@ class MemoryStore(FairBudget):
 
     Args:
         capacity_bytes: the budget.
+        write_through: take blocks as soon as a step computes them (else when evicted).
     """
 
     name = "host"
     local = True
-    write_through = False
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, write_through: bool = False) -> None:
         super().__init__(capacity_bytes)
+        self.write_through = write_through
         self._blobs: dict[bytes, bytes] = {}
         self._blob_lock = threading.Lock()  # (_drop_blob runs with and without the index lock)
 
-    def _drop_blob(self, key: bytes) -> None:
+    def _drop_blob(self, key: bytes, owner: str) -> None:
         with self._blob_lock:
             self._blobs.pop(key, None)
 
@@ -227,9 +238,15 @@ class DiskStore(FairBudget):
     Args:
         root: the directory (created 0700 if missing).
         capacity_bytes: the budget; blobs are evicted to stay within it.
+        owner_key: the secret key of the owner tags (``tier.owner_tag``; at least 16 bytes).
+            None: a random key kept in ``<root>/owner.key`` (0600), for an engine without a
+            deployment key.
+        write_through: take blocks as soon as a step computes them (else when evicted).
 
-    A full disk (ENOSPC, EDQUOT) lowers the budget to what the disk held at that moment, so
-    the tier goes on within it (logged once a minute); other write errors drop that write.
+    Owners passed in (tenant ids, "" for none) are stored as their tags; ``usage`` and
+    ``owner_bytes`` report tags (``tag`` maps an id to its tag). A full disk (ENOSPC, EDQUOT)
+    lowers the budget to what the disk held at that moment, so the tier goes on within it
+    (logged once a minute); other write errors drop that write.
 
     Raises:
         OSError: ``root`` cannot be created or listed.
@@ -237,29 +254,59 @@ class DiskStore(FairBudget):
 
     name = "disk"
     local = True
-    write_through = False
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int,
+                 owner_key: bytes | None = None, write_through: bool = False) -> None:
         super().__init__(capacity_bytes)
         self.root = Path(root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.write_through = write_through
+        self._tag_key = owner_key or self._key_file()
+        self._tags: dict[str, str] = {}
         self.write_errors = 0
         self._warn = ThrottledWarning(logger, "KV disk tier: ")
-        self._dirs: set[str] = set()  # subdirectories known to exist
+        self._dirs: set[str] = set()  # owner directories known to exist
         start = time.perf_counter()
         self._scan()
         self.scan_seconds = time.perf_counter() - start  # the start-up index rebuild
 
+    def _key_file(self) -> bytes:
+        path = self.root / _KEY_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return path.read_bytes()
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        return path.read_bytes()
+
+    def tag(self, owner: str) -> str:
+        """The tag stored for ``owner`` (its directory name)."""
+        tag = self._tags.get(owner)
+        if tag is None:
+            tag = self._tags[owner] = owner_tag(self._tag_key, owner)
+        return tag
+
     # -- index --------------------------------------------------------------------------------
-    def _path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self.root / h[:2] / (h + _SUFFIX)
+    def _path(self, key: bytes, tag: str) -> Path:
+        return self.root / tag / (key.hex() + _SUFFIX)
 
     def _scan(self) -> None:
         found = []
         for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+            if not sub.is_dir():
                 continue
+            if not _TAG_DIR.fullmatch(sub.name):
+                if re.fullmatch(r"[0-9a-f]{2}", sub.name):  # blobs of the earlier layout
+                    for f in sub.iterdir():
+                        if f.name.endswith((_SUFFIX, _TMP)):
+                            f.unlink(missing_ok=True)
+                    try:
+                        sub.rmdir()
+                    except OSError:
+                        pass
+                continue
+            self._dirs.add(sub.name)
             for f in sub.iterdir():
                 if f.name.endswith(_TMP):  # a write cut short
                     f.unlink(missing_ok=True)
@@ -271,29 +318,39 @@ class DiskStore(FairBudget):
                     st = f.stat()
                 except (ValueError, OSError):
                     continue
-                found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found):
-            self._add(key, size, UNCLAIMED)
+                found.append((st.st_mtime_ns, key, st.st_size, sub.name))
+        for _, key, size, tag in sorted(found):
+            if key not in self._size:
+                self._add(key, size, tag)
         self._fit(0, None)
 
-    def _drop_blob(self, key: bytes) -> None:
-        self._path(key).unlink(missing_ok=True)
+    def _drop_blob(self, key: bytes, owner: str) -> None:
+        self._path(key, owner).unlink(missing_ok=True)
+
+    # -- owners are stored as tags ------------------------------------------------------------
+    def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
+                  max_fraction: float | None = None) -> None:
+        super().set_share(self.tag(owner), weight, min_fraction, max_fraction)
+
+    def forget_owner(self, owner: str | None) -> list[tuple[bytes, str]]:
+        return super().forget_owner(None if owner is None else self.tag(owner))
 
     # -- blobs --------------------------------------------------------------------------------
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         """Stores ``blob`` under ``key`` for ``owner`` (nothing when already stored). Returns
         False when it could not be written (the error is logged; nothing is indexed). The file
         is written outside the lock (one writer thread calls this)."""
+        tag = self.tag(owner)
         with self._lock:
-            done = self._reserve(key, len(blob), owner)
+            done = self._reserve(key, len(blob), tag)
             if done is not None:
                 return done
-        path = self._path(key)
+        path = self._path(key, tag)
         tmp = path.with_name(path.name + _TMP)
         try:
-            if path.parent.name not in self._dirs:  # (each syscall gives up the GIL once)
+            if tag not in self._dirs:  # (each syscall gives up the GIL once)
                 path.parent.mkdir(mode=0o700, exist_ok=True)
-                self._dirs.add(path.parent.name)
+                self._dirs.add(tag)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(blob)
@@ -317,7 +374,7 @@ class DiskStore(FairBudget):
             return False
         with self._lock:
             if key not in self._size:
-                self._add(key, len(blob), owner)
+                self._add(key, len(blob), tag)
         return True
 
     def get(self, key: bytes) -> bytes | None:
@@ -325,9 +382,9 @@ class DiskStore(FairBudget):
         with self._lock:
             if not self._touch(key):
                 return None
+            tag = self._owner[key]
         try:
-            return self._path(key).read_bytes()
+            return self._path(key, tag).read_bytes()
         except OSError:
             self.delete(key)
             return None
-

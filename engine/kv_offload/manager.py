@@ -1,18 +1,22 @@
-"""The tiers behind the block pool: cached blocks the pool evicts are sealed and written to
-every tier off the engine step; a later request whose prefix runs past the pool's hits finds
-the rest in a tier and waits in a loading state while a loader thread brings it back into
-fresh pool blocks, bit for bit.
+"""The tiers behind the block pool: cached blocks are sealed and written to every tier off the
+engine step; a later request whose prefix runs past the pool's hits finds the rest in a tier
+and waits in a loading state while a loader thread brings it back into fresh pool blocks, bit
+for bit.
 
-Write: local tiers are write-back (SGLang HiCache's ``write_back``): when the pool reuses a
-cached block (eviction reason ``capacity``), its KV is copied out of the cache at once (the
-step about to run overwrites it) and handed to a writer thread, which seals it for its tenant
-(``engine.kv_offload.cipher``) and writes it to each tier that does not hold it yet. The shared
-tier is write-through: a block goes to it as soon as the step that computed it is done
-(``on_cached``), so a replica killed with a tenant's prefix in its pool leaves it to the
-replica that serves the tenant next. A full queue drops the write (counted): the step never
-waits for a tier. Private blocks, blocks of a failed step and blocks dropped by a reset or a
-rotation are never written. A clean shutdown also writes the cached blocks still in the pool
-(``save_pool``), so a restart finds them. (docs/prefix-caching.md measures both policies.)
+Write (SGLang HiCache's ``--hicache-write-policy``; ``--kv-offload-write-policy``): a
+write-through tier takes a block as soon as the step that computed it is done
+(``on_cached``); a write-back tier when the pool reuses the cached block (eviction reason
+``capacity``: ``on_evict``). The shared tier is always write-through, so a replica killed with
+a tenant's prefix in its pool leaves it to the replica that serves the tenant next; the local
+tiers are write-through by default (the next round of a working set larger than the pool then
+finds every block already written, measured in docs/benchmarks.md). A block's KV (every layer,
+K and V) is copied out of the cache on the engine thread (the step about to run may overwrite
+it) and handed to a writer thread, which seals it for its tenant (``engine.kv_offload.cipher``)
+and writes it to each tier that does not hold it yet; an evicted block no tier holds yet (a
+write that was dropped) is queued then too. A full queue drops the write (counted): the step
+never waits for a tier. Private blocks, blocks of a failed step and blocks dropped by a reset
+or a rotation are never written. A clean shutdown also writes the cached blocks still in the
+pool (``save_pool``), so a restart finds them.
 
 Lookup: ``lookup`` counts the leading block hashes some tier holds: local indexes first (no
 I/O), then, where asked (``remote=True``, at admission only), one round trip to a remote tier
@@ -72,6 +76,7 @@ class TierStats:
     loaded: int = 0
     loaded_bytes: int = 0
     load_failed: int = 0  # stored but unopenable: tampered, truncated, another generation
+    dropped: int = 0  # blobs deleted by a reset, rotation or disable (the tier's count)
 
 
 @dataclass
@@ -124,6 +129,9 @@ class KVOffloader:
         self._done: deque[LoadJob] = deque()
         self._load_done = threading.Event()
         self._warn = ThrottledWarning(logger, "KV offload: ")
+        # (hash, write-through) of the writes queued and not yet taken by the writer: one copy
+        # of a block at a time (set.add/discard are atomic under the GIL)
+        self._queued: set[tuple[bytes, bool]] = set()
         self.tenants: set[str | None] = set()  # tenants seen (to name owners in reports)
         self._shares: dict[str | None, tuple] = {}
         self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name in
@@ -155,41 +163,55 @@ class KVOffloader:
         for tier in self.tiers:
             tier.set_share(tenant if tenant is not None else "", share.weight, low, high)
 
-    def owner_bytes(self, tier: OffloadTier, owners: dict[str, int]) -> dict:
-        """``tier.usage().owner_bytes`` by tenant id: a remote tier's tags are matched with the
-        tenants this process has seen; the rest stay under their tags."""
+    def by_tenant(self, tier: OffloadTier, owners: dict[str, int]) -> tuple[dict[str, int], int]:
+        """A ``TierUsage`` owner map (``owner_bytes``, ``owner_share_bytes``) by tenant id
+        ("" for none): a tier's tags are matched with the tenants this process has seen.
+        Returns (by tenant id, the sum over tags no tenant seen here matches: blobs found at
+        start whose tenant has not been served since, or another replica's tenants)."""
         tag = getattr(tier, "tag", None)
         if tag is None:
-            return dict(owners)
+            return dict(owners), 0
         names = {tag(t if t is not None else ""): (t if t is not None else "")
-                 for t in self.tenants}
-        return {names.get(o, o): n for o, n in owners.items()}
+                 for t in list(self.tenants)}
+        named, unknown = {}, 0
+        for o, n in owners.items():
+            if o in names:
+                named[names[o]] = n
+            else:
+                unknown += n
+        return named, unknown
 
     # -- write --------------------------------------------------------------------------------
     def _holds(self, block_hash: bytes) -> bool:
         return all(block_hash in t for t in self.tiers)
 
     def on_evict(self, block, reason: str, evicted_by: str | None) -> None:
-        """``BlockPool`` eviction listener: a cached block leaving the pool for capacity is
-        copied out and queued for the tiers."""
+        """``BlockPool`` eviction listener: a cached block leaving the pool for capacity that
+        some tier lacks (a write-back tier; a write-through one whose write was dropped) is
+        copied out and queued."""
         if reason != "capacity" or block.private or block.salt is None \
                 or self._holds(block.block_hash):
             return
-        try:
-            self._queue.put_nowait(self._item(block))
-        except queue.Full:
-            self.stats.write_dropped += 1
+        self._enqueue(block, through=False)
 
     def on_cached(self, block) -> None:
         """A block a step just wrote (its hash cached at allocation) is queued for the
-        write-through tiers (the shared one: a replica killed with it in its pool leaves it
-        to the others)."""
+        write-through tiers."""
         if block.private or block.salt is None \
                 or all(block.block_hash in t for t in self.tiers if t.write_through):
             return
+        self._enqueue(block, through=True)
+
+    def _enqueue(self, block, through: bool) -> None:
+        """Copies the block out and queues it, unless a write of it is queued already."""
+        key = (block.block_hash, through)
+        if key in self._queued:
+            return
+        self._queued.add(key)  # (before the put: the writer may take it at once)
         try:
-            self._queue.put_nowait(self._item(block, through=True))
+            self._queue.put_nowait(self._item(block, through))
         except queue.Full:
+            self._queued.discard(key)
             self.stats.write_dropped += 1
 
     def _item(self, block, through: bool = False) -> tuple:
@@ -221,6 +243,7 @@ class KVOffloader:
                     self._drop_job(*item[1:])
                     continue
                 block_hash, owner, salt, generation, data, through = item
+                self._queued.discard((block_hash, through))
                 blob = self.cipher.seal(salt, generation, block_hash, data)
                 self.tenants.add(owner)
                 for tier in self.tiers:
@@ -305,9 +328,8 @@ class KVOffloader:
         stops at the first block no tier gives, which is counted)."""
         start = time.perf_counter()
         self.tenants.add(job.tenant)
-        owner = job.tenant if job.tenant is not None else ""
         for block_hash, block_id in zip(job.hashes, job.block_ids, strict=True):
-            data = self._read(block_hash, job.salt, job.generation, owner)
+            data = self._read(block_hash, job.salt, job.generation)
             if data is None:
                 self.stats.load_missing += 1
                 break
@@ -323,8 +345,7 @@ class KVOffloader:
                                      if seconds <= b), len(LOAD_SECONDS_BUCKETS))] += 1
         return job.loaded
 
-    def _read(self, block_hash: bytes, salt: bytes | None, generation: int, owner: str
-              ) -> bytes | None:
+    def _read(self, block_hash: bytes, salt: bytes | None, generation: int) -> bytes | None:
         """The block from the first tier that holds it and opens, or None."""
         if salt is None:
             return None
@@ -340,7 +361,6 @@ class KVOffloader:
                 self._warn(f"a block in the {tier.name} tier failed authentication; it is "
                            "computed")
                 continue
-            tier.claim(block_hash, owner)
             s.loaded += 1
             s.loaded_bytes += len(data)
             return data
@@ -366,9 +386,9 @@ class KVOffloader:
         """The writer thread's part of ``_drop``: the stored blobs go, and any the writes
         queued before the drop added meanwhile."""
         for tier, keys in zip(self.tiers, forgotten, strict=True):
+            n = 0
             if keys is not None:
                 tier.drop_blobs(keys)
-            if owner is None:
-                tier.delete_all()
-            else:
-                tier.delete_owner(owner)
+                n = len(keys)
+            n += tier.delete_all() if owner is None else tier.delete_owner(owner)
+            self.stats.tiers[tier.name].dropped += n

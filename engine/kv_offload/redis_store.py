@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.kv_offload.tier import ThrottledWarning, TierUsage
+from engine.kv_offload.tier import ThrottledWarning, TierUsage, owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,18 @@ _KNOWN_KEYS = 1 << 16  # block hashes this process saw in the store (its local i
 
 # The index of one blob the same transaction SETs (the blob itself never passes through Lua:
 # a 700 KiB string copied into and out of Lua costs Redis 3x a plain SET). ARGV: prefix, hash
-# hex, owner tag, capacity, the blob's size, the owner's weight. Evicts (the owner holding the
-# most bytes per unit of weight loses its least recently used blob) until it fits; returns the
-# blobs evicted.
+# hex, owner tag, capacity, the blob's size, the owner's weight, floor and cap (fractions of
+# the capacity; '' for none). Evicts until it fits, by ``DiskStore``'s rule: the least
+# recently used blob of the owner furthest over its share (over its cap first, then the most
+# bytes per unit of weight, never one at or under its floor while another can give); returns
+# the blobs evicted.
 _PUT_INDEX = """
 local p, h, owner, cap, size = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 redis.call('HSET', p .. 'w', owner, ARGV[6])
+for i, k in ipairs({'lo', 'hi'}) do
+  if ARGV[6 + i] == '' then redis.call('HDEL', p .. k, owner)
+  else redis.call('HSET', p .. k, owner, ARGV[6 + i]) end
+end
 local o = redis.call('HGET', p .. 'own', h)
 if o then
   redis.call('ZADD', p .. 'lru:' .. o, redis.call('INCR', p .. 'clock'), h)
@@ -55,12 +61,17 @@ local used = tonumber(redis.call('GET', p .. 'used') or '0')
 local evicted = 0
 while used + size > cap do
   local all = redis.call('HGETALL', p .. 'bytes')
-  local victim, most = nil, -1
+  local victim, best_class, best = nil, -1, -1
   for i = 1, #all, 2 do
     local b = tonumber(all[i + 1])
     if all[i] == owner then b = b + size end
-    b = b / tonumber(redis.call('HGET', p .. 'w', all[i]) or '1')
-    if b > most then victim, most = all[i], b end
+    local w = tonumber(redis.call('HGET', p .. 'w', all[i]) or '1')
+    local lo = tonumber(redis.call('HGET', p .. 'lo', all[i]) or '-1')
+    local hi = tonumber(redis.call('HGET', p .. 'hi', all[i]) or '-1')
+    local class = ((hi >= 0 and b > hi * cap) and 2 or 0) + ((lo < 0 or b > lo * cap) and 1 or 0)
+    if class > best_class or (class == best_class and b / w > best) then
+      victim, best_class, best = all[i], class, b / w
+    end
   end
   if victim == nil then
     redis.call('SET', p .. 'used', 0)
@@ -71,10 +82,11 @@ while used + size > cap do
     redis.call('HDEL', p .. 'bytes', victim)
   else
     local k = oldest[1]
-    local sz = redis.call('STRLEN', p .. 'b:' .. k)
+    local sz = tonumber(redis.call('HGET', p .. 'sz', k) or redis.call('STRLEN', p .. 'b:' .. k))
     redis.call('DEL', p .. 'b:' .. k)
     redis.call('ZREM', p .. 'lru:' .. victim, k)
     redis.call('HDEL', p .. 'own', k)
+    redis.call('HDEL', p .. 'sz', k)
     if redis.call('HINCRBY', p .. 'bytes', victim, -sz) <= 0 then
       redis.call('HDEL', p .. 'bytes', victim)
     end
@@ -83,32 +95,48 @@ while used + size > cap do
   end
 end
 redis.call('HSET', p .. 'own', h, owner)
+redis.call('HSET', p .. 'sz', h, size)
 redis.call('ZADD', p .. 'lru:' .. owner, redis.call('INCR', p .. 'clock'), h)
 redis.call('HINCRBY', p .. 'bytes', owner, size)
 redis.call('INCRBY', p .. 'used', size)
 return evicted
 """
 
-# ARGV: prefix, hash hex: the blob (read by a plain GET beside it) is now the most recently
-# used of its owner's.
-_TOUCH = """
-local p, h = ARGV[1], ARGV[2]
-local o = redis.call('HGET', p .. 'own', h)
-if o then redis.call('ZADD', p .. 'lru:' .. o, redis.call('INCR', p .. 'clock'), h) end
-return 0
+# Forgets blob h of owner o from the index (its recorded size leaves the counters). Shared by
+# the scripts below.
+_UNINDEX = """
+local function unindex(p, h, o)
+  local sz = tonumber(redis.call('HGET', p .. 'sz', h) or redis.call('STRLEN', p .. 'b:' .. h))
+  redis.call('DEL', p .. 'b:' .. h)
+  redis.call('HDEL', p .. 'own', h)
+  redis.call('HDEL', p .. 'sz', h)
+  redis.call('ZREM', p .. 'lru:' .. o, h)
+  if redis.call('HINCRBY', p .. 'bytes', o, -sz) <= 0 then redis.call('HDEL', p .. 'bytes', o) end
+  redis.call('DECRBY', p .. 'used', sz)
+end
 """
 
-# ARGV: prefix, hash hex: one blob deleted.
-_DELETE = """
+# ARGV: prefix, hash hex: the blob (read by a plain GET beside it) is now the most recently
+# used of its owner's; a blob Redis itself evicted (a maxmemory policy other than noeviction)
+# leaves the index, so the budget's counters heal.
+_TOUCH = _UNINDEX + """
 local p, h = ARGV[1], ARGV[2]
 local o = redis.call('HGET', p .. 'own', h)
 if not o then return 0 end
-local sz = redis.call('STRLEN', p .. 'b:' .. h)
-redis.call('DEL', p .. 'b:' .. h)
-redis.call('HDEL', p .. 'own', h)
-redis.call('ZREM', p .. 'lru:' .. o, h)
-if redis.call('HINCRBY', p .. 'bytes', o, -sz) <= 0 then redis.call('HDEL', p .. 'bytes', o) end
-redis.call('DECRBY', p .. 'used', sz)
+if redis.call('EXISTS', p .. 'b:' .. h) == 0 then
+  unindex(p, h, o)
+  return 0
+end
+redis.call('ZADD', p .. 'lru:' .. o, redis.call('INCR', p .. 'clock'), h)
+return 1
+"""
+
+# ARGV: prefix, hash hex: one blob deleted.
+_DELETE = _UNINDEX + """
+local p, h = ARGV[1], ARGV[2]
+local o = redis.call('HGET', p .. 'own', h)
+if not o then return 0 end
+unindex(p, h, o)
 return 1
 """
 
@@ -128,10 +156,11 @@ for _, o in ipairs(owners) do
   for _, h in ipairs(keys) do
     redis.call('DEL', p .. 'b:' .. h)
     redis.call('HDEL', p .. 'own', h)
+    redis.call('HDEL', p .. 'sz', h)
   end
   n = n + #keys
   redis.call('DEL', p .. 'lru:' .. o)
-  redis.call('HDEL', p .. 'w', o)
+  for _, k in ipairs({'w', 'lo', 'hi'}) do redis.call('HDEL', p .. k, o) end
   local b = tonumber(redis.call('HGET', p .. 'bytes', o) or '0')
   redis.call('HDEL', p .. 'bytes', o)
   redis.call('DECRBY', p .. 'used', b)
@@ -139,6 +168,8 @@ end
 if #ARGV == 1 then redis.call('SET', p .. 'used', 0) end
 return n
 """
+
+_FAILED = object()  # a call that did not reach Redis
 
 
 class RedisStore:
@@ -153,6 +184,9 @@ class RedisStore:
             another key space.
         retry_after_s: seconds the tier stays down after a failure.
         client: a ``redis.Redis`` to use instead of connecting to ``url`` (tests).
+        owner_key: the secret key of the owner tags (``tier.owner_tag``; every replica must
+            give the same: served, it is derived from the master key). None: a key derived
+            from ``namespace``, which groups a tenant's blobs without hiding whose they are.
     """
 
     name = "redis"
@@ -160,7 +194,8 @@ class RedisStore:
     write_through = True  # a replica may die with the block in its pool
 
     def __init__(self, url: str | None, capacity_bytes: int, namespace: str, layout: bytes,
-                 retry_after_s: float = 30.0, client=None) -> None:
+                 retry_after_s: float = 30.0, client=None, owner_key: bytes | None = None
+                 ) -> None:
         if client is None:
             import redis  # the optional extra: saltserve[redis]
 
@@ -172,7 +207,8 @@ class RedisStore:
         self.capacity_bytes = capacity_bytes
         digest = hashlib.sha256(layout).hexdigest()[:16]
         self._prefix = f"{namespace}:kv:{digest}:"
-        self._tag_key = hashlib.sha256(b"saltserve/kv-owner/" + namespace.encode()).digest()
+        self._tag_key = owner_key or hashlib.sha256(
+            b"saltserve/kv-owner/" + namespace.encode()).digest()
         self._scripts = {name: client.register_script(src) for name, src in (
             ("put_index", _PUT_INDEX), ("touch", _TOUCH), ("delete", _DELETE), ("delete_owners", _DELETE_OWNERS))}
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -185,12 +221,28 @@ class RedisStore:
         self._warn = ThrottledWarning(logger, "KV redis tier: ")
         self.evicted = 0
         self.errors = 0
-        self._weights: dict[str, int] = {}
+        self._shares: dict[str, tuple] = {}  # owner -> (weight, floor, cap) sent with writes
+        # Owner deletions (tags; None: every owner) that failed while the tier was down, run
+        # before the next write or read once it is back.
+        self._pending_deletes: list[str | None] = []
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        """Warns when Redis may evict the tier's keys itself: the tier's budget should decide
+        (its counters heal as reads find blobs gone, but its fair rule no longer holds)."""
+        try:
+            policy = self._redis.config_get("maxmemory-policy").get("maxmemory-policy")
+        except Exception:  # noqa: BLE001 - CONFIG disabled (managed Redis) or unreachable
+            return
+        if policy and policy != "noeviction" and not str(policy).startswith("volatile"):
+            logger.warning("KV redis tier: Redis evicts keys itself (maxmemory-policy %s); set "
+                           "noeviction or a volatile-* policy so that the tier's fair budget "
+                           "(--kv-offload-redis-size) decides", policy)
 
     # -- helpers ------------------------------------------------------------------------------
     def tag(self, owner: str) -> str:
         """The opaque tag stored for ``owner`` (the same on every replica)."""
-        return hashlib.blake2b(owner.encode(), key=self._tag_key, digest_size=12).hexdigest()
+        return owner_tag(self._tag_key, owner)
 
     @property
     def up(self) -> bool:
@@ -260,15 +312,32 @@ class RedisStore:
 
     def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
                   max_fraction: float | None = None) -> None:
-        """The owner's weight (stored with its next write; floors and caps apply to the local
-        tiers only)."""
-        self._weights[owner] = weight
+        """The owner's weight, floor and cap (stored with its next write, for every
+        replica's evictions)."""
+        self._shares[owner] = (weight, min_fraction, max_fraction)
+
+    def _run_pending_deletes(self) -> None:
+        """Runs the owner deletions that failed while the tier was down (the writer and
+        loader threads, before their own call), in order; stops at the first failure."""
+        while self._pending_deletes:
+            with self._lock:
+                if not self._pending_deletes:
+                    return
+                tag = self._pending_deletes.pop(0)
+            if self._call("delete_owners", *(() if tag is None else (tag,)),
+                          default=_FAILED) is _FAILED:
+                with self._lock:
+                    self._pending_deletes.insert(0, tag)
+                return
 
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         if len(blob) > self.capacity_bytes:
             return False
+        self._run_pending_deletes()
+        weight, low, high = self._shares.get(owner, (1, None, None))
         done = self._call("put_index", key.hex(), self.tag(owner), self.capacity_bytes,
-                          len(blob), self._weights.get(owner, 1),
+                          len(blob), weight, "" if low is None else repr(low),
+                          "" if high is None else repr(high),
                           pipe=(("set", self._prefix + "b:" + key.hex(), blob),))
         if done is None:
             return False
@@ -277,28 +346,35 @@ class RedisStore:
         return True
 
     def get(self, key: bytes) -> bytes | None:
+        self._run_pending_deletes()
         done = self._call("touch", key.hex(), pipe=(("get", self._prefix + "b:" + key.hex()),))
         blob = None if done is None else done[1]
         self._remember(key, blob is not None)
         return blob
-
-    def claim(self, key: bytes, owner: str) -> None:
-        """Owners are stored with every blob: nothing to record."""
 
     def delete(self, key: bytes) -> None:
         self._call("delete", key.hex())
         self._remember(key, False)
 
     def delete_owner(self, owner: str) -> int:
-        n = self._call("delete_owners", self.tag(owner), default=0)
-        with self._lock:
-            self._known.clear()  # which of them were the owner's is not known here
-        return n
+        """Deletes the owner's blobs (written by any replica); while the tier is down the
+        deletion waits for it to come back (``_run_pending_deletes``). Returns how many."""
+        return self._delete_owners(self.tag(owner))
 
     def delete_all(self) -> int:
-        n = self._call("delete_owners", default=0)
+        return self._delete_owners(None)
+
+    def _delete_owners(self, tag: str | None) -> int:
         with self._lock:
-            self._known.clear()
+            self._known.clear()  # which of them were the owner's is not known here
+        n = self._call("delete_owners", *(() if tag is None else (tag,)), default=_FAILED)
+        if n is _FAILED:
+            with self._lock:
+                if tag is None:
+                    self._pending_deletes = [None]
+                elif None not in self._pending_deletes:
+                    self._pending_deletes.append(tag)
+            return 0
         return n
 
     def usage(self) -> TierUsage:
@@ -309,10 +385,22 @@ class RedisStore:
             pipe = self._redis.pipeline(transaction=False)
             pipe.get(self._prefix + "used")
             pipe.hlen(self._prefix + "own")
-            pipe.hgetall(self._prefix + "bytes")
-            used, blobs, owners = pipe.execute()
+            for k in ("bytes", "w", "lo", "hi"):
+                pipe.hgetall(self._prefix + k)
+            used, blobs, *maps = pipe.execute()
         except Exception as e:  # noqa: BLE001 - the tier is down
             self._failed(e)
             return TierUsage(self.capacity_bytes, 0, 0, self.evicted, {}, up=False)
+        owners, weights, lows, highs = ({k.decode(): float(v) for k, v in m.items()}
+                                        for m in maps)
+        total = sum(weights.get(o, 1.0) for o in owners)
+        shares = {}
+        for o in owners:
+            share = self.capacity_bytes * weights.get(o, 1.0) / total
+            if o in lows:
+                share = max(share, lows[o] * self.capacity_bytes)
+            if o in highs:
+                share = min(share, highs[o] * self.capacity_bytes)
+            shares[o] = int(share)
         return TierUsage(self.capacity_bytes, int(used or 0), int(blobs), self.evicted,
-                         {k.decode(): int(v) for k, v in owners.items()})
+                         {o: int(n) for o, n in owners.items()}, owner_share_bytes=shares)

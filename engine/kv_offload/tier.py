@@ -2,7 +2,7 @@
 or LMCache would be one more class with these methods).
 
 A tier stores opaque sealed blobs (``engine.kv_offload.cipher``) under a block's chained hash,
-for an owner (the tenant, or an opaque tag of it), under a byte budget it shares fairly between
+for an owner (the tenant id; disk and Redis store a keyed tag of it, ``owner_tag``), under a byte budget it shares fairly between
 owners. It never sees plaintext KV, salts or tenant names it does not need; every method is
 safe to call from any thread, and no method raises on a store failure: a read that fails is a
 miss (None), a write that fails returns False, and the tier says whether it is ``up``.
@@ -10,11 +10,20 @@ miss (None), a write that fails returns False, and the tier says whether it is `
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+
+def owner_tag(key: bytes, owner: str) -> str:
+    """The opaque tag a tier stores for ``owner`` (a tenant id, "" for none): a keyed BLAKE2b
+    digest, 24 hex characters. With the deployment's secret ``key`` (derived from the master
+    key), the store's operator sees which blobs belong together, never whose they are, even
+    for a tenant id it could guess."""
+    return hashlib.blake2b(owner.encode(), key=key[:64], digest_size=12).hexdigest()
 
 
 class ThrottledWarning:
@@ -35,7 +44,9 @@ class ThrottledWarning:
 @dataclass(frozen=True)
 class TierUsage:
     """A tier's occupancy now (bytes and blobs are gauges; ``evicted`` counts blobs evicted to
-    stay in the budget since start; ``owner_bytes`` maps owner -> bytes)."""
+    stay in the budget since start; ``owner_bytes`` maps owner -> bytes held and
+    ``owner_share_bytes`` owner -> bytes its fair share guarantees now, for the owners holding
+    blobs)."""
 
     capacity_bytes: int
     used_bytes: int
@@ -43,6 +54,7 @@ class TierUsage:
     evicted: int
     owner_bytes: dict[str, int]
     up: bool = True
+    owner_share_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class OffloadTier(Protocol):
@@ -71,10 +83,6 @@ class OffloadTier(Protocol):
         """The blob under ``key`` (now the most recently used), or None."""
         ...
 
-    def claim(self, key: bytes, owner: str) -> None:
-        """Records ``owner`` for a blob whose owner was unknown (its tenant opened it)."""
-        ...
-
     def delete(self, key: bytes) -> None: ...
 
     def set_share(self, owner: str, weight: int, min_fraction: float | None = None,
@@ -91,8 +99,8 @@ class OffloadTier(Protocol):
         ...
 
     # Local tiers only: an owner's blobs leave the index at once, their storage later.
-    def forget_owner(self, owner: str | None) -> list[bytes]: ...
+    def forget_owner(self, owner: str | None) -> list: ...
 
-    def drop_blobs(self, keys: list[bytes]) -> None: ...
+    def drop_blobs(self, blobs: list) -> None: ...
 
     def usage(self) -> TierUsage: ...

@@ -288,7 +288,8 @@ def test_sweep_values_are_checked_per_axis():
 
 def test_every_plot_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    from app.bench.plots import plot_profiles, plot_sweep, plot_tenants
+    from app.bench.plots import plot_profiles, plot_sweep, plot_tenants, plot_working_set
+    from app.bench.working_set import run_working_set
 
     on, off = FakeServer(), FakeServer(caching=False)
     profiles = run_profiles(on, off, requests=2, concurrency=1, max_tokens=2,
@@ -305,8 +306,12 @@ def test_every_plot_is_drawn(tmp_path):
     plot_tenants({"flood_requests": 8, "per_tenant": {
         "bench-x-t0": {"hit_rate": 0.98, "evicted_by_flooder": 0},
         "bench-x-t1": {"hit_rate": 0.97, "evicted_by_flooder": 3}}}, tmp_path / "tenants.png")
+    plot_working_set(json.loads(json.dumps(run_working_set(
+        {"whole": FakeServer(), "small": LRUServer(capacity=2)}, prompts=4, tokens=100,
+        rounds=2, concurrency=1, max_tokens=2, seed=0, nonce="w"))),
+        tmp_path / "working_set.png")
     for name in ("profiles", "match_rate", "concurrency", "output_length", "pool_size",
-                 "tenants"):
+                 "tenants", "working_set"):
         png = tmp_path / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000, name
 

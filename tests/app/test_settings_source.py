@@ -20,6 +20,7 @@ from engine.config import (
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_OFFLOAD_WRITE_POLICIES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
@@ -31,7 +32,8 @@ ENGINE_FIELDS = [f for f in fields(EngineConfig)
 CHOICE_CONSTANTS = {"prefix_caching_hash_algo": HASH_ALGOS, "dtype": DTYPES, "device": DEVICES,
                     "attention_backend": ATTENTION_BACKENDS,
                     "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS,
-                    "kv_cache_dtype": KV_CACHE_DTYPES}
+                    "kv_cache_dtype": KV_CACHE_DTYPES,
+                    "kv_offload_write_policy": KV_OFFLOAD_WRITE_POLICIES}
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,6 @@ from tiny_checkpoints import VOCAB, StubTokenizer, build_checkpoint
 
 from engine.config import EngineConfig
 from engine.kv_offload import BlockCipher, DiskStore, MemoryStore
-from engine.kv_offload.disk import UNCLAIMED
 from engine.llm import run_to_completion
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestStatus
@@ -51,22 +50,42 @@ def test_a_blob_opens_only_with_its_salt_generation_hash_and_layout():
         cipher.seal(SALT_A, 3, H1, data[:-1])
 
 
+def held(store, owner: str) -> int:
+    """``owner``'s bytes in a local tier (the disk tier stores a tag of it)."""
+    return store.owner_bytes().get(store.tag(owner) if hasattr(store, "tag") else owner, 0)
+
+
 # -- the disk store ---------------------------------------------------------------------------
-def test_files_are_private_named_by_hash_and_found_again(tmp_path):
-    store = DiskStore(tmp_path / "tier", 10_000)
-    assert store.put(H1, b"x" * 100, "tenant-a")
-    path = tmp_path / "tier" / H1.hex()[:2] / (H1.hex() + ".kv")
+def test_files_are_private_grouped_by_a_keyed_tag_and_found_again_with_their_owner(tmp_path):
+    key = os.urandom(32)
+    store = DiskStore(tmp_path / "tier", 10_000, owner_key=key)
+    assert store.put(H1, b"x" * 100, "tenant-a") and store.put(H2, b"y" * 50, "tenant-b")
+    tag = store.tag("tenant-a")
+    assert len(tag) == 24 and tag != store.tag("tenant-b")
+    assert tag != DiskStore(tmp_path / "other", 1, owner_key=os.urandom(32)).tag("tenant-a")
+    path = tmp_path / "tier" / tag / (H1.hex() + ".kv")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert "tenant-a" not in "".join(str(p) for p in (tmp_path / "tier").rglob("*"))
-    assert store.get(H1) == b"x" * 100 and store.get(H2) is None
+    assert store.get(H1) == b"x" * 100 and store.get(bytes(32)) is None
     (path.parent / "junk.kv.tmp").write_bytes(b"half a write")  # a write cut short
-    again = DiskStore(tmp_path / "tier", 10_000)
-    assert H1 in again and again.get(H1) == b"x" * 100 and len(again) == 1
-    assert not (path.parent / "junk.kv.tmp").exists()
-    assert again.owner_bytes() == {UNCLAIMED: 100}
-    again.claim(H1, "tenant-a")
-    assert again.owner_bytes() == {"tenant-a": 100}
+    old = tmp_path / "tier" / "ab"  # a blob of the earlier layout (<hash[:2]>/<hash>.kv)
+    old.mkdir()
+    (old / (b"\xab".hex() * 32 + ".kv")).write_bytes(b"z" * 10)
+    again = DiskStore(tmp_path / "tier", 10_000, owner_key=key)
+    assert H1 in again and again.get(H1) == b"x" * 100 and len(again) == 2
+    assert not (path.parent / "junk.kv.tmp").exists() and not old.exists()
+    # every blob keeps its owner across the restart: its tenant's reset deletes it at once
+    assert again.owner_bytes() == {tag: 100, again.tag("tenant-b"): 50}
+    assert again.delete_owner("tenant-a") == 1 and not path.exists() and H2 in again
+
+
+def test_without_a_deployment_key_the_tier_keeps_its_own(tmp_path):
+    store = DiskStore(tmp_path, 1_000)
+    key_file = tmp_path / "owner.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_bytes()) == 32
+    assert DiskStore(tmp_path, 1_000).tag("A") == store.tag("A")  # the same after a restart
 
 
 def test_a_flooding_tenant_evicts_its_own_blobs(tmp_path):
@@ -77,9 +96,9 @@ def test_a_flooding_tenant_evicts_its_own_blobs(tmp_path):
     for i in range(50):  # B floods unique blobs far past the budget
         store.put(bytes([2, i]) * 16, b"b" * 100, "B")
     assert all(k in store for k in keys_a)
-    assert store.used_bytes <= 1_000 and store.owner_bytes()["A"] == 300
+    assert store.used_bytes <= 1_000 and held(store, "A") == 300
     assert store.evicted == 50 + 3 - 10
-    assert store.delete_owner("B") == 7 and store.owner_bytes() == {"A": 300}
+    assert store.delete_owner("B") == 7 and store.owner_bytes() == {store.tag("A"): 300}
 
 
 # -- through the engine -----------------------------------------------------------------------
@@ -199,6 +218,23 @@ def test_another_tenant_never_loads_a_tenants_blocks(model_dir, tmp_path, refere
     assert a_again[0].num_cached_tokens == FULL and _tokens(a_again) == warm
 
 
+def test_blobs_of_another_weights_dtype_never_load(model_dir, tmp_path):
+    """The same model served in another dtype (or quantization) computes other KV for the same
+    tokens: its engine on the same tier directory misses every blob written before (they fail
+    authentication and are deleted), and computes its own."""
+    engine = _engine(model_dir, tmp_path / "tier")
+    _run(engine, [PROMPT])
+    engine.offloader.close()
+    bf16 = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16",
+                                  max_model_len=256, num_gpu_blocks_override=16,
+                                  kv_offload_size=64 << 20, kv_offload_dir=str(tmp_path / "tier")),
+                     tokenizer=StubTokenizer())
+    assert len(bf16.offloader.store) == 9  # found at start, under the same hashes
+    out = _run(bf16, [PROMPT], tag="bf16")
+    assert out[0].num_cached_tokens == 0
+    assert bf16.offloader.stats.tiers["disk"].load_failed == 1  # the first: the load stops
+
+
 def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_path,
                                                                  reference):
     cold, _ = reference
@@ -218,9 +254,9 @@ def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_
     engine.kv_cache_manager.check_integrity()
     # A reset deletes the tenant's blobs.
     _evict(engine, tag="evict2")
-    assert engine.offloader.store.owner_bytes().get("A", 0) > 0
+    assert held(engine.offloader.store, "A") > 0
     engine.evict_tenant_cache("A", "reset")
-    assert engine.offloader.store.owner_bytes().get("A", 0) == 0  # unreachable at once
+    assert held(engine.offloader.store, "A") == 0  # unreachable at once
     engine.offloader.flush()  # and its files gone once the writer thread got to them
     assert len(list(tier.rglob("*.kv"))) == len(engine.offloader.store) == 0
     # Blobs of generation 0 never open under generation 1 (a reset or rotation elsewhere).
@@ -232,24 +268,26 @@ def test_a_bad_blob_is_a_miss_and_a_new_generation_reads_nothing(model_dir, tmp_
 
 def test_a_tenant_flooding_unique_prompts_leaves_anothers_offloaded_prefix(model_dir, tmp_path):
     """A tier of 40 blocks' bytes; B floods 12 unique prompts (over 100 blocks) after A's one
-    prompt. The flood's first allocation pushes A's tail blocks to disk (the pool's fair share
-    keeps A's head); then B's blobs fill the tier and evict only B's own: A's blobs stay, and
-    A's prefix comes back whole, its head from the pool and its tail from disk."""
+    prompt, whose 9 blocks are on disk as soon as computed (write-through). The flood pushes
+    A's tail out of the pool (the pool's fair share keeps A's head) and B's blobs fill the tier
+    and evict only B's own: A's blobs stay, and A's prefix comes back whole, its head from the
+    pool and its tail from disk."""
     engine = _engine(model_dir, tmp_path / "tier")
     store, block_blob = engine.offloader.store, engine.offloader.cipher.blob_bytes
     store.capacity_bytes = 40 * block_blob
     _run(engine, [PROMPT])
     _run(engine, [_prompt(500)], tenant="B", salt=SALT_B, tag="flood0")
-    a_bytes = store.owner_bytes()["A"]
-    assert a_bytes >= block_blob
+    a_bytes = held(store, "A")
+    assert a_bytes == 9 * block_blob
     for i in range(1, 12):
         _run(engine, [_prompt(500 + i)], tenant="B", salt=SALT_B, tag=f"flood{i}")
     assert store.used_bytes <= store.capacity_bytes and store.evicted > 0
-    assert store.owner_bytes()["A"] == a_bytes  # the flood evicted B's blobs only
+    assert held(store, "A") == a_bytes  # the flood evicted B's blobs only
     loaded = engine.offloader.stats.loaded
     again = _run(engine, [PROMPT], tag="a-again")
     assert again[0].num_cached_tokens == FULL
-    assert engine.offloader.stats.loaded - loaded == a_bytes // block_blob
+    tail = engine.offloader.stats.loaded - loaded
+    assert 0 < tail < 9
     engine.kv_cache_manager.check_integrity()
 
 
@@ -338,18 +376,107 @@ def test_an_aborted_load_frees_its_blocks_only_when_the_loader_is_done(model_dir
     assert again[0].num_cached_tokens == FULL
 
 
+def test_a_reset_during_a_load_leaves_nothing_of_the_old_generation(model_dir, tmp_path,
+                                                                     reference):
+    """A tenant's reset while its load is in flight: the loaded blocks (the old generation)
+    are not cached, and the request computes its prefix (the same tokens)."""
+    cold, _ = reference
+    engine = _engine(model_dir, tmp_path / "tier")
+    _run(engine, [PROMPT])
+    _evict(engine)
+    io, copied, gate = engine.offloader.io, [], threading.Event()
+
+    class HeldCopy:  # the loader has read a block and holds its copy into the cache
+        read_block = io.read_block
+
+        @staticmethod
+        def write_block(block_id, data):
+            copied.append(block_id)
+            assert gate.wait(30)
+            io.write_block(block_id, data)
+
+    engine.offloader.io = HeldCopy
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    engine.add_request(EngineRequest("loads", tuple(PROMPT), params, tenant_id="A",
+                                     cache_salt=SALT_A))
+    engine.step()
+    req = engine.scheduler.requests["loads"]
+    deadline = time.monotonic() + 30
+    while not copied:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert req.status == RequestStatus.WAITING_FOR_KV_LOAD
+    engine.evict_tenant_cache("A", "reset")
+    gate.set()
+    tokens = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.extend(o.new_token_ids)
+    assert req.num_cached_tokens == 0 and req.num_tier_tokens == 0 and tokens == cold[0][0]
+    engine.kv_cache_manager.check_integrity()
+
+
+def test_loads_in_flight_take_seats(model_dir, tmp_path):
+    """A request waiting for its load counts against ``max_num_seqs``: with one seat, a load
+    in flight keeps another request waiting (it would hold pool blocks too)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                    max_model_len=256, num_gpu_blocks_override=16,
+                                    max_num_seqs=1, kv_offload_size=64 << 20,
+                                    kv_offload_dir=str(tmp_path / "tier")),
+                       tokenizer=StubTokenizer())
+    _run(engine, [PROMPT])
+    _evict(engine)
+    gate = _Gate(engine.offloader.store)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request(EngineRequest("loads", tuple(PROMPT), params, tenant_id="A",
+                                     cache_salt=SALT_A))
+    engine.add_request(EngineRequest("next", tuple(_prompt(9)[:20]), params, tenant_id="B",
+                                     cache_salt=SALT_B))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.requests["loads"].status == RequestStatus.WAITING_FOR_KV_LOAD
+    assert engine.scheduler.requests["next"].status == RequestStatus.WAITING
+    gate.open()
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        engine.step()
+    engine.kv_cache_manager.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_the_write_policy_decides_when_a_block_reaches_the_disk(model_dir, tmp_path, policy):
+    """write_through: a prompt's blocks are on disk once its steps ran, while still in the
+    pool; write_back: only once the pool evicts them. Either way the next round hits."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                    max_model_len=256, num_gpu_blocks_override=16,
+                                    kv_offload_size=64 << 20, kv_offload_write_policy=policy,
+                                    kv_offload_dir=str(tmp_path / "tier")),
+                       tokenizer=StubTokenizer())
+    _run(engine, [PROMPT])
+    blob = engine.offloader.cipher.blob_bytes
+    assert held(engine.offloader.store, "A") == (9 * blob if policy == "write_through" else 0)
+    _evict(engine, "B", SALT_B)
+    # write_back: the blocks the pool evicted (its fair share keeps A's head)
+    kept = sum(b.owner == "A" for b in engine.block_pool.cached_block_hash_to_block.values())
+    assert 0 < kept < 9
+    assert held(engine.offloader.store, "A") == (9 if policy == "write_through" else 9 - kept) \
+        * blob
+    assert _run(engine, [PROMPT], tag="again")[0].num_cached_tokens == FULL
+
+
 # -- faults of the store --------------------------------------------------------------------
 def test_a_full_disk_lowers_the_budget_and_serving_goes_on(model_dir, tmp_path, reference,
                                                            monkeypatch, caplog):
     cold, _ = reference
     engine = _engine(model_dir, tmp_path / "tier")
-    _run(engine, [PROMPT])
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("engine.kv_offload.disk.os.write", full)
     with caplog.at_level(logging.WARNING, logger="engine.kv_offload.disk"):
+        _run(engine, [PROMPT])
         _evict(engine)
     store = engine.offloader.store
     # The first write hit the full disk; the budget is now what it held (nothing), so the
@@ -369,7 +496,7 @@ def test_a_weighted_tenant_keeps_its_share_of_a_tier(tmp_path):
     for i in range(40):  # A and B alternate, far past the budget
         store.put(bytes([1, i]) * 16, b"a" * 100, "A")
         store.put(bytes([2, i]) * 16, b"b" * 100, "B")
-    assert store.owner_bytes() == {"A": 3_000, "B": 1_000}
+    assert (held(store, "A"), held(store, "B")) == (3_000, 1_000)
     capped = MemoryStore(4_000)  # a cap (a fraction of the budget) wins over the weight
     capped.set_share("A", 3, max_fraction=0.25)
     capped.set_share("B", 1, min_fraction=0.5)
@@ -396,10 +523,10 @@ def test_an_in_memory_request_leaves_nothing_in_the_tier(model_dir, tmp_path):
     store = engine.offloader.store
     run("memory", offload=False)
     _evict(engine, "B", SALT_B)  # B's prompts push A's blocks out of the pool
-    assert store.owner_bytes().get("A", 0) == 0 and store.owner_bytes()["B"] > 0
+    assert held(store, "A") == 0 and held(store, "B") > 0
     run("memory-again", offload=False)  # a pool miss, computed again, still not written
     _evict(engine, "B", SALT_B, tag="evict-again")
-    assert store.owner_bytes().get("A", 0) == 0
+    assert held(store, "A") == 0
     run("24h", offload=True)  # a "24h" call (hits included): its blocks may go to the tier
     _evict(engine, "B", SALT_B, tag="evict-more")
     # A's 9 blocks: those evicted are on disk now, and the head its cache share kept in the
@@ -407,4 +534,50 @@ def test_an_in_memory_request_leaves_nothing_in_the_tier(model_dir, tmp_path):
     pool = engine.block_pool.cached_block_hash_to_block.values()
     kept = [b for b in pool if b.owner == "A"]
     assert all(b.salt == SALT_A for b in kept)
-    assert store.owner_bytes()["A"] == (9 - len(kept)) * engine.offloader.cipher.blob_bytes > 0
+    assert held(store, "A") == (9 - len(kept)) * engine.offloader.cipher.blob_bytes > 0
+
+
+def test_the_tiers_metrics_give_evictions_by_reason_and_each_tenants_share(model_dir, tmp_path):
+    """Through ``stats_snapshot`` and the Prometheus collector: a tenant's bytes in the tier
+    beside the bytes its fair share guarantees (weights 3, 1 and 1 split the budget 3:1:1),
+    and blobs gone by reason (a reset; a blob failing authentication)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.metrics import EngineCollector
+    from engine.request import TenantShare
+
+    engine = _engine(model_dir, tmp_path / "tier")
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for tenant, salt, weight in (("A", SALT_A, 3), ("B", SALT_B, 1)):
+        run_to_completion(engine, [EngineRequest(
+            f"w-{tenant}", tuple(PROMPT), params, tenant_id=tenant, cache_salt=salt,
+            tenant_share=TenantShare(weight))])
+    _evict(engine, "C", b"c" * 32)  # A's and B's tails leave the pool
+    store, blob = engine.offloader.store, engine.offloader.cipher.blob_bytes
+
+    def scrape(name, **labels):
+        collector = EngineCollector("m")
+        collector.snapshot = engine.stats_snapshot()
+        registry = CollectorRegistry()
+        registry.register(collector)
+        want = {"model_name": "m", "tier": "disk", **labels}
+        return next(s.value for fam in text_string_to_metric_families(
+            generate_latest(registry).decode()) for s in fam.samples
+            if s.name == "saltserve:" + name and s.labels == want)
+
+    def share(tenant):
+        return scrape("kv_offload_tenant_share_bytes", tenant=tenant)
+
+    assert (share("A"), share("B"), share("C")) == (
+        store.capacity_bytes * 3 // 5, store.capacity_bytes // 5, store.capacity_bytes // 5)
+    assert scrape("kv_offload_tenant_bytes", tenant="B") == 9 * blob
+    for f in (tmp_path / "tier" / store.tag("B")).glob("*.kv"):
+        f.write_bytes(f.read_bytes()[:-1])  # B's blobs truncated
+    _run(engine, [PROMPT], tenant="B", salt=SALT_B, tag="b-again")
+    engine.evict_tenant_cache("A", "reset")
+    engine.offloader.flush()
+    assert {reason: scrape("kv_offload_evicted_blobs_total", reason=reason)
+            for reason in ("capacity", "reset", "invalid")} == {
+        "capacity": 0, "reset": 9, "invalid": 1}
+    assert share("B") == share("C") == store.capacity_bytes // 2  # A's blobs are gone

@@ -71,6 +71,65 @@ def test_a_flooding_tenant_evicts_its_own_blobs_and_weights_count(store):
     assert store.usage().owner_bytes == {store.tag("A"): 800, store.tag("B"): 200}
 
 
+def test_floors_caps_and_shares_hold_across_replicas(store):
+    """A cap (a fraction of the budget) wins over the weight and a floor is never taken while
+    another owner can give, as in the local tiers; ``owner_share_bytes`` reports each owner's
+    guaranteed bytes (its occupancy against its quota)."""
+    store.capacity_bytes = 4_000
+    store.set_share("A", 3, max_fraction=0.25)
+    store.set_share("B", 1, min_fraction=0.5)
+    for i in range(40):
+        store.put(_key(1, i), b"a" * 100, "A")
+        store.put(_key(2, i), b"b" * 100, "B")
+    u = store.usage()
+    assert u.owner_bytes == {store.tag("A"): 1_000, store.tag("B"): 3_000}
+    # A's weight would give it 3,000 bytes; its cap gives it 1,000; B's floor is 2,000
+    assert u.owner_share_bytes == {store.tag("A"): 1_000, store.tag("B"): 2_000}
+    assert store.get(_key(2, 39)) == b"b" * 100 and store.get(_key(2, 0)) is None
+
+
+def test_owner_tags_are_keyed_by_the_deployment_secret(store):
+    namespace = store._prefix.split(":kv:")[0]
+    key = secrets.token_bytes(32)
+    one = RedisStore(REDIS_URL, 1_000, namespace, LAYOUT, owner_key=key)
+    two = RedisStore(REDIS_URL, 1_000, namespace, LAYOUT, owner_key=key)
+    assert one.tag("acme") == two.tag("acme") != store.tag("acme")  # replicas agree
+    assert one.tag("acme") != RedisStore(REDIS_URL, 1_000, namespace, LAYOUT,
+                                         owner_key=secrets.token_bytes(32)).tag("acme")
+
+
+def test_a_blob_redis_evicted_itself_leaves_the_budget(store):
+    """Under a maxmemory policy other than noeviction Redis may drop a blob: the next read
+    misses and the tier's counters give its bytes back."""
+    store.put(_key(1, 0), b"x" * 300, "A")
+    store.put(_key(1, 1), b"y" * 200, "A")
+    redis.Redis.from_url(REDIS_URL).delete(store._prefix + "b:" + _key(1, 0).hex())
+    assert store.get(_key(1, 0)) is None
+    u = store.usage()
+    assert (u.used_bytes, u.blobs, u.owner_bytes) == (200, 1, {store.tag("A"): 200})
+
+
+def test_a_deletion_while_redis_is_down_runs_once_it_is_back(store, monkeypatch):
+    """A reset while the tier is unreachable: the tenant's blobs are deleted by the first
+    write or read once Redis answers again, before that call (another tenant's blobs stay)."""
+    store.put(_key(1, 0), b"a" * 100, "A")
+    store.put(_key(2, 0), b"b" * 100, "B")
+    script = store._scripts["delete_owners"]
+
+    def down(*args, **kwargs):
+        raise redis.ConnectionError("down")
+
+    monkeypatch.setitem(store._scripts, "delete_owners", down)
+    assert store.delete_owner("A") == 0 and not store.up
+    monkeypatch.setitem(store._scripts, "delete_owners", script)
+    assert store.put(_key(2, 1), b"b" * 100, "B") is False  # still within its retry wait
+    assert store.usage().up is False
+    store._down_until = 0.0  # the retry time has come
+    assert store.put(_key(2, 1), b"b" * 100, "B")
+    assert store.query([_key(1, 0), _key(2, 0), _key(2, 1)]) == [False, True, True]
+    assert store.usage().owner_bytes == {store.tag("B"): 200}
+
+
 def test_redis_going_away_is_a_miss_never_an_error(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.kv_offload.redis_store"):
         down = RedisStore("redis://127.0.0.1:1/0", 1_000, "test-down", LAYOUT,

@@ -34,7 +34,7 @@ def test_migrations_create_all_tables(database_url: str) -> None:
         run_migrations(engine)
         assert EXPECTED_TABLES | {"alembic_version"} <= _tables(engine)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0010"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0011"
     finally:
         engine.dispose()
 
@@ -246,5 +246,43 @@ def test_migration_0008_sums_existing_usage_into_usage_daily(database_url: str) 
                 "ttft_bin_1, ttft_bin_10 FROM usage_daily ORDER BY day")).all()
         assert [tuple(r) for r in rows] == [("2026-11-03", "", 2, 1, 20, 8, 1, 0),
                                             ("2026-11-04", "", 1, 0, 10, 4, 0, 1)]
+    finally:
+        engine.dispose()
+
+
+def test_migration_0011_fills_the_tier_split_of_days_already_summed(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        _upgrade_to(engine, "0010")
+        _add_0002_tenant(engine, "a" * 32, "acme")
+        day1 = datetime(2026, 11, 3, 23, 59, tzinfo=UTC)
+        with engine.begin() as conn:
+            for i, (at, key, tier, writes) in enumerate([
+                    (day1, None, 16, 32), (day1, None, 0, 16), (day1, "k1", 48, 0),
+                    (day1 + timedelta(minutes=2), None, 64, 0)]):
+                conn.execute(text(
+                    "INSERT INTO usage_records (request_id, tenant_id, key_id, model, endpoint, "
+                    "status, prompt_tokens, cached_tokens, completion_tokens, "
+                    "tier_cached_tokens, cache_write_tokens, created_at) VALUES (:r, :t, :k, "
+                    "'m', 'completions', 'ok', 100, 64, 2, :tier, :w, :c)"),
+                    {"r": f"r{i}", "t": "a" * 32, "k": key, "tier": tier, "w": writes,
+                     "c": at if database_url.startswith("postgresql")
+                     else at.replace(tzinfo=None)})
+                conn.execute(text(
+                    "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, "
+                    "prompt_tokens, cached_tokens, completion_tokens, ttft_bin_0, ttft_bin_1, "
+                    "ttft_bin_2, ttft_bin_3, ttft_bin_4, ttft_bin_5, ttft_bin_6, ttft_bin_7, "
+                    "ttft_bin_8, ttft_bin_9, ttft_bin_10) VALUES (:d, :t, :k, 'm', 1, 0, 100, "
+                    "64, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) ON CONFLICT (day, tenant_id, "
+                    "key_id, model) DO UPDATE SET requests = usage_daily.requests + 1"),
+                    {"d": (at.strftime("%Y-%m-%d")), "t": "a" * 32, "k": key or ""})
+        run_migrations(engine)
+        with engine.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT day, key_id, requests, tier_cached_tokens, cache_write_tokens "
+                "FROM usage_daily ORDER BY day, key_id")).all()
+        assert [tuple(r) for r in rows] == [("2026-11-03", "", 2, 16, 48),
+                                            ("2026-11-03", "k1", 1, 48, 0),
+                                            ("2026-11-04", "", 1, 64, 0)]
     finally:
         engine.dispose()

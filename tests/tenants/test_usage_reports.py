@@ -27,11 +27,13 @@ def loaded(repo):
     b = repo.tenants.create("globex")
     recs = [
         # acme: day 1, two minutes of hour 10; one error, one hit, one other key, one end user
-        _rec(1, a.id, T0, cached_tokens=64, ttft_s=0.04),
+        _rec(1, a.id, T0, cached_tokens=64, tier_cached_tokens=48, cache_write_tokens=32,
+             ttft_s=0.04),
         _rec(2, a.id, T0 + timedelta(seconds=30), status="error", ttft_s=None),
         _rec(3, a.id, T0 + timedelta(minutes=1), key_id="k2", end_user="alice", ttft_s=3.0),
         # acme: day 2
-        _rec(4, a.id, T0 + timedelta(days=1), prompt_tokens=50, cached_tokens=50),
+        _rec(4, a.id, T0 + timedelta(days=1), prompt_tokens=50, cached_tokens=50,
+             tier_cached_tokens=16),
         # globex: day 1, hour 11
         _rec(5, b.id, T0 + timedelta(hours=1), key_id=None, ttft_s=0.6),
     ]
@@ -57,6 +59,9 @@ def test_daily_report_per_tenant(loaded):
     assert rows[2].hit_rate == 1.0
     assert rows[0].tenant_id == a.id and rows[1].tenant_id == b.id
     assert rows[0].ttft_bins[ttft_bin(0.04)] == 1 and sum(rows[0].ttft_bins) == 2
+    # the tier split and cache writes, per day
+    assert [(r.tier_cached_tokens, r.cache_write_tokens) for r in rows] == [
+        (48, 32), (0, 0), (16, 0)]
 
 
 def test_the_daily_rollup_agrees_with_the_raw_rows(loaded):
@@ -64,7 +69,8 @@ def test_the_daily_rollup_agrees_with_the_raw_rows(loaded):
     repo, a, _ = loaded
     hourly = repo.usage.report(_q(bucket="1h", tenant_id=a.id))
     daily = repo.usage.report(_q(bucket="1d", tenant_id=a.id))
-    for field in ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens"):
+    for field in ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens",
+                  "tier_cached_tokens", "cache_write_tokens"):
         assert sum(getattr(r, field) for r in hourly) == sum(getattr(r, field) for r in daily)
     assert tuple(daily[0].ttft_bins) == tuple(
         sum(x) for x in zip(*[r.ttft_bins for r in hourly if r.bucket_start.day == 3]))
