@@ -135,9 +135,10 @@ class EngineConfig:
     kv_offload_write_policy: str = field(default="write_through", metadata={
         "help": "When the local tiers take a block: write_through (as soon as a step computes "
                 "it: the next round of a working set larger than the pool finds it, and a kill "
-                "-9 loses nothing) or write_back (only when the pool evicts it: fewer writes "
-                "when the working set fits the pool). SGLang's --hicache-write-policy; the "
-                "shared tier is always write-through.", "choices": KV_OFFLOAD_WRITE_POLICIES})
+                "-9 loses only the writes still queued) or write_back (only when the pool "
+                "evicts it: fewer writes when the working set fits the pool). SGLang's "
+                "--hicache-write-policy; the shared tier is always write-through.",
+                "choices": KV_OFFLOAD_WRITE_POLICIES})
     kv_offload_owner_key: bytes | None = field(default=None, repr=False, metadata={
         "help": "Secret key of the owner tags the tiers store (a keyed digest of the tenant "
                 "id, so the blobs of one tenant are grouped without naming it).", "flag": False,

@@ -142,11 +142,15 @@ class KVCacheManager:
             self._pinned[request.request_id] = blocks[:keep]
         return loaded
 
-    def release_pins(self) -> None:
-        """Releases the blocks ``finish_load`` held (the end of a step's scheduling)."""
+    def release_pins(self) -> bool:
+        """Releases the blocks ``finish_load`` held (the end of a step's scheduling, or a
+        running request short of blocks). Returns whether any were held."""
+        if not self._pinned:
+            return False
         for blocks in self._pinned.values():
             self.block_pool.free_blocks(reversed(blocks))
         self._pinned.clear()
+        return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None

@@ -434,7 +434,7 @@ class Scheduler:
         if self.policy == "fcfs":
             for r in (*self.running, *self.waiting):
                 if r.status != RequestStatus.RUNNING:
-                    if not seats:
+                    if seats <= 0:
                         break
                     seats -= 1
                 give = min(self._need(r), budget)
@@ -461,7 +461,7 @@ class Scheduler:
             if req.request_id in left:
                 return True
             if req.status != RequestStatus.RUNNING:
-                if not seats:
+                if seats <= 0:
                     return False
                 seats -= 1
             left[req.request_id] = self._need(req)
@@ -510,9 +510,12 @@ class Scheduler:
 
     def _allocate_running(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
         """Allocates slots for ``num_new`` more tokens of running ``req``, preempting victims
-        (appended to ``preempted``) while the pool is short. Returns False when ``req`` itself
-        was preempted."""
+        (appended to ``preempted``) while the pool is short; the blocks of loads finished this
+        step (``KVCacheManager.release_pins``) are given up before any victim. Returns False
+        when ``req`` itself was preempted."""
         while self.kv.allocate_slots(req, num_new) is None:
+            if self.kv.release_pins():  # a finished load's blocks give way before anyone
+                continue
             victim = self._pick_victim()
             self._preempt(victim)
             preempted.append(victim)

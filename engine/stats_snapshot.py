@@ -94,7 +94,7 @@ def _offload(offloader, loads_in_flight: int) -> tuple[
         tiers.append(TierSnapshot(
             name=tier.name, up=u.up, capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes,
             blobs=u.blobs, unclaimed_bytes=unclaimed, evicted_blobs=u.evicted,
-            dropped_blobs=s.dropped,
+            dropped_blobs=s.dropped + getattr(tier, "deferred_deleted", 0),
             written_blocks=s.written, written_bytes=s.written_bytes, write_failed=s.write_failed,
             loaded_blocks=s.loaded, loaded_bytes=s.loaded_bytes, load_failed=s.load_failed))
     s = offloader.stats

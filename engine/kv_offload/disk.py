@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -271,14 +272,27 @@ class DiskStore(FairBudget):
         self.scan_seconds = time.perf_counter() - start  # the start-up index rebuild
 
     def _key_file(self) -> bytes:
+        """The key in ``<root>/owner.key``, created whole (a temporary file linked into
+        place: two processes starting together agree on one key, and a crash never leaves a
+        short one). Raises OSError for a key file shorter than 32 bytes."""
         path = self.root / _KEY_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return path.read_bytes()
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-        return path.read_bytes()
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(prefix=".owner.key.", dir=self.root)  # mode 0600
+            try:
+                os.write(fd, secrets.token_bytes(32))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic; fails if another process linked its key first
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        key = path.read_bytes()
+        if len(key) < 32:
+            raise OSError(f"{path} holds {len(key)} bytes, not a 32-byte key")
+        return key
 
     def tag(self, owner: str) -> str:
         """The tag stored for ``owner`` (its directory name)."""

@@ -129,9 +129,9 @@ class KVOffloader:
         self._done: deque[LoadJob] = deque()
         self._load_done = threading.Event()
         self._warn = ThrottledWarning(logger, "KV offload: ")
-        # (hash, write-through) of the writes queued and not yet taken by the writer: one copy
-        # of a block at a time (set.add/discard are atomic under the GIL)
-        self._queued: set[tuple[bytes, bool]] = set()
+        # (hash, generation, write-through) of the writes queued and not yet taken by the
+        # writer: one copy of a block at a time (set.add/discard are atomic under the GIL)
+        self._queued: set[tuple[bytes, int, bool]] = set()
         self.tenants: set[str | None] = set()  # tenants seen (to name owners in reports)
         self._shares: dict[str | None, tuple] = {}
         self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name in
@@ -203,8 +203,9 @@ class KVOffloader:
         self._enqueue(block, through=True)
 
     def _enqueue(self, block, through: bool) -> None:
-        """Copies the block out and queues it, unless a write of it is queued already."""
-        key = (block.block_hash, through)
+        """Copies the block out and queues it, unless a write of it (the same hash and cache
+        generation) is queued already."""
+        key = (block.block_hash, block.generation, through)
         if key in self._queued:
             return
         self._queued.add(key)  # (before the put: the writer may take it at once)
@@ -213,6 +214,9 @@ class KVOffloader:
         except queue.Full:
             self._queued.discard(key)
             self.stats.write_dropped += 1
+        except BaseException:
+            self._queued.discard(key)
+            raise
 
     def _item(self, block, through: bool = False) -> tuple:
         return (block.block_hash, block.owner, block.salt, block.generation,
@@ -243,7 +247,7 @@ class KVOffloader:
                     self._drop_job(*item[1:])
                     continue
                 block_hash, owner, salt, generation, data, through = item
-                self._queued.discard((block_hash, through))
+                self._queued.discard((block_hash, generation, through))
                 blob = self.cipher.seal(salt, generation, block_hash, data)
                 self.tenants.add(owner)
                 for tier in self.tiers:

@@ -225,6 +225,7 @@ class RedisStore:
         # Owner deletions (tags; None: every owner) that failed while the tier was down, run
         # before the next write or read once it is back.
         self._pending_deletes: list[str | None] = []
+        self.deferred_deleted = 0  # blobs those deletions removed once Redis was back
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -324,11 +325,13 @@ class RedisStore:
                 if not self._pending_deletes:
                     return
                 tag = self._pending_deletes.pop(0)
-            if self._call("delete_owners", *(() if tag is None else (tag,)),
-                          default=_FAILED) is _FAILED:
+            n = self._call("delete_owners", *(() if tag is None else (tag,)), default=_FAILED)
+            if n is _FAILED:
                 with self._lock:
                     self._pending_deletes.insert(0, tag)
                 return
+            self._forget_known()
+            self.deferred_deleted += n
 
     def put(self, key: bytes, blob: bytes, owner: str) -> bool:
         if len(blob) > self.capacity_bytes:
@@ -365,17 +368,21 @@ class RedisStore:
         return self._delete_owners(None)
 
     def _delete_owners(self, tag: str | None) -> int:
-        with self._lock:
-            self._known.clear()  # which of them were the owner's is not known here
+        self._forget_known()
         n = self._call("delete_owners", *(() if tag is None else (tag,)), default=_FAILED)
+        self._forget_known()  # (a query during the call may have marked doomed blobs present)
         if n is _FAILED:
             with self._lock:
                 if tag is None:
                     self._pending_deletes = [None]
-                elif None not in self._pending_deletes:
+                elif None not in self._pending_deletes and tag not in self._pending_deletes:
                     self._pending_deletes.append(tag)
             return 0
         return n
+
+    def _forget_known(self) -> None:
+        with self._lock:
+            self._known.clear()  # which of them were the owner's is not known here
 
     def usage(self) -> TierUsage:
         """Occupancy read from Redis (owners are tags); zeros while the tier is down."""

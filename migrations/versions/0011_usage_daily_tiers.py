@@ -4,7 +4,8 @@ Revision ID: 0011
 Revises: 0010
 Create Date: 2026-12-07
 
-Plain ``ADD COLUMN``s, then the days already summed are filled from the usage rows they sum.
+Plain ``ADD COLUMN``s, then the days already summed are filled from the usage rows they sum
+(one grouped pass over them).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ def upgrade() -> None:
     for column in _COLUMNS:
         op.add_column("usage_daily", sa.Column(column, sa.BigInteger(), nullable=False,
                                                server_default="0"))
-    day = ("to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
-           if op.get_bind().dialect.name == "postgresql" else "substr(r.created_at, 1, 10)")
-    for column in _COLUMNS:
-        op.execute(
-            f"UPDATE usage_daily SET {column} = (SELECT COALESCE(SUM(r.{column}), 0) "
-            "FROM usage_records r WHERE r.tenant_id = usage_daily.tenant_id "
-            "AND COALESCE(r.key_id, '') = usage_daily.key_id "
-            f"AND r.model = usage_daily.model AND {day} = usage_daily.day)")
+    day = ("to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+           if op.get_bind().dialect.name == "postgresql" else "substr(created_at, 1, 10)")
+    # One pass over the usage rows, grouped as usage_daily is (UPDATE ... FROM: PostgreSQL,
+    # SQLite >= 3.33). Stop the servers first, as for 0008: writers meanwhile would wait.
+    op.execute(
+        "UPDATE usage_daily SET tier_cached_tokens = s.tier, cache_write_tokens = s.writes "
+        f"FROM (SELECT {day} AS day, tenant_id, COALESCE(key_id, '') AS key_id, model, "
+        "SUM(tier_cached_tokens) AS tier, SUM(cache_write_tokens) AS writes "
+        f"FROM usage_records GROUP BY {day}, tenant_id, COALESCE(key_id, ''), model) AS s "
+        "WHERE usage_daily.day = s.day AND usage_daily.tenant_id = s.tenant_id "
+        "AND usage_daily.key_id = s.key_id AND usage_daily.model = s.model")
 
 
 def downgrade() -> None:

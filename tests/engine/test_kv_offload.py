@@ -581,3 +581,37 @@ def test_the_tiers_metrics_give_evictions_by_reason_and_each_tenants_share(model
             for reason in ("capacity", "reset", "invalid")} == {
         "capacity": 0, "reset": 9, "invalid": 1}
     assert share("B") == share("C") == store.capacity_bytes // 2  # A's blobs are gone
+
+
+def test_a_queued_write_of_the_old_generation_does_not_stand_for_the_new_one():
+    """A reset keeps the salt (so the block hashes) and moves the generation: while the
+    writer still holds an old-generation copy of a block, the new generation's copy is queued
+    too (a queued write stands only for the same hash and generation)."""
+    from types import SimpleNamespace
+
+    from engine.kv_offload import KVOffloader
+
+    store, gate = MemoryStore(1 << 20, write_through=True), threading.Event()
+    put = store.put
+    store.put = lambda *a: gate.wait(30) and put(*a)
+    io = SimpleNamespace(read_block=lambda block_id: bytes([block_id]) * 64)
+    off = KVOffloader([store], BlockCipher(b"layout", 64), io)
+
+    def block(h, generation, block_id):
+        return SimpleNamespace(block_hash=h, owner="A", salt=SALT_A, generation=generation,
+                               block_id=block_id, private=False)
+
+    try:
+        off.on_cached(block(H1, 0, 1))  # the writer takes it and waits in put
+        deadline = time.monotonic() + 10
+        while off._queue.qsize():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        off.on_cached(block(H2, 0, 2))
+        off.on_cached(block(H2, 0, 2))  # the same write again: not queued twice
+        off.on_cached(block(H2, 1, 3))  # after a reset: queued
+        assert off._queue.qsize() == 2
+    finally:
+        gate.set()
+        off.close()
+    assert H2 in store

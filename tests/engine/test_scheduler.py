@@ -489,3 +489,22 @@ def test_add_request_validation() -> None:
         with pytest.raises(ValueError, match="must be at least 1"):
             make_scheduler(**bad)
     make_scheduler(max_num_batched_tokens=1, max_num_seqs=1, fair_quantum_tokens=1)
+
+
+def test_a_finished_loads_held_blocks_give_way_before_any_preemption() -> None:
+    """A tier load finished at the start of a step holds its blocks for its admission in that
+    step (``KVCacheManager.release_pins``); a running request short of a block takes them
+    first, and nobody is preempted for them."""
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=64)
+    req = make_request("r", range(100, 132), max_tokens=40)
+    sched.add_request(req)
+    step(sched)  # its 32 prompt tokens and a sampled one: its next token needs a third block
+    pool = sched.kv.block_pool
+    held = pool.get_new_blocks(pool.get_num_free_blocks(), "t2")  # as a finished load's
+    sched.kv._pinned["loaded"] = held
+    out = sched.schedule()
+    assert out.preempted_ids == () and req.status == RequestStatus.RUNNING
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("r", 1)]
+    assert not sched.kv._pinned and pool.get_num_free_blocks() == len(held) - 1
+    sched.update_from_output(out, {"r": 1000})
+    check(sched)
