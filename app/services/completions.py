@@ -30,7 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -59,6 +59,11 @@ from tenants.records import AuthContext, TenantQuota, UsageRecord
 from tenants.tenant_store import RETENTIONS
 
 logger = logging.getLogger(__name__)
+
+
+class ClientGaveUp(Exception):
+    """The client of a non-streamed call disconnected before its answer (the call is
+    aborted and recorded as such)."""
 
 UsageSink = Callable[[UsageRecord], None]
 BodyReader = Callable[[], Awaitable[bytes]]
@@ -183,11 +188,16 @@ class CompletionsService:
     # -- entry points --------------------------------------------------------------------------
     async def create_chat_completion(
             self, read_body: BodyReader, auth: AuthContext,
-            is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
+            is_disconnected: Callable[[], Awaitable[bool]]) -> Response:
         """OpenAI chat completions over the tokenizer's chat template.
 
         Args:
             read_body: returns the raw JSON body (awaited only once the call is admitted).
+
+        Returns:
+            The JSON response or the SSE stream; for a non-streamed call whose client
+            disconnected, an empty 499 (the call is aborted and recorded; one log line, no
+            traceback).
 
         Raises:
             APIError: 400 (bad model, sampling values, cache_salt, template, lengths, token
@@ -201,7 +211,7 @@ class CompletionsService:
 
     async def create_completion(
             self, read_body: BodyReader, auth: AuthContext,
-            is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse | StreamingResponse:
+            is_disconnected: Callable[[], Awaitable[bool]]) -> Response:
         """OpenAI (legacy) completions; ``prompt`` is text or a list of token ids.
 
         Raises:
@@ -215,7 +225,7 @@ class CompletionsService:
                    model_cls: type[ChatCompletionRequest | CompletionRequest],
                    read_body: BodyReader, auth: AuthContext,
                    is_disconnected: Callable[[], Awaitable[bool]]
-                   ) -> JSONResponse | StreamingResponse:
+                   ) -> Response:
         call = CompletionCall(f"{prefix}-{uuid.uuid4().hex}", endpoint,
                               self.info.served_model_name, auth)
         handed_off = False  # True once a streaming response owns finalisation
@@ -251,6 +261,14 @@ class CompletionsService:
             else:
                 body = self.responses.response_body(call)
             return JSONResponse(body, headers=call.limit_headers())
+        except ClientGaveUp:
+            # A normal event (a client timeout, a closed tab): one line, no traceback; the
+            # response goes nowhere (nginx's 499: the client closed the request).
+            usage = call.usage()
+            logger.info("client gave up: request %s, tenant %s, %d prompt tokens, %d completion "
+                        "tokens generated", call.request_id, call.auth.tenant_id,
+                        usage.prompt_tokens, usage.completion_tokens)
+            return Response(status_code=499)
         except asyncio.CancelledError:
             call.status = "aborted"
             raise
@@ -452,13 +470,21 @@ class CompletionsService:
                     call.apply(i, out)
 
         task = asyncio.create_task(run())
+        gone = False
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=1.0)
                 if not task.done() and await is_disconnected():
                     task.cancel()
                     call.status = "aborted"
-            await task
+                    gone = True
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if gone and not (current is not None and current.cancelling()):
+                    raise ClientGaveUp from None  # our own cancel, not the server's
+                raise
         finally:
             if not task.done():
                 task.cancel()

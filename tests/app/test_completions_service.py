@@ -5,8 +5,8 @@ cancellation, engine failure; streaming and not. Runs on the fake model."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
+import logging
 import threading
 import time
 
@@ -143,7 +143,9 @@ def test_bad_request_before_admission_is_recorded_once(env, service):
     assert _in_flight(service, env) == 0
 
 
-def test_disconnect_during_a_non_streaming_call_aborts_and_records_once(env, service):
+def test_disconnect_during_a_non_streaming_call_aborts_and_records_once(env, service, caplog):
+    """A client giving up is a normal event: the call is aborted and recorded once, and the
+    server logs one line (request, tenant, how far it got), no traceback."""
     body = CompletionRequest(model=env.model, prompt=list(range(300, 340)), max_tokens=400,
                              ignore_eos=True)
     polls = []
@@ -156,8 +158,13 @@ def test_disconnect_during_a_non_streaming_call_aborts_and_records_once(env, ser
     async def run():
         return await service.create_completion(_reader(body), _auth(env), gone)
 
-    with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
-        env.client.portal.call(run)
+    with caplog.at_level(logging.INFO):
+        response = env.client.portal.call(run)
+    assert response.status_code == 499 and response.body == b""
+    [line] = [r for r in caplog.records if "client gave up" in r.getMessage()]
+    assert line.levelno == logging.INFO and line.exc_info is None
+    assert env.tenant_a in line.getMessage() and "40 prompt tokens" in line.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert polls  # the service noticed through is_disconnected
     records = service.record_usage.settled(1)
     assert [x.status for x in records] == ["aborted"]
@@ -227,6 +234,41 @@ def test_stream_client_gone_before_the_first_byte_records_once(env, service, spe
     assert records[0].completion_tokens < 100  # aborted early, not run to max_tokens
     assert _in_flight(service, env) == 0
     assert state == (128, 128, False)
+
+
+def test_a_non_streamed_client_giving_up_ends_the_asgi_call_quietly(env, service, caplog):
+    """Through the ASGI app (what uvicorn calls): the client of a non-streamed call
+    disconnects after sending its body; the app returns normally (nothing for the server to
+    log as "Exception in ASGI application"), the call is aborted and recorded once, and the
+    log has one line for it."""
+    body = json.dumps({"model": env.model, "prompt": "hello there", "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"authorization", f"Bearer {env.key_a}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+    sent: list[dict] = []
+    env.fake.step_delay_s = 0.01
+
+    async def receive() -> dict:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO):
+        env.client.portal.call(lambda: asyncio.wait_for(env.client.app(scope, receive, send), 10))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    records = service.record_usage.settled(1)
+    assert [x.status for x in records] == ["aborted"] and records[0].completion_tokens < 400
+    assert sum("client gave up" in r.getMessage() for r in caplog.records) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert _in_flight(service, env) == 0
+    assert _engine_idle(env) == (128, 128, False)
 
 
 def test_finalize_refuses_a_second_run(env, service, caplog):
