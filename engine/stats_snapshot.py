@@ -86,10 +86,11 @@ def _offload(offloader, loads_in_flight: int) -> tuple[
     tiers = []
     for tier in offloader.tiers:
         u, s = tier.usage(), offloader.stats.tiers[tier.name]
-        owners, unclaimed = offloader.by_tenant(tier, u.owner_bytes)
+        (owners, unclaimed), (owner_shares, _) = offloader.by_tenant(
+            tier, u.owner_bytes, u.owner_share_bytes)
         for owner, n in owners.items():
             held.setdefault(owner or None, {})[tier.name] = n
-        for owner, n in offloader.by_tenant(tier, u.owner_share_bytes)[0].items():
+        for owner, n in owner_shares.items():
             shares.setdefault(owner or None, {})[tier.name] = n
         tiers.append(TierSnapshot(
             name=tier.name, up=u.up, capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes,

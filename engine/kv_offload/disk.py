@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.kv_offload.tier import ThrottledWarning, TierUsage, owner_tag
+from engine.kv_offload.tier import ThrottledWarning, TierUsage, fair_shares, owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +73,6 @@ class FairBudget:
 
     def _drop_blob(self, key: bytes, owner: str) -> None:
         raise NotImplementedError
-
-    def _shares_now(self) -> dict[str, int]:
-        """Under the lock: each owner's guaranteed bytes now, the budget split by weight among
-        the owners holding blobs, clamped to its floor and cap (the pool's
-        ``prefix_cache_share_blocks``, in bytes)."""
-        total = sum(self._shares.get(o, (1, None, None))[0] for o in self._lru)
-        out = {}
-        for o in self._lru:
-            weight, low, high = self._shares.get(o, (1, None, None))
-            share = self.capacity_bytes * weight / total
-            if low is not None:
-                share = max(share, low * self.capacity_bytes)
-            if high is not None:
-                share = min(share, high * self.capacity_bytes)
-            out[o] = int(share)
-        return out
 
     def _add(self, key: bytes, size: int, owner: str) -> None:
         self._size[key] = size
@@ -187,7 +171,9 @@ class FairBudget:
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(self.capacity_bytes, self.used_bytes, len(self._size), self.evicted,
-                             dict(self._bytes), owner_share_bytes=self._shares_now())
+                             dict(self._bytes),
+                             owner_share_bytes=fair_shares(self.capacity_bytes, self._lru,
+                                                           self._shares))
 
     def __len__(self) -> int:
         with self._lock:

@@ -163,23 +163,28 @@ class KVOffloader:
         for tier in self.tiers:
             tier.set_share(tenant if tenant is not None else "", share.weight, low, high)
 
-    def by_tenant(self, tier: OffloadTier, owners: dict[str, int]) -> tuple[dict[str, int], int]:
-        """A ``TierUsage`` owner map (``owner_bytes``, ``owner_share_bytes``) by tenant id
+    def by_tenant(self, tier: OffloadTier, *maps: dict[str, int]
+                  ) -> list[tuple[dict[str, int], int]]:
+        """``TierUsage`` owner maps (``owner_bytes``, ``owner_share_bytes``) by tenant id
         ("" for none): a tier's tags are matched with the tenants this process has seen.
-        Returns (by tenant id, the sum over tags no tenant seen here matches: blobs found at
-        start whose tenant has not been served since, or another replica's tenants)."""
+        Returns, per map, (by tenant id, the sum over tags no tenant seen here matches: blobs
+        found at start whose tenant has not been served since, or another replica's
+        tenants)."""
         tag = getattr(tier, "tag", None)
         if tag is None:
-            return dict(owners), 0
+            return [(dict(owners), 0) for owners in maps]
         names = {tag(t if t is not None else ""): (t if t is not None else "")
                  for t in list(self.tenants)}
-        named, unknown = {}, 0
-        for o, n in owners.items():
-            if o in names:
-                named[names[o]] = n
-            else:
-                unknown += n
-        return named, unknown
+        out = []
+        for owners in maps:
+            named, unknown = {}, 0
+            for o, n in owners.items():
+                if o in names:
+                    named[names[o]] = n
+                else:
+                    unknown += n
+            out.append((named, unknown))
+        return out
 
     # -- write --------------------------------------------------------------------------------
     def _holds(self, block_hash: bytes) -> bool:

@@ -32,11 +32,25 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.kv_offload.tier import ThrottledWarning, TierUsage, owner_tag
+from engine.kv_offload.tier import ThrottledWarning, TierUsage, fair_shares, owner_tag
 
 logger = logging.getLogger(__name__)
 
 _KNOWN_KEYS = 1 << 16  # block hashes this process saw in the store (its local index)
+
+# Forgets blob h of owner o from the index (its recorded size leaves the counters);
+# returns the bytes used after. Shared by the scripts below.
+_UNINDEX = """
+local function unindex(p, h, o)
+  local sz = tonumber(redis.call('HGET', p .. 'sz', h) or redis.call('STRLEN', p .. 'b:' .. h))
+  redis.call('DEL', p .. 'b:' .. h)
+  redis.call('HDEL', p .. 'own', h)
+  redis.call('HDEL', p .. 'sz', h)
+  redis.call('ZREM', p .. 'lru:' .. o, h)
+  if redis.call('HINCRBY', p .. 'bytes', o, -sz) <= 0 then redis.call('HDEL', p .. 'bytes', o) end
+  return redis.call('DECRBY', p .. 'used', sz)
+end
+"""
 
 # The index of one blob the same transaction SETs (the blob itself never passes through Lua:
 # a 700 KiB string copied into and out of Lua costs Redis 3x a plain SET). ARGV: prefix, hash
@@ -45,7 +59,7 @@ _KNOWN_KEYS = 1 << 16  # block hashes this process saw in the store (its local i
 # recently used blob of the owner furthest over its share (over its cap first, then the most
 # bytes per unit of weight, never one at or under its floor while another can give); returns
 # the blobs evicted.
-_PUT_INDEX = """
+_PUT_INDEX = _UNINDEX + """
 local p, h, owner, cap, size = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 redis.call('HSET', p .. 'w', owner, ARGV[6])
 for i, k in ipairs({'lo', 'hi'}) do
@@ -81,16 +95,7 @@ while used + size > cap do
   if #oldest == 0 then
     redis.call('HDEL', p .. 'bytes', victim)
   else
-    local k = oldest[1]
-    local sz = tonumber(redis.call('HGET', p .. 'sz', k) or redis.call('STRLEN', p .. 'b:' .. k))
-    redis.call('DEL', p .. 'b:' .. k)
-    redis.call('ZREM', p .. 'lru:' .. victim, k)
-    redis.call('HDEL', p .. 'own', k)
-    redis.call('HDEL', p .. 'sz', k)
-    if redis.call('HINCRBY', p .. 'bytes', victim, -sz) <= 0 then
-      redis.call('HDEL', p .. 'bytes', victim)
-    end
-    used = redis.call('DECRBY', p .. 'used', sz)
+    used = unindex(p, oldest[1], victim)
     evicted = evicted + 1
   end
 end
@@ -102,19 +107,6 @@ redis.call('INCRBY', p .. 'used', size)
 return evicted
 """
 
-# Forgets blob h of owner o from the index (its recorded size leaves the counters). Shared by
-# the scripts below.
-_UNINDEX = """
-local function unindex(p, h, o)
-  local sz = tonumber(redis.call('HGET', p .. 'sz', h) or redis.call('STRLEN', p .. 'b:' .. h))
-  redis.call('DEL', p .. 'b:' .. h)
-  redis.call('HDEL', p .. 'own', h)
-  redis.call('HDEL', p .. 'sz', h)
-  redis.call('ZREM', p .. 'lru:' .. o, h)
-  if redis.call('HINCRBY', p .. 'bytes', o, -sz) <= 0 then redis.call('HDEL', p .. 'bytes', o) end
-  redis.call('DECRBY', p .. 'used', sz)
-end
-"""
 
 # ARGV: prefix, hash hex: the blob (read by a plain GET beside it) is now the most recently
 # used of its owner's; a blob Redis itself evicted (a maxmemory policy other than noeviction)
@@ -400,14 +392,7 @@ class RedisStore:
             return TierUsage(self.capacity_bytes, 0, 0, self.evicted, {}, up=False)
         owners, weights, lows, highs = ({k.decode(): float(v) for k, v in m.items()}
                                         for m in maps)
-        total = sum(weights.get(o, 1.0) for o in owners)
-        shares = {}
-        for o in owners:
-            share = self.capacity_bytes * weights.get(o, 1.0) / total
-            if o in lows:
-                share = max(share, lows[o] * self.capacity_bytes)
-            if o in highs:
-                share = min(share, highs[o] * self.capacity_bytes)
-            shares[o] = int(share)
+        shares = {o: (weights.get(o, 1.0), lows.get(o), highs.get(o)) for o in owners}
         return TierUsage(self.capacity_bytes, int(used or 0), int(blobs), self.evicted,
-                         {o: int(n) for o, n in owners.items()}, owner_share_bytes=shares)
+                         {o: int(n) for o, n in owners.items()},
+                         owner_share_bytes=fair_shares(self.capacity_bytes, owners, shares))

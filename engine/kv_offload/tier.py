@@ -26,6 +26,25 @@ def owner_tag(key: bytes, owner: str) -> str:
     return hashlib.blake2b(owner.encode(), key=key[:64], digest_size=12).hexdigest()
 
 
+def fair_shares(capacity_bytes: int, owners, shares: dict) -> dict[str, int]:
+    """Each of ``owners``' guaranteed bytes now: ``capacity_bytes`` split by weight among
+    them, clamped to the owner's floor and cap (``shares``: owner -> (weight, floor fraction
+    or None, cap fraction or None); absent: (1, None, None)). The pool's
+    ``prefix_cache_share_blocks``, in bytes."""
+    default = (1, None, None)
+    total = sum(shares.get(o, default)[0] for o in owners)
+    out = {}
+    for o in owners:
+        weight, low, high = shares.get(o, default)
+        share = capacity_bytes * weight / total
+        if low is not None:
+            share = max(share, low * capacity_bytes)
+        if high is not None:
+            share = min(share, high * capacity_bytes)
+        out[o] = int(share)
+    return out
+
+
 class ThrottledWarning:
     """Logs a warning at most once every ``every_s`` seconds (a failing tier would otherwise
     log once a block); the rest are dropped (their counters say how many)."""

@@ -68,6 +68,18 @@ class AppEnv:
     def headers(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
+    def completion_scope(self, body: bytes, spec: str = "2.3") -> dict:
+        """The ASGI scope of ``POST /v1/completions`` with ``body`` and tenant A's key, for
+        tests that drive the app as the server does (``app(scope, receive, send)``)."""
+        return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec},
+                "http_version": "1.1", "method": "POST", "scheme": "http",
+                "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                "root_path": "",
+                "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"authorization", f"Bearer {self.key_a}".encode())],
+                "client": ("127.0.0.1", 1), "server": ("test", 80)}
+
     def usage_row(self, tenant_id: str, request_id: str, timeout_s: float = 5.0):
         """The usage row of call ``request_id`` once the journal has stored it."""
         deadline = time.time() + timeout_s

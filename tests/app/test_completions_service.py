@@ -203,13 +203,7 @@ def test_stream_client_gone_before_the_first_byte_records_once(env, service, spe
     the call recorded once as aborted."""
     body = json.dumps({"model": env.model, "prompt": "hello there", "max_tokens": 400,
                        "ignore_eos": True, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"authorization", f"Bearer {env.key_a}".encode())],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = env.completion_scope(body, spec)
     messages = iter([{"type": "http.request", "body": body, "more_body": False}])
     env.fake.step_delay_s = 0.01
 
@@ -243,13 +237,7 @@ def test_a_non_streamed_client_giving_up_ends_the_asgi_call_quietly(env, service
     log has one line for it."""
     body = json.dumps({"model": env.model, "prompt": "hello there", "max_tokens": 400,
                        "ignore_eos": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"authorization", f"Bearer {env.key_a}".encode())],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = env.completion_scope(body)
     messages = iter([{"type": "http.request", "body": body, "more_body": False}])
     sent: list[dict] = []
     env.fake.step_delay_s = 0.01

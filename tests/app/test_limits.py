@@ -275,13 +275,7 @@ def test_client_disconnect_mid_stream_releases_the_slot_and_the_blocks(env, cloc
     limiter = env.parts.completions.limiter
     body = json.dumps({"model": env.model, "prompt": list(range(300, 360)), "max_tokens": 300,
                        "ignore_eos": True, "temperature": 0, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"authorization", f"Bearer {env.key_a}".encode())],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = env.completion_scope(body)
 
     async def run() -> list[dict]:
         sent: list[dict] = []

@@ -107,13 +107,14 @@ def model_dir(tmp_path_factory):
     return build_checkpoint("llama", tmp_path_factory.mktemp("tier-model"))
 
 
-def _engine(model_dir, tier_dir=None):
-    """A 16-block pool (256 tokens): one 150-token request fills most of it."""
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
-                                  max_model_len=256, num_gpu_blocks_override=16,
-                                  kv_offload_size=64 << 20 if tier_dir else 0,
-                                  kv_offload_dir=str(tier_dir) if tier_dir else None),
-                     tokenizer=StubTokenizer())
+def _engine(model_dir, tier_dir=None, **overrides):
+    """A 16-block pool (256 tokens): one 150-token request fills most of it. ``overrides``:
+    more ``EngineConfig`` fields."""
+    return LLMEngine(EngineConfig(**{
+        "model": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 256,
+        "num_gpu_blocks_override": 16, "kv_offload_size": 64 << 20 if tier_dir else 0,
+        "kv_offload_dir": str(tier_dir) if tier_dir else None, **overrides}),
+        tokenizer=StubTokenizer())
 
 
 def _prompt(seed: int) -> list[int]:
@@ -225,10 +226,7 @@ def test_blobs_of_another_weights_dtype_never_load(model_dir, tmp_path):
     engine = _engine(model_dir, tmp_path / "tier")
     _run(engine, [PROMPT])
     engine.offloader.close()
-    bf16 = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16",
-                                  max_model_len=256, num_gpu_blocks_override=16,
-                                  kv_offload_size=64 << 20, kv_offload_dir=str(tmp_path / "tier")),
-                     tokenizer=StubTokenizer())
+    bf16 = _engine(model_dir, tmp_path / "tier", dtype="bfloat16")
     assert len(bf16.offloader.store) == 9  # found at start, under the same hashes
     out = _run(bf16, [PROMPT], tag="bf16")
     assert out[0].num_cached_tokens == 0
@@ -419,11 +417,7 @@ def test_a_reset_during_a_load_leaves_nothing_of_the_old_generation(model_dir, t
 def test_loads_in_flight_take_seats(model_dir, tmp_path):
     """A request waiting for its load counts against ``max_num_seqs``: with one seat, a load
     in flight keeps another request waiting (it would hold pool blocks too)."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
-                                    max_model_len=256, num_gpu_blocks_override=16,
-                                    max_num_seqs=1, kv_offload_size=64 << 20,
-                                    kv_offload_dir=str(tmp_path / "tier")),
-                       tokenizer=StubTokenizer())
+    engine = _engine(model_dir, tmp_path / "tier", max_num_seqs=1)
     _run(engine, [PROMPT])
     _evict(engine)
     gate = _Gate(engine.offloader.store)
@@ -448,11 +442,7 @@ def test_loads_in_flight_take_seats(model_dir, tmp_path):
 def test_the_write_policy_decides_when_a_block_reaches_the_disk(model_dir, tmp_path, policy):
     """write_through: a prompt's blocks are on disk once its steps ran, while still in the
     pool; write_back: only once the pool evicts them. Either way the next round hits."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
-                                    max_model_len=256, num_gpu_blocks_override=16,
-                                    kv_offload_size=64 << 20, kv_offload_write_policy=policy,
-                                    kv_offload_dir=str(tmp_path / "tier")),
-                       tokenizer=StubTokenizer())
+    engine = _engine(model_dir, tmp_path / "tier", kv_offload_write_policy=policy)
     _run(engine, [PROMPT])
     blob = engine.offloader.cipher.blob_bytes
     assert held(engine.offloader.store, "A") == (9 * blob if policy == "write_through" else 0)

@@ -145,6 +145,12 @@ def _upgrade_to(engine: Engine, revision: str) -> None:
         command.upgrade(cfg, revision)
 
 
+def _stored_time(database_url: str, at: datetime) -> datetime:
+    """``at`` as a raw INSERT stores it: aware on PostgreSQL, naive UTC on SQLite (as the
+    models' UTC type writes it)."""
+    return at if database_url.startswith("postgresql") else at.replace(tzinfo=None)
+
+
 def _add_0002_tenant(engine: Engine, tenant_id: str, name: str) -> None:
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO tenants (id, name, created_at, disabled, "
@@ -237,8 +243,7 @@ def test_migration_0008_sums_existing_usage_into_usage_daily(database_url: str) 
                     "status, prompt_tokens, cached_tokens, completion_tokens, ttft_s, "
                     "created_at) VALUES (:r, :t, NULL, 'm', 'completions', :s, 10, 4, 2, :f, "
                     ":c)"), {"r": f"r{i}", "t": "a" * 32, "s": status, "f": ttft,
-                              "c": at if database_url.startswith("postgresql")
-                              else at.replace(tzinfo=None)})
+                              "c": _stored_time(database_url, at)})
         run_migrations(engine)
         with engine.connect() as conn:
             rows = conn.execute(text(
@@ -266,8 +271,7 @@ def test_migration_0011_fills_the_tier_split_of_days_already_summed(database_url
                     "tier_cached_tokens, cache_write_tokens, created_at) VALUES (:r, :t, :k, "
                     "'m', 'completions', 'ok', 100, 64, 2, :tier, :w, :c)"),
                     {"r": f"r{i}", "t": "a" * 32, "k": key, "tier": tier, "w": writes,
-                     "c": at if database_url.startswith("postgresql")
-                     else at.replace(tzinfo=None)})
+                     "c": _stored_time(database_url, at)})
                 conn.execute(text(
                     "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, "
                     "prompt_tokens, cached_tokens, completion_tokens, ttft_bin_0, ttft_bin_1, "
