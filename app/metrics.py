@@ -164,6 +164,10 @@ class EngineCollector(Collector):
         preemptions = counter("num_preemptions", "Requests preempted (recomputed later).", ml)
         preemptions.add_metric([m], s.num_preemptions)
         yield preemptions
+        share = counter("num_share_preemptions", "Of those, requests preempted so that a tenant "
+                        "within its weighted share of the KV pool was admitted.", ml)
+        share.add_metric([m], s.num_share_preemptions)
+        yield share
 
 
     @staticmethod

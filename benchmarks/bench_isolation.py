@@ -1,7 +1,8 @@
 """Noisy-neighbour benchmarks: can one tenant hurt another? Ratios measured in one run.
 
 1. compute: tenant A sends one small chat request per second; tenant B floods with 8 concurrent
-   1,200-token prompts. A's p50/p95 latency and TTFT solo vs under B's flood, with the plain
+   1,200-token prompts (``--b-concurrency``, ``--b-max-tokens``; ``--num-gpu-blocks 300``: a pool
+   the flood overfills, where B's running requests would hold every block A needs). A's p50/p95 latency and TTFT solo vs under B's flood, with the plain
    ``fcfs`` scheduling policy (first come, first served across tenants) and with ``fair`` (weighted
    fair queuing + stall-free batching between tenants). Target: A's p50 under flood <= 2x solo
    with ``fair``, no limits configured. Bundled model, engine level (no HTTP).
@@ -50,7 +51,8 @@ def pct(values: list[float], q: float) -> float:
 
 # -- 1. compute ----------------------------------------------------------------------------------
 def run_compute_phase(engine: LLMEngine, tok, flood: bool, n_a: int, a_max_tokens: int,
-                      b_prompt_tokens: int, b_concurrency: int, seed: int) -> dict:
+                      b_prompt_tokens: int, b_concurrency: int, seed: int,
+                      b_max_tokens: int = 4) -> dict:
     rng = random.Random(seed)
     engine.reset_prefix_cache()
     arrival: dict[str, float] = {}
@@ -67,7 +69,7 @@ def run_compute_phase(engine: LLMEngine, tok, flood: bool, n_a: int, a_max_token
         prompt = tuple(rng.randrange(1000, 40000) for _ in range(b_prompt_tokens))
         rid = f"b{seed}-{b_n}"
         b_n += 1
-        engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=4,
+        engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=b_max_tokens,
                                                                      ignore_eos=True),
                                          tenant_id="B", cache_salt=b"salt-B"))
         b_live.add(rid)
@@ -113,6 +115,8 @@ def run_compute_phase(engine: LLMEngine, tok, flood: bool, n_a: int, a_max_token
     wall = time.perf_counter() - t0
     for rid in list(b_live):
         engine.abort_request([rid])
+    while engine.has_unfinished_requests():  # (a load of an aborted request may be in flight)
+        engine.step()
     lat = [done[r] - arrival[r] for r in arrival]
     ttft = [first[r] - arrival[r] for r in arrival]
     return {"p50": statistics.median(lat), "p95": pct(lat, 0.95),
@@ -120,13 +124,20 @@ def run_compute_phase(engine: LLMEngine, tok, flood: bool, n_a: int, a_max_token
             "b_tok_s": b_tokens / wall if flood else 0.0}
 
 
+def _pool_stats(engine: LLMEngine) -> tuple[int, int, int]:
+    s = engine.scheduler.stats
+    return s.num_preemptions, getattr(s, "num_share_preemptions", 0), s.num_recomputed_tokens
+
+
 def bench_compute(args: argparse.Namespace) -> None:
     model_dir = ensure_default_model(Path(args.data_dir))
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=2048, device="cpu",
-                                    dtype="float32"))
+                                    dtype="float32", kv_offload_size=0,
+                                    num_gpu_blocks_override=args.num_gpu_blocks))
     tok = engine.tokenizer
     kw = {"n_a": args.a_requests, "a_max_tokens": args.a_max_tokens,
-          "b_prompt_tokens": 1200, "b_concurrency": 8}
+          "b_prompt_tokens": 1200, "b_concurrency": args.b_concurrency,
+          "b_max_tokens": args.b_max_tokens}
     # Warm-up: the first forwards pay one-off costs; also lets the step-cost model see both
     # decode-only and large steps (it would see them within the first seconds of serving).
     run_compute_phase(engine, tok, True, **{**kw, "n_a": 2}, seed=99)
@@ -134,18 +145,25 @@ def bench_compute(args: argparse.Namespace) -> None:
     for policy in ("fcfs", "fair"):
         engine.scheduler.policy = policy
         solo = run_compute_phase(engine, tok, False, **kw, seed=1)
+        before = _pool_stats(engine)
         flood = run_compute_phase(engine, tok, True, **kw, seed=2)
+        flood["pool"] = [b - a for a, b in zip(before, _pool_stats(engine), strict=True)]
         rows[policy] = (solo, flood)
     cap = engine.scheduler.interactive_step_tokens
     print(f"\n[1] noisy neighbour, compute: A = {args.a_requests} chat requests, 1/s, "
-          f"{args.a_max_tokens} new tokens each; B = 8 x 1,200-token prompts, closed loop")
+          f"{args.a_max_tokens} new tokens each; B = {args.b_concurrency} x 1,200-token "
+          f"prompts, {args.b_max_tokens} new tokens each, closed loop; pool "
+          f"{engine.block_pool.num_blocks} blocks of {engine.config.block_size} tokens")
     print(f"    measured stall-free cap: {cap} tokens per step beside another tenant's decodes")
     print(f"    {'policy':6} {'A solo p50/p95 (s)':>20} {'A flood p50/p95 (s)':>21} "
-          f"{'p50 ratio':>9} {'TTFT solo/flood p50 (s)':>24} {'B tok/s':>8}")
+          f"{'p50 / p95 ratio':>15} {'TTFT solo/flood p50 (s)':>24} {'B tok/s':>8} "
+          f"{'preempted (for a share)':>24} {'recomputed tokens':>18}")
     for policy, (solo, flood) in rows.items():
+        pre, share, recomputed = flood["pool"]
         print(f"    {policy:6} {solo['p50']:9.2f} /{solo['p95']:6.2f}   "
-              f"{flood['p50']:9.2f} /{flood['p95']:7.2f}   {flood['p50'] / solo['p50']:8.2f}x "
-              f"{solo['ttft50']:11.3f} /{flood['ttft50']:8.3f}    {flood['b_tok_s']:8.0f}")
+              f"{flood['p50']:9.2f} /{flood['p95']:7.2f}   {flood['p50'] / solo['p50']:6.2f}x /"
+              f"{flood['p95'] / solo['p95']:5.2f}x {solo['ttft50']:11.3f} /{flood['ttft50']:8.3f}"
+              f"    {flood['b_tok_s']:8.0f} {pre:15d} ({share:d}) {recomputed:18d}")
 
 
 # -- 2. cache ------------------------------------------------------------------------------------
@@ -268,6 +286,11 @@ def main() -> None:
     p.add_argument("--data-dir", default=".saltserve")
     p.add_argument("--a-requests", type=int, default=10)
     p.add_argument("--a-max-tokens", type=int, default=16)
+    p.add_argument("--b-concurrency", type=int, default=8)
+    p.add_argument("--b-max-tokens", type=int, default=4)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="compute: the pool's blocks (vLLM's --num-gpu-blocks-override); "
+                        "default: the engine's default pool")
     args = p.parse_args()
     for part in args.parts:
         {"compute": bench_compute, "cache": bench_cache, "eviction": bench_eviction}[part](args)

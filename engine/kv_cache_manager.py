@@ -262,6 +262,20 @@ class KVCacheManager:
         num_slots = (num_blocks + self.block_pool.get_num_free_blocks()) * self.block_size
         return num_slots - request.num_computed_tokens
 
+    def num_blocks_to_admit(self, request: Request, num_tokens: int) -> int:
+        """Free blocks that admitting waiting ``request`` with up to ``num_tokens`` new tokens
+        would take (its new blocks and its cache hits now in the free queue); ``allocate_slots``
+        succeeds exactly when the pool has that many free."""
+        hit_blocks, num_hit_tokens = self.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit_tokens, num_tokens)
+        required = cdiv(num_hit_tokens + num_new, self.block_size) - len(hit_blocks)
+        return max(required, 0) + sum(1 for b in hit_blocks if b.ref_cnt == 0)
+
+    def num_blocks_freed_by(self, request: Request) -> int:
+        """Blocks that freeing ``request`` returns to the free queue (those no other request
+        holds)."""
+        return sum(1 for b in self.req_to_blocks.get(request.request_id, ()) if b.ref_cnt == 1)
+
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks in the request's block table (0 when it has none)."""
         return len(self.req_to_blocks.get(request_id, ()))

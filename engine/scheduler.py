@@ -15,13 +15,23 @@ capacity"; start-time fair queuing, Goyal et al. 1996):
 - A tenant alone gets the whole budget, in exactly the order of plain FCFS.
 - A tenant that was idle starts level with the least-served active tenant (it cannot bank
   credit), and no tenant lags more than one step's budget behind the most-served one.
-- A waiting request that does not fit (no free blocks) stops admission for this step: nothing
+- The pool is shared by weight too (``PoolView``): each tenant with unfinished requests has a
+  share of the KV blocks, ``num_blocks * weight / sum of weights``. A waiting request whose
+  whole prompt keeps its tenant within that share is admitted on any free block and, when there
+  are too few, preempts requests of tenants over their share (``_share_victims``), never leaving
+  such a tenant under its share. A request beyond its share takes only free blocks that no
+  tenant within its share claims for a prompt this step admits (work conserving, yet a victim
+  is not readmitted onto the blocks it gave up: no thrash), and when it does not fit it is passed
+  over, with its tenant's later requests: a tenant over its share waits, it is not a wall.
+- A waiting request within its share that does not fit stops admission for this step: nothing
   jumps ahead of it, so a large request cannot be starved by a stream of small ones.
 - When a running request cannot get a block, a victim is preempted from the tenant holding the
   most KV blocks per unit of weight (its most recently admitted request): its blocks are freed
   and it goes back to the head of the waiting queue. A preempted request is admitted again before
-  any fresh request (it already waited). Recompute is never a cache hit.
-- One step with a preemption admits nothing new.
+  any fresh request (it already waited) unless the pool's share rule above passes it over.
+  Recompute is never a cache hit.
+- One step with a preemption admits nothing new beyond a tenant's share.
+- With one tenant, or ``policy="fcfs"``, the pool has no shares: exactly vLLM's admission.
 - A step is never empty while requests run: when the waiting requests' plans took the whole
   budget and none of them fits, the oldest running request grows (preempting if need be).
 - Stall-free batching between tenants (Sarathi-Serve, Agrawal et al. 2024, applied across
@@ -53,7 +63,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.faults import fire
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.stats import SchedulerStats
 
@@ -63,6 +73,35 @@ TenantId = str | None
 
 # Largest slice of the token budget handed to one tenant at a time when several compete.
 DEFAULT_FAIR_QUANTUM_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The pool as shared by weight, at one moment (``Scheduler._pool_view``).
+
+    A tenant's share is ``num_blocks * weight / (sum of the weights of tenants with unfinished
+    requests)``, as the cache's share in ``engine.block_pool``. Its claim: the blocks a tenant
+    under its share still needs, up to its share, for its running requests' prompts and for
+    each waiting prompt planned this step (it has a seat) that fits in its share by itself.
+
+    Attributes:
+        held: tenant -> blocks in the block tables of its running and loading requests.
+        share: tenant -> its share of the pool (blocks, fractional).
+        claim: tenant under its share -> blocks it claims (> 0).
+        num_free: free blocks (cached ones included: evictable).
+        block_size: tokens per block.
+    """
+
+    held: Counter[TenantId]
+    share: dict[TenantId, float]
+    claim: dict[TenantId, int]
+    num_free: int
+    block_size: int
+
+    def within(self, req: Request) -> bool:
+        """Whether ``req``'s tenant stays within its share with all of ``req``'s prompt."""
+        t = req.tenant_id
+        return self.held[t] + cdiv(req.num_tokens, self.block_size) <= self.share[t]
 
 
 @dataclass(frozen=True)
@@ -84,6 +123,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
+    # of those, the ones preempted to admit a tenant within its share of the pool
+    share_preempted_ids: tuple[str, ...] = ()
     capped: bool = False  # the stall-free cap limited this step's budget
 
     @property
@@ -305,21 +346,47 @@ class Scheduler:
             if num_new > 0:
                 grow(req, num_new)
 
-        # Phase 3: admissions in plan order (preempted requests first), none after a preemption.
-        for rid, share in list(plan.items()):
-            if preempted:
-                break
-            planned_left -= share
+        # Phase 3: admissions in plan order (preempted requests first). Several tenants under
+        # "fair": the pool is shared by weight too (``_admit_fair``); a tenant beyond its share
+        # that does not fit is passed over, not a wall for the tenants after it. Otherwise none
+        # after a preemption, and the first request that does not fit stops admission.
+        fair_pool = self.policy == "fair" and len(self.weights) > 1
+        planned_waiting = [rid for rid in plan if self.requests[rid].status != RequestStatus.RUNNING]
+        passed: set[TenantId] = set()  # beyond their share and not admitted: FCFS within them
+        share_preempted: list[Request] = []
+        for rid, planned in list(plan.items()):
+            planned_left -= planned
             req = self.requests[rid]
+            if req.tenant_id in passed:
+                continue
+            if preempted and not fair_pool:
+                break
+            view = self._pool_view(planned_waiting) if fair_pool else None
+            within = view is not None and view.within(req)
             try:
-                if self.kv.offloader is not None and not req.kv_load_tried \
+                if preempted and not within:
+                    num_new = 0
+                elif self.kv.offloader is not None and not req.kv_load_tried \
                         and self._start_load(req):
                     continue  # its plan is left for the requests after it
-                num_new = self._admit(req, budget - planned_left - used)
+                elif view is None:
+                    num_new = self._admit(req, budget - planned_left - used)
+                else:
+                    first = len(preempted)
+                    num_new = self._admit_fair(req, budget - planned_left - used, view,
+                                               within, preempted)
+                    share_preempted += preempted[first:]
+                    for victim in preempted[first:]:  # their grants go back to the budget
+                        n = granted.pop(victim.request_id, 0)
+                        used -= n
+                        self._charge(victim.tenant_id, -n)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
                 continue
             if num_new == 0:
+                if fair_pool and not within:
+                    passed.add(req.tenant_id)
+                    continue
                 break  # FCFS across the pool: nothing jumps ahead of a request that waits
             granted[rid] = num_new
             used += num_new
@@ -361,6 +428,7 @@ class Scheduler:
             for rid, n in granted.items())
         self.kv.release_pins()
         return SchedulerOutput(scheduled, tuple(r.request_id for r in preempted),
+                               tuple(r.request_id for r in share_preempted),
                                capped=budget < self.max_num_batched_tokens)
 
     def _step_budget(self) -> tuple[int, set[TenantId]]:
@@ -546,6 +614,89 @@ class Scheduler:
         else:  # re-admission after preemption: recompute, never a hit
             self.stats.record_recompute(req.tenant_id, req.num_tokens - num_hit_tokens)
         return num_new
+
+    # -- the pool's fair share (policy "fair", several tenants) -----------------------------
+    def _pool_view(self, planned: Iterable[str] = ()) -> PoolView:
+        """Each tenant's blocks held, share of the pool and claim on it, now (``PoolView``);
+        waiting requests claim only when ``planned`` (ids) this step."""
+        planned = set(planned)
+        bs = self.kv.block_size
+        held: Counter[TenantId] = Counter()
+        want: Counter[TenantId] = Counter()  # held, and what its claims would add
+        for r in (*self.running, *self.loading.values()):
+            n = self.kv.num_blocks_of(r.request_id)
+            held[r.tenant_id] += n
+            want[r.tenant_id] += max(cdiv(r.num_tokens, bs), n)
+        total = sum(self.weights.values())
+        num_blocks = self.kv.block_pool.num_blocks
+        share = {t: num_blocks * w / total for t, w in self.weights.items()}
+        for r in self.waiting:  # only a prompt its tenant's share holds is claimed (two
+            if r.request_id not in planned:  # tenants beyond theirs never block each other),
+                continue                     # and only one this step admits (has a seat)
+            n = cdiv(r.num_tokens, bs)
+            if held[r.tenant_id] + n <= share[r.tenant_id]:
+                want[r.tenant_id] += n
+        # (whole blocks: a share of 2.5 blocks holds 2)
+        claim = {t: int(min(s, want[t])) - held[t] for t, s in share.items()
+                 if held[t] < int(min(s, want[t]))}
+        return PoolView(held, share, claim, self.kv.block_pool.get_num_free_blocks(), bs)
+
+    def _admit_fair(self, req: Request, room: int, view: PoolView, within: bool,
+                    preempted: list[Request]) -> int:
+        """Admits waiting ``req`` as ``_admit`` does, with the pool shared by weight.
+
+        Within its share (``PoolView.within``), ``req`` takes any free block and, when they
+        do not suffice, preempts requests of tenants over their share (``_share_victims``).
+        Beyond it, ``req`` takes only free blocks no tenant under its share claims: work
+        conserving, yet a victim is not re-admitted onto the blocks it was preempted for
+        (no thrash). Returns the tokens granted, or 0 (nothing changed).
+        """
+        required = self.kv.num_blocks_to_admit(req, room)
+        if not within:
+            spare = view.num_free - sum(c for t, c in view.claim.items() if t != req.tenant_id)
+            return self._admit(req, room) if required <= spare else 0
+        if required <= view.num_free:
+            return self._admit(req, room)
+        victims = self._share_victims(req, view, required - view.num_free)
+        if victims is None:
+            return 0
+        for v in victims:
+            self._preempt(v)
+            self.stats.num_share_preemptions += 1
+            preempted.append(v)
+        return self._admit(req, room)
+
+    def _share_victims(self, req: Request, view: PoolView, short: int) -> list[Request] | None:
+        """Running requests whose preemption frees ``short`` more blocks for ``req``: each from
+        the tenant most over its share per unit of weight, and only while that tenant keeps
+        at least its share without it (so a victim's tenant is never left under its share:
+        its requests cannot preempt back, and a tenant's only request, however large, is not
+        preempted for a share); within a tenant, the request preempted least often, then the
+        one with the fewest computed tokens (the least recompute), then the latest admitted.
+        None when they cannot free enough (then nobody is preempted)."""
+        held = Counter(view.held)
+        theirs: dict[TenantId, list[Request]] = {}
+        for r in reversed(self.running):  # latest admitted first among equals (stable sort)
+            if r.tenant_id != req.tenant_id:
+                theirs.setdefault(r.tenant_id, []).append(r)
+        for rs in theirs.values():  # first = next to go
+            rs.sort(key=lambda r: (r.num_preemptions, r.num_computed_tokens))
+        victims: list[Request] = []
+        while short > 0:
+            best: tuple[float, Request] | None = None
+            for t, rs in theirs.items():
+                r = next((r for r in rs if held[t] - self.kv.num_blocks_of(r.request_id)
+                          >= view.share[t]), None)
+                if r is not None and (best is None or held[t] / self.weights[t] > best[0]):
+                    best = (held[t] / self.weights[t], r)
+            if best is None:
+                return None
+            victim = best[1]
+            theirs[victim.tenant_id].remove(victim)
+            victims.append(victim)
+            held[victim.tenant_id] -= self.kv.num_blocks_of(victim.request_id)
+            short -= self.kv.num_blocks_freed_by(victim)
+        return victims
 
     def _fail_in_step(self, req: Request, error: Exception) -> None:
         """Fails ``req`` after a fault in its own scheduling (e.g. its block allocation)."""

@@ -101,6 +101,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0      # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0         # of those, tokens served from the cache
     num_preemptions: int = 0           # requests preempted (count)
+    num_share_preemptions: int = 0     # of those, preempted to admit a tenant under its share
     num_recomputed_tokens: int = 0     # tokens recomputed after preemption
     per_tenant_queries: dict[TenantId, int] = field(default_factory=dict)
     per_tenant_hits: dict[TenantId, int] = field(default_factory=dict)
@@ -257,6 +258,7 @@ class EngineStatsSnapshot:
     tenants: Mapping[TenantId, TenantStats]
     over_share_evictions: int = 0
     offload: OffloadSnapshot | None = None  # the offload tiers, when there are any
+    num_share_preemptions: int = 0  # of num_preemptions, for a tenant within its pool share
 
     @property
     def hit_rate(self) -> float | None:

@@ -66,6 +66,7 @@ def take_snapshot(scheduler: Scheduler) -> EngineStatsSnapshot:
         num_requests_running=len(scheduler.running),
         num_requests_waiting=len(scheduler.waiting) + len(scheduler.loading),
         num_preemptions=sstats.num_preemptions,
+        num_share_preemptions=sstats.num_share_preemptions,
         prefix_cache_queries=sstats.prefix_cache_queries,
         prefix_cache_hits=sstats.prefix_cache_hits,
         prefix_cache_recomputed_tokens=sstats.num_recomputed_tokens,

@@ -61,6 +61,8 @@ def step(sched: Scheduler, token: int | Callable[[Request], int] = 1000,
     cached_before = _cached_pairs(sched)
     out = sched.schedule()
     check(sched)
+    for s in out.scheduled:  # a request preempted in its own step is not scheduled
+        assert s.request.status == RequestStatus.RUNNING, f"{s.request} scheduled, not running"
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert all(s.num_new_tokens > 0 for s in out.scheduled), "0-token row"
     sampled = {s.request.request_id: (token(s.request) if callable(token) else token)

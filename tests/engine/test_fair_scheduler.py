@@ -323,21 +323,21 @@ def test_preempted_request_is_readmitted_before_other_tenants_earlier_and_later(
     assert sched.vtime == {"A": 41.0, "C": 16.0, "D": 16.0}
     assert pool.free_block_queue.block_ids() == [2, 1, 0, 3]
 
-    # b1 finished: 4 blocks free. a1 (2 hits + 1 new) comes back first, although C and D are
-    # less served; c1 then needs 2 blocks, 1 is left: admission stops (d1 does not jump it).
+    # b1 finished: 4 blocks free, each tenant's share 4/3 blocks. a1 (2 hits + 1 new) comes
+    # back first, although C and D are less served: only D's 1 block is claimed (a prompt
+    # within its share), so 3 are left to A beyond its share. c1 (2 blocks, beyond C's share)
+    # finds the last block claimed and is passed over; d1, within D's share, takes it.
     out, rows = step(sched)
-    assert rows == [("a1", 32, 10, True)]
+    assert rows == [("a1", 32, 10, True), ("d1", 0, 10, True)]
     assert out.scheduled[0].block_ids == (0, 1, 2)
-    assert c1.status == RequestStatus.WAITING and d1.status == RequestStatus.WAITING
-    out, rows = step(sched)
-    assert rows == [("a1", 42, 1, True)]
-    assert c1.status == RequestStatus.WAITING and d1.status == RequestStatus.WAITING
-    # a1 keeps running until it is done (6 tokens); c1 before d1 (equal vtime, queue order).
-    for start in range(43, 45):
+    assert c1.status == RequestStatus.WAITING and d1.status == RequestStatus.FINISHED_LENGTH
+    # a1 keeps running until it is done (6 tokens); then c1.
+    for start in range(42, 45):
         assert step(sched)[1] == [("a1", start, 1, True)]
+        assert c1.status == RequestStatus.WAITING
     assert a1.status == RequestStatus.FINISHED_LENGTH and a1.num_output_tokens == 6
     out, rows = step(sched)
-    assert rows == [("c1", 0, 20, True), ("d1", 0, 10, True)]
+    assert rows == [("c1", 0, 20, True)]
     run_to_idle(sched)
 
 
@@ -358,12 +358,15 @@ def test_preempted_request_with_a_running_sibling_keeps_its_priority() -> None:
     assert b1.status == RequestStatus.FINISHED_LENGTH
     assert [r.request_id for r in sched.waiting] == ["a2", "c1"]
     assert sched.vtime == {"A": 33.0, "C": 30.0}
-    # 4 blocks free: a2 (1 hit + 1 new) must come back before the fresh c1 (3 blocks), which
-    # then no longer fits. Planned first (C is less served), c1 would take the blocks: rows
-    # [a1, ("c1", 0, 40, True)], and a2 would wait another step.
+    # 4 blocks free, shares of 3 blocks each. a2 is planned first (preempted), but with a1's 2
+    # blocks its 2 would put A beyond its share, and C claims 3 of the 4 for c1, a prompt
+    # within its share: c1 goes first (the pool's share outranks a preempted request's place),
+    # and a2 comes back on the blocks c1 leaves, recomputing its 17 tokens.
     out, rows = step(sched)
-    assert rows == [("a1", 17, 1, True), ("a2", 16, 1, True)]
-    assert c1.status == RequestStatus.WAITING
+    assert rows == [("a1", 17, 1, True), ("c1", 0, 40, True)]
+    assert a2.status == RequestStatus.PREEMPTED and c1.status == RequestStatus.FINISHED_LENGTH
+    out, rows = step(sched)
+    assert rows == [("a1", 18, 1, True), ("a2", 0, 17, True)]
 
 
 def test_preempted_twice_counts_both() -> None:

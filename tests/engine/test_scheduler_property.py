@@ -7,8 +7,11 @@ Every step of every generated run is checked against rules that hold whatever th
 - work conservation: budget is left over only when no running request could take one more token
   (it is done, or its blocks and the free blocks are full);
 - progress: a step with running requests computes tokens or preempts;
-- admission: nothing is admitted in a step with a preemption, a preempted request is admitted
-  before any fresh one, and within a tenant fresh requests are admitted in arrival order;
+- admission: within a tenant fresh requests are admitted in arrival order; with one tenant (or
+  ``fcfs``) nothing is admitted in a step with a preemption and a preempted request is admitted
+  before any fresh one; with several under ``fair``, a request admitted in a step with a
+  preemption kept its tenant within its share of the pool (``PoolView``), and a tenant whose
+  request was preempted for a share keeps at least its share;
 - accounting: each tenant's virtual time moves by exactly its tokens this step divided by its
   weight (after the bounded-lag clamp of ``Scheduler._plan``);
 - faults (``engine.faults``): a fault in one request's block allocation or stop checks fails that
@@ -74,6 +77,8 @@ def checked_step(sched: Scheduler) -> tuple[Rows, tuple[str, ...]]:
     waiting = list(sched.waiting)
     was_preempted = {r.request_id for r in waiting if r.status == RequestStatus.PREEMPTED}
     running = {r.request_id for r in sched.running}
+    shared = sched.policy == "fair" and len(sched.weights) > 1
+    share = sched._pool_view().share if shared else {}
 
     out = sched.schedule()
 
@@ -101,11 +106,26 @@ def checked_step(sched: Scheduler) -> tuple[Rows, tuple[str, ...]]:
     failed = {r.request_id for r, _ in sched.failed}
     now_running = {r.request_id for r in sched.running}
     admitted = [r for r in waiting if r.request_id in now_running]
-    if out.preempted_ids:
-        assert admitted == [], "admitted in a step with a preemption"
     fresh = [r for r in admitted if r.request_id not in was_preempted]
-    if fresh:
-        assert was_preempted - failed <= now_running, "a fresh request admitted before a preempted one"
+    held: dict = {}
+    for r in sched.running:
+        held[r.tenant_id] = held.get(r.tenant_id, 0) + sched.kv.num_blocks_of(r.request_id)
+    if not shared:
+        assert not out.share_preempted_ids
+        if out.preempted_ids:
+            assert admitted == [], "admitted in a step with a preemption"
+        if fresh:
+            assert was_preempted - failed <= now_running, \
+                "a fresh request admitted before a preempted one"
+    elif not failed:
+        assert set(out.share_preempted_ids) <= set(out.preempted_ids)
+        if out.preempted_ids:
+            for r in admitted:  # (its own prompt counted whole: at least what it holds)
+                mine = sum(-(-q.num_tokens // BS) for q in admitted if q.tenant_id == r.tenant_id)
+                assert mine <= share[r.tenant_id] + 1e-9, "admitted beyond its share after a preemption"
+        for rid in out.share_preempted_ids:
+            t = sched.requests[rid].tenant_id
+            assert held.get(t, 0) >= share[t] - 1e-9, "a share victim's tenant left under its share"
     for t in {r.tenant_id for r in fresh}:
         queue = [r for r in waiting if r.tenant_id == t
                  and r.request_id not in was_preempted | failed]
