@@ -337,6 +337,8 @@ class KVOffloader:
         stops at the first block no tier gives, which is counted)."""
         start = time.perf_counter()
         self.tenants.add(job.tenant)
+        for tier in self.tiers:
+            tier.prefetch(job.hashes)
         for block_hash, block_id in zip(job.hashes, job.block_ids, strict=True):
             data = self._read(block_hash, job.salt, job.generation)
             if data is None:

@@ -340,6 +340,9 @@ class RedisStore:
         self._remember(key, True)
         return True
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        pass  # each get is one round trip; the loader reads blocks in order
+
     def get(self, key: bytes) -> bytes | None:
         self._run_pending_deletes()
         done = self._call("touch", key.hex(), pipe=(("get", self._prefix + "b:" + key.hex()),))

@@ -102,6 +102,11 @@ class OffloadTier(Protocol):
         """The blob under ``key`` (now the most recently used), or None."""
         ...
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """A hint that ``get`` follows for ``keys``, in order: start the reads (a no-op where
+        a read does not wait on a device)."""
+        ...
+
     def delete(self, key: bytes) -> None: ...
 
     def set_share(self, owner: str, weight: int, min_fraction: float | None = None,

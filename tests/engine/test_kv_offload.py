@@ -81,6 +81,74 @@ def test_files_are_private_grouped_by_a_keyed_tag_and_found_again_with_their_own
     assert again.delete_owner("tenant-a") == 1 and not path.exists() and H2 in again
 
 
+def _direct_works(path) -> bool:
+    """Whether the file system under ``path`` takes O_DIRECT opens."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 100_003])
+def test_a_blob_written_past_the_page_cache_reads_back_whole_and_exact(tmp_path, size):
+    if not _direct_works(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    store = DiskStore(tmp_path, 1 << 20, owner_key=os.urandom(32))
+    blob = os.urandom(size)
+    assert store.put(H1, blob, "t") and store._direct  # padded to 4 KiB, then cut to size
+    path = tmp_path / store.tag("t") / (H1.hex() + ".kv")
+    assert path.stat().st_size == size and store.get(H1) == blob
+    assert store.put(H2, blob[::-1], "t") and store.get(H2) == blob[::-1]  # buffer reused
+    assert DiskStore(tmp_path, 1 << 20, owner_key=store._tag_key).get(H1) == blob
+
+
+def test_a_file_system_without_o_direct_falls_back_to_the_page_cache(tmp_path, monkeypatch,
+                                                                    caplog):
+    direct = getattr(os, "O_DIRECT", 0)
+    real = os.open
+    refused = []
+
+    def open_(path, flags, mode=0o777):
+        if direct and flags & direct:  # as tmpfs on older kernels, and other file systems do
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, mode)
+
+    monkeypatch.setattr("engine.kv_offload.disk.os.open", open_)
+    store = DiskStore(tmp_path, 1 << 20, owner_key=os.urandom(32))
+    with caplog.at_level(logging.INFO, "engine.kv_offload.disk"):
+        assert store.put(H1, b"a" * 5000, "t") and store.put(H2, b"b" * 7, "t")
+    assert not store._direct and store.write_errors == 0 and len(refused) == bool(direct)
+    assert store.get(H1) == b"a" * 5000 and store.get(H2) == b"b" * 7
+    assert sum("O_DIRECT" in r.getMessage() for r in caplog.records) == bool(direct)
+
+
+def test_prefetch_asks_the_kernel_for_the_files_it_holds_only(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, 1 << 20, owner_key=os.urandom(32))
+    store.put(H1, b"x" * 10, "t")
+    store.put(H2, b"y" * 10, "u")
+    hinted = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        hinted.append((os.readlink(f"/proc/self/fd/{fd}"), advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr("engine.kv_offload.disk.os.posix_fadvise", fadvise)
+    store.prefetch([H2, bytes(32), H1])
+    assert hinted == [(str(tmp_path / store.tag("u") / (H2.hex() + ".kv")),
+                       os.POSIX_FADV_WILLNEED),
+                      (str(tmp_path / store.tag("t") / (H1.hex() + ".kv")),
+                       os.POSIX_FADV_WILLNEED)]
+    assert store.get(H1) == b"x" * 10 and store.get(H2) == b"y" * 10
+
+
 def test_without_a_deployment_key_the_tier_keeps_its_own(tmp_path):
     store = DiskStore(tmp_path, 1_000)
     key_file = tmp_path / "owner.key"
