@@ -38,6 +38,12 @@ MAX_ROWS = 32
 # model's shapes with AVX-512, still faster limited to AVX2, and prefill gains about 1.5x in the
 # engine (docs/benchmarks.md). Sums differ from MKL's at fp32 rounding (about 1e-6 relative);
 # the HF parity tests hold. Callers pass ``onednn`` (``KernelPolicy.onednn_large_m``).
+# oneDNN (and torch's ideep layer above it) caches a GEMM primitive per input shape, up to 1,024
+# of each, at 0.5-0.8 MiB apiece: a server whose prefill chunks take every row count from 33
+# to 2,048 grew by hundreds of MiB, and a new shape costs about 2 ms to create. So the rows go
+# up to a multiple of ONEDNN_ROW_BUCKET (zero rows, sliced off the output): at most 2,048 / 64
+# shapes per weight, all cached after warm-up, for at most 63 rows of extra GEMM work.
+ONEDNN_ROW_BUCKET = 64
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -51,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            onednn: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the kernel where ``usable``; above ``MAX_ROWS`` fp32
     rows on CPU through oneDNN's GEMM (``onednn``, once the kernels are loaded: with
-    ``SALTSERVE_CPU_KERNELS=0`` every call is ``F.linear``); else ``F.linear``.
+    ``SALTSERVE_CPU_KERNELS=0`` every call is ``F.linear``), its rows padded to a multiple of
+    ``ONEDNN_ROW_BUCKET``; else ``F.linear``.
 
     Args:
         x: [num_tokens, in_features] activations.
@@ -67,7 +74,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dim() == 2 and x.shape[0] > MAX_ROWS and x.device.type == "cpu"
             and x.dtype == torch.float32 and not x.requires_grad
             and large_m_onednn(weight, onednn)):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        m = x.shape[0]
+        rows = -(-m // ONEDNN_ROW_BUCKET) * ONEDNN_ROW_BUCKET
+        if rows != m:
+            x = F.pad(x, (0, 0, 0, rows - m))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:m]
     return F.linear(x, weight, bias)
 
 

@@ -78,10 +78,18 @@ def test_linear_dispatches_small_fp32_batches_and_falls_back_otherwise():
         assert torch.equal(cpu_linear.linear(x, weight), F.linear(x, weight))
     # Above MAX_ROWS fp32 rows: oneDNN's GEMM (faster than MKL's sgemm on AMD), equal to
     # F.linear to fp32 rounding; switched off, F.linear itself.
+    # Its rows go up to a multiple of ONEDNN_ROW_BUCKET with zeros (a bounded set of shapes for
+    # oneDNN's per-shape caches), sliced off the output.
     assert not cpu_linear.usable(big, w)
-    onednn = torch.ops.mkldnn._linear_pointwise(big, w, b, "none", [], "")
-    assert torch.equal(cpu_linear.linear(big, w, b), onednn)
+    padded = torch.cat([big, big.new_zeros(cpu_linear.ONEDNN_ROW_BUCKET - len(big), 96)])
+    onednn = torch.ops.mkldnn._linear_pointwise(padded, w, b, "none", [], "")[:len(big)]
+    got = cpu_linear.linear(big, w, b)
+    assert got.shape == (len(big), w.shape[0]) and got.is_contiguous()
+    assert torch.equal(got, onednn)
     torch.testing.assert_close(onednn, F.linear(big, w, b), rtol=1e-5, atol=1e-5)
+    exact = torch.randn(2 * cpu_linear.ONEDNN_ROW_BUCKET, 96, generator=gen)  # no padding
+    assert torch.equal(cpu_linear.linear(exact, w, b),
+                       torch.ops.mkldnn._linear_pointwise(exact, w, b, "none", [], ""))
     assert torch.equal(cpu_linear.linear(big, w, b, onednn=False), F.linear(big, w, b))
 
 
