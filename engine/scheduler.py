@@ -354,6 +354,7 @@ class Scheduler:
         planned_waiting = [rid for rid in plan if self.requests[rid].status != RequestStatus.RUNNING]
         passed: set[TenantId] = set()  # beyond their share and not admitted: FCFS within them
         share_preempted: list[Request] = []
+        view: PoolView | None = None  # computed when first needed, again after a change
         for rid, planned in list(plan.items()):
             planned_left -= planned
             req = self.requests[rid]
@@ -361,13 +362,15 @@ class Scheduler:
                 continue
             if preempted and not fair_pool:
                 break
-            view = self._pool_view(planned_waiting) if fair_pool else None
+            if fair_pool and view is None:
+                view = self._pool_view(planned_waiting)
             within = view is not None and view.within(req)
             try:
                 if preempted and not within:
                     num_new = 0
                 elif self.kv.offloader is not None and not req.kv_load_tried \
                         and self._start_load(req):
+                    view = None
                     continue  # its plan is left for the requests after it
                 elif view is None:
                     num_new = self._admit(req, budget - planned_left - used)
@@ -376,12 +379,15 @@ class Scheduler:
                     num_new = self._admit_fair(req, budget - planned_left - used, view,
                                                within, preempted)
                     share_preempted += preempted[first:]
+                    if len(preempted) > first:
+                        view = None
                     for victim in preempted[first:]:  # their grants go back to the budget
                         n = granted.pop(victim.request_id, 0)
                         used -= n
                         self._charge(victim.tenant_id, -n)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
+                view = None
                 continue
             if num_new == 0:
                 if fair_pool and not within:
@@ -391,6 +397,7 @@ class Scheduler:
             granted[rid] = num_new
             used += num_new
             self._charge(req.tenant_id, num_new)
+            view = None
 
         # Progress: the plans of waiting requests that cannot be admitted (no free blocks) may
         # hold the whole budget while every running request needs a new block; rather than an
