@@ -390,6 +390,7 @@ class DiskStore(FairBudget):
             if buf is None or len(buf) < size:  # one per writing thread, reused
                 buf = self._local.buf = mmap.mmap(-1, size)  # page-aligned
             buf[:len(blob)] = blob
+            buf[len(blob):size] = bytes(size - len(blob))  # no earlier blob's bytes in the pad
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
             except OSError as e:

@@ -105,6 +105,10 @@ def test_a_blob_written_past_the_page_cache_reads_back_whole_and_exact(tmp_path,
     path = tmp_path / store.tag("t") / (H1.hex() + ".kv")
     assert path.stat().st_size == size and store.get(H1) == blob
     assert store.put(H2, blob[::-1], "t") and store.get(H2) == blob[::-1]  # buffer reused
+    # a larger blob first, then this one: the pad holds zeros, not the earlier blob's bytes
+    assert store.put(b"\x03" * 32, b"\xff" * (size + 8192), "u") and store.put(b"\x04" * 32, blob, "t")
+    pad = -(-size // 4096) * 4096
+    assert store._local.buf[size:pad] == bytes(pad - size)
     assert DiskStore(tmp_path, 1 << 20, owner_key=store._tag_key).get(H1) == blob
 
 
