@@ -315,6 +315,15 @@ class Scheduler:
         used = 0  # sum of granted
         preempted: list[Request] = []
 
+        def refund(reqs: Iterable[Request]) -> None:
+            """Tokens granted to ``reqs`` this step go back to the budget (a plan not yet
+            used stays reserved: phase 4 may use it, without preempting)."""
+            nonlocal used
+            for r in reqs:
+                n = granted.pop(r.request_id, 0)
+                used -= n
+                self._charge(r.tenant_id, -n)
+
         def grow(req: Request, num_new: int) -> None:
             """Running ``req`` computes ``num_new`` tokens this step, preempting while the
             pool is short (``req`` itself may be the victim, or fail)."""
@@ -327,10 +336,7 @@ class Scheduler:
                 self._fail_in_step(req, e)
                 fits, gone = False, [*victims, req]
             preempted.extend(victims)
-            for r in gone:  # tokens granted to them this step go back to the budget (a plan
-                n = granted.pop(r.request_id, 0)  # not yet used stays reserved: phase 4 may
-                used -= n                         # use it, without preempting)
-                self._charge(r.tenant_id, -n)
+            refund(gone)
             if fits:
                 granted[req.request_id] = num_new
                 used += num_new
@@ -351,7 +357,7 @@ class Scheduler:
         # that does not fit is passed over, not a wall for the tenants after it. Otherwise none
         # after a preemption, and the first request that does not fit stops admission.
         fair_pool = self.policy == "fair" and len(self.weights) > 1
-        planned_waiting = [rid for rid in plan if self.requests[rid].status != RequestStatus.RUNNING]
+        planned_waiting = set(plan)  # (phase 2 took the running requests' plans)
         passed: set[TenantId] = set()  # beyond their share and not admitted: FCFS within them
         share_preempted: list[Request] = []
         view: PoolView | None = None  # computed when first needed, again after a change
@@ -381,10 +387,7 @@ class Scheduler:
                     share_preempted += preempted[first:]
                     if len(preempted) > first:
                         view = None
-                    for victim in preempted[first:]:  # their grants go back to the budget
-                        n = granted.pop(victim.request_id, 0)
-                        used -= n
-                        self._charge(victim.tenant_id, -n)
+                    refund(preempted[first:])
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
                 view = None
@@ -421,8 +424,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, done + more)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_in_step(req, e)
-                used -= granted.pop(req.request_id, 0)
-                self._charge(req.tenant_id, -done)
+                refund([req])
                 continue
             assert blocks is not None, "a top-up within the free slots must fit"
             granted[req.request_id] = done + more
@@ -623,10 +625,9 @@ class Scheduler:
         return num_new
 
     # -- the pool's fair share (policy "fair", several tenants) -----------------------------
-    def _pool_view(self, planned: Iterable[str] = ()) -> PoolView:
+    def _pool_view(self, planned: set[str] | frozenset[str] = frozenset()) -> PoolView:
         """Each tenant's blocks held, share of the pool and claim on it, now (``PoolView``);
         waiting requests claim only when ``planned`` (ids) this step."""
-        planned = set(planned)
         bs = self.kv.block_size
         held: Counter[TenantId] = Counter()
         want: Counter[TenantId] = Counter()  # held, and what its claims would add

@@ -380,9 +380,9 @@ class DiskStore(FairBudget):
 
     def _write_file(self, path: Path, blob: bytes) -> None:
         """Writes ``blob`` to a new file at ``path`` (0600). Where the file system takes it
-        (``O_DIRECT``: Linux, not tmpfs), straight to the disk from an aligned buffer, bypassing
-        the page cache: on a 2-core machine, copying every written block into the page cache
-        cost the step about 3% of unique-prompt throughput, and a block is read back at most
+        (``O_DIRECT``: Linux, and not every file system), straight to the disk from an aligned
+        buffer, bypassing the page cache: on a 2-core machine, copying every written block into
+        the page cache cost the step about 5% of unique-prompt throughput, and a block is read back at most
         once a prompt returns (``prefetch`` then starts its reads together). Raises OSError."""
         if self._direct:
             size = -(-len(blob) // _DIRECT_ALIGN) * _DIRECT_ALIGN
